@@ -1,0 +1,44 @@
+"""jaxcomm: communication-efficient distributed training over slow networks, in JAX."""
+
+from jaxcomm.aggregate import DenseState, dense_allreduce
+from jaxcomm.codecs import (
+    Quantized,
+    SignCode,
+    TopK,
+    dequantize,
+    pack_bits,
+    payload_bytes,
+    payload_is_finite,
+    quantize,
+    sign_decode,
+    sign_encode,
+    topk_decode,
+    topk_encode,
+    topk_gather,
+    unpack_bits,
+)
+from jaxcomm.collectives import (
+    broadcast,
+    join_segments,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+    split_segments,
+    tree_all_reduce,
+)
+
+__version__ = "0.1.0"
+from jaxcomm.network import (
+    KINDS,
+    CommLog,
+    Network,
+    NetworkSchedule,
+    SimClock,
+    choose_collective,
+    collective_cost,
+    collective_time,
+    empty_log,
+    find_logs,
+    log_collective,
+    log_time,
+)

@@ -1,0 +1,590 @@
+"""Alpha-beta network model: collective costs, network schedules and communication logs.
+
+The cost of one collective over ``N`` workers is modelled as ``a * alpha + b * M * beta`` where
+``alpha`` is the one-way latency per message (seconds), ``beta = 8 / bandwidth_bps`` the time
+per byte (seconds/byte) and ``M`` the message size in bytes. Coefficients follow Table I and
+Eqs. (4a)-(4b) of "Flexible Communication for Optimal Distributed Learning over Unpredictable
+Networks" (the AR-Topk paper); ``log N`` is ``ceil(log2 N)``, the number of tree levels /
+recursive-doubling rounds. With ``N = 1`` nothing is sent and every collective costs 0.
+
+For the compressed kinds (``ag_topk``, ``art_ring``, ``art_tree``) ``M`` is the *dense* message
+size and the bandwidth term is ``b * M * c * beta`` with compression ratio ``c`` in (0, 1].
+
+Training code records what it puts on the wire in a :class:`CommLog` (jit-friendly arrays kept
+in optimizer state); the host turns it into modelled seconds with :func:`log_time` and adds them
+to a :class:`SimClock`, with the network taken from a :class:`NetworkSchedule`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import decimal
+import math
+import operator
+import re
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "COMPRESSED_KINDS",
+    "KINDS",
+    "CommLog",
+    "Network",
+    "NetworkSchedule",
+    "SimClock",
+    "choose_collective",
+    "collective_cost",
+    "collective_time",
+    "empty_log",
+    "find_logs",
+    "log_collective",
+    "log_time",
+]
+
+KINDS: tuple[str, ...] = (
+    "p2p",
+    "ps",
+    "ring_allreduce",
+    "ring_reduce_scatter",
+    "ring_allgather",
+    "tree_allreduce",
+    "broadcast",
+    "allgather",
+    "ag_topk",
+    "art_ring",
+    "art_tree",
+)
+"""Collective kinds known to the cost model; also the index order of :class:`CommLog` arrays."""
+
+COMPRESSED_KINDS: tuple[str, ...] = ("ag_topk", "art_ring", "art_tree")
+"""Kinds whose message size is the dense size ``M`` and whose cost also depends on ``ratio``."""
+
+_KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
+
+# Unit -> power of ten (scaled in decimal so that e.g. "50us" is exactly the float 5e-05).
+_LATENCY_UNITS = {"": 0, "s": 0, "ms": -3, "us": -6, "µs": -6}
+_BANDWIDTH_UNITS = {"": 0, "bps": 0, "kbps": 3, "mbps": 6, "gbps": 9}
+_QUANTITY_RE = re.compile(r"^\s*([0-9.eE+\-]+)\s*([a-zA-Zµ]*)\s*$")
+
+_INT32_MAX = 2**31 - 1
+
+
+# --------------------------------------------------------------------------- validation helpers
+
+
+def _finite(name: str, value: Any, allowed: str) -> float:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a real number, {allowed}; got {value!r}") from None
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be finite, {allowed}; got {value!r}")
+    return x
+
+
+def _int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+    try:
+        i = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}") from None
+    if i < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+    return i
+
+
+def _check_kind(kind: str) -> int:
+    if kind not in _KIND_INDEX:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
+    return _KIND_INDEX[kind]
+
+
+def _check_ratio(ratio: Any) -> float:
+    r = _finite("ratio", ratio, "in (0, 1]")
+    if not 0.0 < r <= 1.0:
+        raise ValueError(f"ratio must be in (0, 1]; got {ratio!r}")
+    return r
+
+
+def _log2_ceil(n: int) -> int:
+    """``ceil(log2 n)`` for ``n >= 1``: number of tree levels / recursive-doubling rounds."""
+    return (n - 1).bit_length()
+
+
+def _parse_quantity(text: str, units: dict[str, int], what: str) -> float:
+    m = _QUANTITY_RE.match(text)
+    allowed = "/".join(u for u in units if u) + " or no unit"
+    if m is None:
+        raise ValueError(f"cannot parse {what} {text!r}: expected a number with unit {allowed}")
+    unit = m.group(2).lower() if m.group(2) != "µs" else "µs"
+    if unit not in units:
+        raise ValueError(f"unknown {what} unit {m.group(2)!r} in {text!r}; allowed: {allowed}")
+    try:
+        value = decimal.Decimal(m.group(1)).scaleb(units[unit])
+    except decimal.InvalidOperation:
+        raise ValueError(f"cannot parse number {m.group(1)!r} in {what} {text!r}") from None
+    return float(value)
+
+
+# --------------------------------------------------------------------------------------- Network
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """A network link in the alpha-beta model.
+
+    Attributes:
+      latency_s: alpha, one-way latency per message in seconds (finite, >= 0).
+      bandwidth_bps: bandwidth in bits per second (finite, > 0).
+    """
+
+    latency_s: float
+    bandwidth_bps: float
+
+    def __post_init__(self) -> None:
+        lat = _finite("latency_s", self.latency_s, ">= 0 seconds")
+        if lat < 0:
+            raise ValueError(f"latency_s must be >= 0 seconds; got {self.latency_s!r}")
+        bw = _finite("bandwidth_bps", self.bandwidth_bps, "> 0 bits per second")
+        if bw <= 0:
+            raise ValueError(
+                f"bandwidth_bps must be > 0 bits per second; got {self.bandwidth_bps!r}"
+            )
+        object.__setattr__(self, "latency_s", lat)
+        object.__setattr__(self, "bandwidth_bps", bw)
+
+    @property
+    def beta(self) -> float:
+        """Seconds per byte, ``8 / bandwidth_bps``."""
+        return 8.0 / self.bandwidth_bps
+
+    @classmethod
+    def parse(cls, spec: str) -> Network:
+        """Parse ``"LATENCY,BANDWIDTH"``: ``"1ms,10Gbps"``, ``"50us,100Mbps"``, ``"0.001,1e9"``.
+
+        Latency units: ``s``, ``ms``, ``us`` (default seconds). Bandwidth units: ``bps``,
+        ``Kbps``, ``Mbps``, ``Gbps`` (default bits per second; units are case-insensitive).
+        """
+        if not isinstance(spec, str):
+            raise ValueError(f"network spec must be a string like '1ms,10Gbps'; got {spec!r}")
+        parts = spec.split(",")
+        if len(parts) != 2:
+            raise ValueError(
+                f"network spec must be 'LATENCY,BANDWIDTH' (e.g. '1ms,10Gbps'); got {spec!r}"
+            )
+        latency = _parse_quantity(parts[0], _LATENCY_UNITS, "latency")
+        bandwidth = _parse_quantity(parts[1], _BANDWIDTH_UNITS, "bandwidth")
+        return cls(latency_s=latency, bandwidth_bps=bandwidth)
+
+
+# ------------------------------------------------------------------------------ collective costs
+
+
+def collective_cost(kind: str, n: int) -> tuple[float, float]:
+    """Alpha-beta coefficients ``(a, b)`` of one collective of ``kind`` over ``n`` workers.
+
+    Time is ``a * alpha + b * M * beta`` (seconds) for a message of ``M`` bytes; for the
+    compressed kinds (``ag_topk``, ``art_ring``, ``art_tree``) ``M`` is the dense size and the
+    bandwidth term is ``b * M * c * beta``. ``L = ceil(log2 n)``:
+
+    ====================  ========================  ==========================
+    kind                  a                         b
+    ====================  ========================  ==========================
+    p2p                   1                         1
+    ps                    2                         2 (N-1)
+    ring_allreduce        2 (N-1)                   2 (N-1) / N
+    ring_reduce_scatter   N-1                       (N-1) / N
+    ring_allgather        N-1                       (N-1) / N
+    tree_allreduce        2 L                       2 L
+    broadcast             L                         L
+    allgather             L                         N-1   (M = bytes per worker)
+    ag_topk               L                         2 (N-1)   (values + indices)
+    art_ring              2 (N-1) + L               2 (N-1) / N + L
+    art_tree              3 L                       3 L
+    ====================  ========================  ==========================
+
+    For ``n == 1`` every kind returns ``(0.0, 0.0)``.
+    """
+    _check_kind(kind)
+    n = _int("n", n, 1)
+    if n == 1:
+        return (0.0, 0.0)
+    L = float(_log2_ceil(n))
+    nm1 = float(n - 1)
+    table = {
+        "p2p": (1.0, 1.0),
+        "ps": (2.0, 2.0 * nm1),
+        "ring_allreduce": (2.0 * nm1, 2.0 * nm1 / n),
+        "ring_reduce_scatter": (nm1, nm1 / n),
+        "ring_allgather": (nm1, nm1 / n),
+        "tree_allreduce": (2.0 * L, 2.0 * L),
+        "broadcast": (L, L),
+        "allgather": (L, nm1),
+        "ag_topk": (L, 2.0 * nm1),
+        "art_ring": (2.0 * nm1 + L, 2.0 * nm1 / n + L),
+        "art_tree": (3.0 * L, 3.0 * L),
+    }
+    return table[kind]
+
+
+def collective_time(
+    kind: str,
+    nbytes: float,
+    n: int,
+    network: Network,
+    *,
+    ratio: float = 1.0,
+    calls: int = 1,
+) -> float:
+    """Modelled seconds for ``calls`` collectives of ``kind`` whose sizes add up to ``nbytes``.
+
+    ``time = calls * a * alpha + b * nbytes * ratio * beta`` with ``(a, b) = collective_cost``.
+    For ``ag_topk`` / ``art_ring`` / ``art_tree``, ``nbytes`` is the dense size ``M`` and
+    ``ratio`` the compression ratio ``c`` in (0, 1]; for all other kinds ``ratio`` must be 1.0.
+    Note ``collective_time("ag_topk", M, ..., ratio=c)`` equals
+    ``collective_time("allgather", 2 * M * c, ...)``.
+    """
+    _check_kind(kind)
+    nbytes_f = _finite("nbytes", nbytes, ">= 0 bytes")
+    if nbytes_f < 0:
+        raise ValueError(f"nbytes must be >= 0 bytes; got {nbytes!r}")
+    n = _int("n", n, 1)
+    if not isinstance(network, Network):
+        raise ValueError(f"network must be a Network; got {network!r}")
+    r = _check_ratio(ratio)
+    if kind not in COMPRESSED_KINDS and r != 1.0:
+        raise ValueError(
+            f"ratio must be 1.0 for kind {kind!r} (only {', '.join(COMPRESSED_KINDS)} take a "
+            f"compression ratio); got {ratio!r}"
+        )
+    calls = _int("calls", calls, 1)
+    a, b = collective_cost(kind, n)
+    return calls * a * network.latency_s + b * nbytes_f * r * network.beta
+
+
+def choose_collective(nbytes: float, n: int, ratio: float, network: Network) -> str:
+    """Cheapest way to aggregate a top-k compressed gradient (the AR-Topk paper's flexible scheme).
+
+    Compares AG top-k (``collective_time("ag_topk", ...)``), ART-ring and ART-tree for dense
+    size ``nbytes`` (bytes), ``n`` workers and compression ratio ``ratio``. Returns
+    ``"allgather"`` (meaning AG top-k), ``"art_ring"`` or ``"art_tree"``; ties are broken in that
+    order.
+    """
+    candidates = (("allgather", "ag_topk"), ("art_ring", "art_ring"), ("art_tree", "art_tree"))
+    best_name, best_time = "", math.inf
+    for name, kind in candidates:
+        t = collective_time(kind, nbytes, n, network, ratio=ratio)
+        if t < best_time:
+            best_name, best_time = name, t
+    return best_name
+
+
+# ------------------------------------------------------------------------------ NetworkSchedule
+
+# Network configurations of the AR-Topk paper (Sec. "Flexible Communication", Fig. 6): each epoch
+# of a 50-epoch run (scaled 2x for 100-epoch ResNet50) has a fixed latency and bandwidth.
+# "We regard 1ms as low and 50ms as high-latency ..., while inter-node 1/beta of 25 and 1Gbps is
+# considered high and low bandwidth respectively."
+_LOW_LAT_S, _HIGH_LAT_S = 1e-3, 50e-3
+_HIGH_BW_BPS, _LOW_BW_BPS = 25e9, 1e9
+_PAPER_EPOCHS = 50
+
+
+@dataclasses.dataclass(frozen=True)
+class NetworkSchedule:
+    """Piecewise-constant network over training steps.
+
+    Attributes:
+      segments: ``((first_step, network), ...)``; ``first_step`` values are ints, strictly
+        increasing, and the first is 0. Segment ``i`` applies from its ``first_step`` up to the
+        next segment's ``first_step`` (the last one forever).
+    """
+
+    segments: tuple[tuple[int, Network], ...]
+
+    def __post_init__(self) -> None:
+        try:
+            segs = tuple((s, net) for s, net in self.segments)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"segments must be a sequence of (first_step, Network) pairs; got {self.segments!r}"
+            ) from None
+        if not segs:
+            raise ValueError("segments must hold at least one (first_step, Network) pair; got ()")
+        out = []
+        prev = -1
+        for i, (step, net) in enumerate(segs):
+            step = _int(f"segments[{i}] first_step", step, 0)
+            if i == 0 and step != 0:
+                raise ValueError(f"segments[0] first_step must be 0; got {step}")
+            if step <= prev:
+                raise ValueError(
+                    f"segments first_step must be strictly increasing; got {step} after {prev}"
+                )
+            if not isinstance(net, Network):
+                raise ValueError(f"segments[{i}] network must be a Network; got {net!r}")
+            out.append((step, net))
+            prev = step
+        object.__setattr__(self, "segments", tuple(out))
+        object.__setattr__(self, "_starts", tuple(s for s, _ in out))
+
+    def at(self, step: int) -> Network:
+        """The network in effect at training step ``step`` (int >= 0)."""
+        step = _int("step", step, 0)
+        i = bisect.bisect_right(self._starts, step) - 1  # type: ignore[attr-defined]
+        return self.segments[i][1]
+
+    @classmethod
+    def constant(cls, network: Network) -> NetworkSchedule:
+        """A schedule that is ``network`` at every step."""
+        return cls(((0, network),))
+
+    @classmethod
+    def parse(cls, spec: str) -> NetworkSchedule:
+        """Parse ``"STEP:LATENCY,BANDWIDTH;..."``, e.g. ``"0:1ms,10Gbps;100:5ms,1Gbps"``.
+
+        A single network without a step (``"1ms,10Gbps"``) gives a constant schedule.
+        """
+        if not isinstance(spec, str):
+            raise ValueError(
+                f"schedule spec must be a string like '0:1ms,10Gbps;100:5ms,1Gbps'; got {spec!r}"
+            )
+        parts = [p for p in spec.split(";") if p.strip()]
+        if len(parts) == 1 and ":" not in parts[0]:
+            return cls.constant(Network.parse(parts[0]))
+        segs = []
+        for part in parts:
+            if ":" not in part:
+                raise ValueError(
+                    f"schedule segment {part!r} must be 'STEP:LATENCY,BANDWIDTH' "
+                    f"(e.g. '100:5ms,1Gbps') in {spec!r}"
+                )
+            step_text, net_text = part.split(":", 1)
+            try:
+                step = int(step_text.strip())
+            except ValueError:
+                raise ValueError(
+                    f"schedule step {step_text.strip()!r} must be an integer >= 0 in {spec!r}"
+                ) from None
+            segs.append((step, Network.parse(net_text)))
+        if not segs:
+            raise ValueError(f"schedule spec is empty: {spec!r}")
+        return cls(tuple(segs))
+
+    @classmethod
+    def preset(cls, name: str, total_steps: int) -> NetworkSchedule:
+        """The AR-Topk paper's changing network conditions, scaled to ``total_steps`` steps.
+
+        From "Flexible Communication for Optimal Distributed Learning over Unpredictable
+        Networks" (Sec. on the MOO evaluation, Fig. 6), for a 50-epoch run (low latency 1 ms,
+        high 50 ms; high bandwidth 25 Gbps, low 1 Gbps):
+
+        * ``"c1"``: epochs 1-12 (1 ms, 25 Gbps), 13-24 (1 ms, 1 Gbps), 25-36 (50 ms, 1 Gbps),
+          37-50 (50 ms, 25 Gbps).
+
+        Epoch ``e`` boundaries map to step ``e * total_steps // 50`` (the paper scales the same
+        schedule 2x for its 100-epoch run). Configuration C2 is not provided: the paper does not
+        state its "moderate" latency/bandwidth values; build it with :meth:`parse`.
+        """
+        total_steps = _int("total_steps", total_steps, 1)
+        low_lat_high_bw = Network(_LOW_LAT_S, _HIGH_BW_BPS)
+        low_lat_low_bw = Network(_LOW_LAT_S, _LOW_BW_BPS)
+        high_lat_low_bw = Network(_HIGH_LAT_S, _LOW_BW_BPS)
+        high_lat_high_bw = Network(_HIGH_LAT_S, _HIGH_BW_BPS)
+        presets = {
+            "c1": (
+                (0, low_lat_high_bw),
+                (12, low_lat_low_bw),
+                (24, high_lat_low_bw),
+                (36, high_lat_high_bw),
+            ),
+        }
+        key = name.lower() if isinstance(name, str) else name
+        if key not in presets:
+            raise ValueError(
+                f"name must be one of {', '.join(repr(k) for k in presets)} "
+                f"(C2's moderate values are not given in the paper); got {name!r}"
+            )
+        segs: list[tuple[int, Network]] = []
+        for epoch, net in presets[key]:
+            step = epoch * total_steps // _PAPER_EPOCHS
+            if segs and segs[-1][0] == step:  # segment shorter than one step: later one wins
+                segs[-1] = (step, net)
+            else:
+                segs.append((step, net))
+        return cls(tuple(segs))
+
+
+# ------------------------------------------------------------------------------------ CommLog
+
+
+class CommLog(NamedTuple):
+    """What one training step put on the wire, per worker, as jit-friendly arrays.
+
+    Kept inside aggregator state so it flows out of a jitted step. Indexed by :data:`KINDS`.
+
+    Attributes:
+      calls: int32[len(KINDS)], number of collectives of each kind this step.
+      message_bytes: int32[len(KINDS)], sum over those calls of their message size M (bytes;
+        the dense size for compressed kinds).
+      sent_bytes: int32[], bytes this worker actually sent (measured from payload sizes).
+      ratio: float32[len(KINDS)], compression ratio c of the ag_topk/art_* kinds (1.0
+        elsewhere); with several calls it is the message-size-weighted mean, so that
+        ``message_bytes * ratio`` is the total compressed size.
+    """
+
+    calls: jax.Array
+    message_bytes: jax.Array
+    sent_bytes: jax.Array
+    ratio: jax.Array
+
+
+def empty_log() -> CommLog:
+    """A :class:`CommLog` with no collectives (zero counts and bytes, ratio 1.0)."""
+    k = len(KINDS)
+    return CommLog(
+        calls=jnp.zeros((k,), jnp.int32),
+        message_bytes=jnp.zeros((k,), jnp.int32),
+        sent_bytes=jnp.zeros((), jnp.int32),
+        ratio=jnp.ones((k,), jnp.float32),
+    )
+
+
+def _concrete_check_bytes(name: str, value: Any) -> None:
+    if isinstance(value, jax.core.Tracer):
+        return
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer number of bytes >= 0; got {value!r}")
+    arr = np.asarray(value)
+    if arr.shape != () or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name} must be an integer scalar number of bytes >= 0; got {value!r}")
+    v = int(arr)
+    if not 0 <= v <= _INT32_MAX:
+        raise ValueError(f"{name} must be in [0, 2**31 - 1] bytes (int32); got {value!r}")
+
+
+def log_collective(
+    log: CommLog,
+    kind: str,
+    message_bytes: Any,
+    sent_bytes: Any,
+    *,
+    ratio: Any = 1.0,
+    calls: int = 1,
+) -> CommLog:
+    """Record ``calls`` collectives of ``kind`` (total message size ``message_bytes`` bytes).
+
+    Pure and jit-able: ``kind`` and ``calls`` are static Python values; ``message_bytes`` and
+    ``sent_bytes`` (bytes this worker sent) are Python ints or int32 scalars, ``ratio`` a Python
+    float or float32 scalar (compression ratio c; must be 1.0 for uncompressed kinds). Concrete
+    values are validated; traced ones are taken as they are.
+    """
+    i = _check_kind(kind)
+    calls = _int("calls", calls, 1)
+    _concrete_check_bytes("message_bytes", message_bytes)
+    _concrete_check_bytes("sent_bytes", sent_bytes)
+    if not isinstance(ratio, jax.core.Tracer):
+        r = _check_ratio(np.asarray(ratio).item() if np.ndim(ratio) == 0 else ratio)
+        if kind not in COMPRESSED_KINDS and r != 1.0:
+            raise ValueError(
+                f"ratio must be 1.0 for kind {kind!r} (only {', '.join(COMPRESSED_KINDS)} take "
+                f"a compression ratio); got {ratio!r}"
+            )
+    mb = jnp.asarray(message_bytes, jnp.int32)
+    sb = jnp.asarray(sent_bytes, jnp.int32)
+    r = jnp.asarray(ratio, jnp.float32)
+    old_mb = log.message_bytes[i]
+    new_mb = old_mb + mb
+    weighted = (
+        log.ratio[i] * old_mb.astype(jnp.float32) + r * mb.astype(jnp.float32)
+    ) / jnp.maximum(new_mb.astype(jnp.float32), 1.0)
+    new_ratio = jnp.where(new_mb > 0, weighted, r)
+    return CommLog(
+        calls=log.calls.at[i].add(jnp.int32(calls)),
+        message_bytes=log.message_bytes.at[i].add(mb),
+        sent_bytes=log.sent_bytes + sb,
+        ratio=log.ratio.at[i].set(new_ratio.astype(jnp.float32)),
+    )
+
+
+def log_time(log: CommLog, n: int, network: Network) -> float:
+    """Modelled communication seconds of a step's :class:`CommLog` (host side, numpy).
+
+    Sums :func:`collective_time` over kinds with ``calls > 0`` (``calls`` repeats the alpha
+    term). Fields may be numpy or jax arrays, optionally with leading axes (e.g. one per worker);
+    then the time is computed per worker and the maximum is returned.
+    """
+    n = _int("n", n, 1)
+    k = len(KINDS)
+    calls = np.asarray(log.calls).reshape(-1, k)
+    mbytes = np.asarray(log.message_bytes).reshape(-1, k)
+    ratio = np.asarray(log.ratio, dtype=np.float64).reshape(-1, k)
+    worst = 0.0
+    for w in range(calls.shape[0]):
+        total = 0.0
+        for i, kind in enumerate(KINDS):
+            c = int(calls[w, i])
+            if c <= 0:
+                continue
+            r = float(np.clip(ratio[w, i], np.finfo(np.float32).tiny, 1.0))
+            total += collective_time(
+                kind,
+                float(mbytes[w, i]),
+                n,
+                network,
+                ratio=r if kind in COMPRESSED_KINDS else 1.0,
+                calls=c,
+            )
+        worst = max(worst, total)
+    return worst
+
+
+def find_logs(tree: Any) -> list[CommLog]:
+    """All :class:`CommLog` nodes inside a pytree (e.g. optimizer state), in leaf order."""
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, CommLog))
+    return [x for x in leaves if isinstance(x, CommLog)]
+
+
+# ------------------------------------------------------------------------------------ SimClock
+
+
+class SimClock:
+    """Simulated wall clock: per step adds measured compute and modelled communication seconds.
+
+    With ``overlap=False`` a step takes ``compute_s + comm_s``; with ``overlap=True`` it takes
+    ``max(compute_s, comm_s)`` (communication fully hidden behind compute where possible).
+    ``now`` is the simulated time in seconds.
+    """
+
+    def __init__(self, overlap: bool = False) -> None:
+        self.overlap: bool = bool(overlap)
+        self.now: float = 0.0
+
+    def tick(self, compute_s: float, comm_s: float) -> float:
+        """Advance one step of ``compute_s`` and ``comm_s`` seconds (each >= 0); return ``now``."""
+        c = _finite("compute_s", compute_s, ">= 0 seconds")
+        m = _finite("comm_s", comm_s, ">= 0 seconds")
+        if c < 0:
+            raise ValueError(f"compute_s must be >= 0 seconds; got {compute_s!r}")
+        if m < 0:
+            raise ValueError(f"comm_s must be >= 0 seconds; got {comm_s!r}")
+        self.now += max(c, m) if self.overlap else c + m
+        return self.now
+
+    def state(self) -> dict[str, Any]:
+        """Checkpointable state: ``{"now": seconds, "overlap": bool}``."""
+        return {"now": self.now, "overlap": self.overlap}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state` output."""
+        now = _finite("state['now']", state["now"], ">= 0 seconds")
+        if now < 0:
+            raise ValueError(f"state['now'] must be >= 0 seconds; got {state['now']!r}")
+        self.now = now
+        if "overlap" in state:
+            self.overlap = bool(state["overlap"])

@@ -1,0 +1,98 @@
+"""A small ResNet-style CNN classifier for small NHWC images, in ``flax.linen``.
+
+Normalisation is GroupNorm (no BatchNorm), so the model state is only the ``params`` tree.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.common import check_positive_int, check_positive_int_tuple
+
+_MAX_GROUPS = 8
+
+
+def _group_norm(channels: int, name: str) -> nn.GroupNorm:
+    return nn.GroupNorm(num_groups=math.gcd(channels, _MAX_GROUPS), name=name)
+
+
+class Stem(nn.Module):
+    """3x3 conv + GroupNorm + ReLU: f32[B, H, W, C_in] -> f32[B, H, W, channels]."""
+
+    channels: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nn.Conv(self.channels, (3, 3), padding="SAME", use_bias=False, name="conv")(x)
+        return nn.relu(_group_norm(self.channels, "norm")(x))
+
+
+class ResidualBlock(nn.Module):
+    """Two 3x3 convs with a skip: f32[B, H, W, C_in] -> f32[B, H/stride, W/stride, channels].
+
+    The skip is a 1x1 conv (with ``stride``) when the spatial size or channel count changes,
+    otherwise the identity. Output is ``relu(norm(conv(relu(norm(conv(x))))) + skip(x))``.
+    """
+
+    channels: int
+    stride: int = 1
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        strides = (self.stride, self.stride)
+        y = nn.Conv(
+            self.channels, (3, 3), strides=strides, padding="SAME", use_bias=False, name="conv_1"
+        )(x)
+        y = nn.relu(_group_norm(self.channels, "norm_1")(y))
+        y = nn.Conv(self.channels, (3, 3), padding="SAME", use_bias=False, name="conv_2")(y)
+        y = _group_norm(self.channels, "norm_2")(y)
+        skip = x
+        if self.stride != 1 or x.shape[-1] != self.channels:
+            skip = nn.Conv(self.channels, (1, 1), strides=strides, use_bias=False, name="proj")(x)
+        return nn.relu(y + skip)
+
+
+class PoolHead(nn.Module):
+    """Global average pool over H, W then Dense: f32[B, H, W, C] -> f32[B, num_classes]."""
+
+    num_classes: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return nn.Dense(self.num_classes, name="dense")(x.mean(axis=(1, 2)))
+
+
+class ResNet(nn.Module):
+    """ResNet classifier: f32[B, H, W, C] NHWC images -> f32[B, num_classes] logits.
+
+    Submodules ``stem``, ``stage{i}_block{j}`` for ``i < len(channels)``,
+    ``j < blocks_per_stage`` (stage ``i`` has ``channels[i]`` channels; its first block has
+    stride 2 when ``i > 0``), and ``head``.
+    """
+
+    channels: tuple[int, ...] = (16, 32)
+    blocks_per_stage: int = 1
+    num_classes: int = 10
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "channels", check_positive_int_tuple("ResNet", "channels", self.channels)
+        )
+        check_positive_int("ResNet", "blocks_per_stage", self.blocks_per_stage)
+        check_positive_int("ResNet", "num_classes", self.num_classes)
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if x.ndim != 4:
+            raise ValueError(f"ResNet expects NHWC images of shape [B, H, W, C], got {x.shape}")
+        h = Stem(self.channels[0], name="stem")(x.astype(jnp.float32))
+        for i, channels in enumerate(self.channels):
+            for j in range(self.blocks_per_stage):
+                stride = 2 if i > 0 and j == 0 else 1
+                h = ResidualBlock(channels, stride, name=f"stage{i}_block{j}")(h)
+        return PoolHead(self.num_classes, name="head")(h)

@@ -1,0 +1,148 @@
+"""Ring, tree and broadcast collectives against the built-in ``psum`` on 8 CPU devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+
+N = 8
+
+
+def run(mesh, fn, x, out_spec=None):
+    """Apply ``fn`` per device to the rows of ``x`` (leading axis N) and stack the results."""
+    out_spec = P("data") if out_spec is None else out_spec
+    x = jax.device_put(x, NamedSharding(mesh, P("data")))
+    f = jax.shard_map(
+        lambda v: jax.tree_util.tree_map(lambda a: a[None], fn(v[0])),
+        mesh=mesh,
+        in_specs=P("data"),
+        out_specs=out_spec,
+    )
+    return jax.jit(f)(x)
+
+
+@pytest.mark.parametrize("shape", [(1000,), (3, 5), (7,), (1,)])
+def test_ring_all_reduce_equals_psum(mesh8, shape):
+    x = jax.random.normal(jax.random.key(0), (N, *shape))
+    ring = run(mesh8, lambda v: jaxcomm.ring_all_reduce(v, "data"), x)
+    ref = run(mesh8, lambda v: jax.lax.psum(v, "data"), x)
+    np.testing.assert_allclose(np.asarray(ring), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    mean = run(mesh8, lambda v: jaxcomm.ring_all_reduce(v, "data", mean=True), x)
+    np.testing.assert_allclose(np.asarray(mean), np.asarray(ref) / N, rtol=1e-5, atol=1e-6)
+
+
+def test_tree_all_reduce_equals_psum(mesh8):
+    x = jax.random.normal(jax.random.key(1), (N, 257))
+    tree = run(mesh8, lambda v: jaxcomm.tree_all_reduce(v, "data"), x)
+    ref = run(mesh8, lambda v: jax.lax.psum(v, "data"), x)
+    np.testing.assert_allclose(np.asarray(tree), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("reduce", ["ring", "tree"])
+def test_uint8_all_reduce_exact(mesh8, reduce):
+    x = jax.random.randint(jax.random.key(2), (N, 99), 0, 256).astype(jnp.uint8)
+    fn = jaxcomm.ring_all_reduce if reduce == "ring" else jaxcomm.tree_all_reduce
+    out = np.asarray(run(mesh8, lambda v: fn(v, "data"), x))
+    expect = (np.asarray(x).astype(np.int64).sum(0) % 256).astype(np.uint8)
+    for row in out:
+        np.testing.assert_array_equal(row, expect)
+    assert out.dtype == np.uint8
+
+
+def test_ring_reduce_scatter_matches_psum_scatter(mesh8):
+    x = jax.random.normal(jax.random.key(3), (N, N, 6))
+    ring = run(mesh8, lambda v: jaxcomm.ring_reduce_scatter(v, "data"), x)
+    ref = run(mesh8, lambda v: jax.lax.psum_scatter(v, "data", tiled=False), x)
+    np.testing.assert_allclose(np.asarray(ring), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_ring_reduce_scatter_custom_combine_sees_hop_counts(mesh8):
+    """A bitwise-OR ring over packed words, and a counter of merged devices per hop."""
+    words = jax.random.randint(jax.random.key(4), (N, N, 5), 0, 256).astype(jnp.uint8)
+
+    def fn(v):
+        init = lambda seg: (seg, jnp.int32(1))
+        combine = lambda msg, seg, step: (msg[0] | seg, jnp.maximum(msg[1] + 1, step + 2))
+        return jaxcomm.ring_reduce_scatter(v, "data", combine=combine, init=init)
+
+    bits, count = run(mesh8, fn, words, out_spec=(P("data"), P("data")))
+    expect = np.bitwise_or.reduce(np.asarray(words), axis=0)  # [N segments, 5]
+    np.testing.assert_array_equal(np.asarray(bits), expect)
+    np.testing.assert_array_equal(np.asarray(count), np.full(N, N))
+
+
+def test_ring_all_gather_pytree(mesh8):
+    x = jnp.arange(N * 3, dtype=jnp.uint8).reshape(N, 3)
+    f = lambda v: jaxcomm.ring_all_gather({"a": v, "b": v.astype(jnp.float32) * 2}, "data")
+    out = run(mesh8, f, x, out_spec={"a": P("data"), "b": P("data")})
+    a, b = np.asarray(out["a"]), np.asarray(out["b"])
+    for d in range(N):
+        np.testing.assert_array_equal(a[d], np.asarray(x))
+        np.testing.assert_array_equal(b[d], np.asarray(x) * 2.0)
+
+
+@pytest.mark.parametrize("root", [0, 3, 7])
+def test_broadcast_traced_root(mesh8, root):
+    x = jax.random.normal(jax.random.key(5), (N, 11))
+    roots = jnp.full((N,), root, jnp.int32)
+
+    def fn(pair):
+        v, r = pair
+        return jaxcomm.broadcast(v, r, "data")
+
+    xs = jax.device_put(x, NamedSharding(mesh8, P("data")))
+    rs = jax.device_put(roots, NamedSharding(mesh8, P("data")))
+    f = jax.shard_map(
+        lambda v, r: fn((v[0], r[0]))[None],
+        mesh=mesh8,
+        in_specs=(P("data"), P("data")),
+        out_specs=P("data"),
+    )
+    out = np.asarray(jax.jit(f)(xs, rs))
+    for d in range(N):
+        np.testing.assert_array_equal(out[d], np.asarray(x[root]))
+
+
+def test_broadcast_root_chosen_inside_step(mesh8):
+    """The root is the device with the largest norm, known only inside the step."""
+    x = jax.random.normal(jax.random.key(6), (N, 4)) * jnp.arange(1, N + 1)[:, None] ** 0.5
+    x = x.at[5].mul(100.0)
+
+    def fn(v):
+        norms = jax.lax.all_gather(jnp.sum(v * v), "data")
+        return jaxcomm.broadcast(v, jnp.argmax(norms), "data")
+
+    out = np.asarray(run(mesh8, fn, x))
+    for d in range(N):
+        np.testing.assert_array_equal(out[d], np.asarray(x[5]))
+
+
+def test_errors_name_the_problem(mesh8):
+    x = jnp.zeros((N, 4))
+    with pytest.raises(ValueError, match="axis_name='model' is not bound"):
+        run(mesh8, lambda v: jaxcomm.ring_all_reduce(v, "model"), x)
+    with pytest.raises(ValueError, match="leading axis of size 8"):
+        run(mesh8, lambda v: jaxcomm.ring_reduce_scatter(v, "data"), x)
+    with pytest.raises(ValueError, match=r"root must be an integer in \[0, 7\], got 9"):
+        run(mesh8, lambda v: jaxcomm.broadcast(v, 9, "data"), x)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_rings_on_other_sizes(n):
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+    x = jax.random.normal(jax.random.key(n), (n, 13))
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    for fn in (jaxcomm.ring_all_reduce, jaxcomm.tree_all_reduce):
+        f = jax.shard_map(
+            lambda v, fn=fn: fn(v[0], "data")[None],
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=P("data"),
+        )
+        out = np.asarray(jax.jit(f)(xs))
+        for row in out:
+            np.testing.assert_allclose(row, np.asarray(x).sum(0), rtol=1e-5, atol=1e-5)

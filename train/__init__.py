@@ -1,0 +1,1 @@
+"""jaxcomm training programs."""

@@ -1,0 +1,61 @@
+"""Command line: ``python -m train --config configs/dp_default.yaml [--set key=value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m train", description=__doc__)
+    p.add_argument("--config", help="YAML experiment config (default: built-in defaults)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set steps=50 --set model.width=64 (repeatable)",
+    )
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, run one training job, print its summary."""
+    args = _parser().parse_args(argv)
+    from train.config import load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.no_progress:
+        cfg = load_config(args.config, [*args.overrides, "progress=false"])
+    # Simulated CPU devices must be requested before JAX initialises its backends.
+    flag = f"--xla_force_host_platform_device_count={cfg.workers}"
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    from train.trainer import Trainer
+
+    try:
+        summary = Trainer(cfg).run(resume=args.resume)
+    except (ValueError, FloatingPointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(_format_summary(summary))
+    print(f"metrics, plot and checkpoints in {cfg.run_dir}/")
+    return 0
+
+
+def _format_summary(s: dict) -> str:
+    lines = ["", "== summary =="]
+    for key, value in s.items():
+        if isinstance(value, float):
+            value = f"{value:.4g}"
+        lines.append(f"{key:>22}: {value}")
+    return "\n".join(lines) if s else json.dumps(s)

@@ -1,0 +1,179 @@
+"""Experiment configuration: one YAML file per experiment, overridable from the command line.
+
+A config is a frozen :class:`Config`. Files and ``--set key=value`` overrides may only name
+fields that exist (``model.width=64`` reaches into the ``model`` mapping); values are parsed
+as YAML and must have the field's type. Unknown keys are errors, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["Config", "load_config", "apply_overrides"]
+
+TASKS = ("gpt", "mlp", "cnn")
+DATASETS = {"gpt": ("shakespeare",), "mlp": ("digits",), "cnn": ("digits",)}
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+AGGREGATORS = ("psum", "ring", "tree")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything one training run needs.
+
+    Attributes:
+      name: run name; ``out_dir`` defaults to ``runs/<name>``.
+      task: model family, one of ``gpt``, ``mlp``, ``cnn``.
+      model: keyword arguments of the model (e.g. ``num_layers``, ``width`` for ``gpt``).
+      dataset: ``shakespeare`` (byte-level text, for ``gpt``) or ``digits`` (8x8 images).
+      workers: data-parallel workers (devices on the ``data`` mesh axis).
+      global_batch: samples per step over all workers (a multiple of ``workers``).
+      steps: optimizer steps to run (the final step count, also when resuming).
+      seed: seeds parameter init and the data order.
+      optimizer: ``sgd``, ``momentum``, ``adam`` or ``adamw``; ``lr`` its learning rate.
+      aggregator: gradient aggregation: ``psum``, ``ring`` or ``tree`` (dense);
+        ``aggregator_args`` its keyword arguments.
+      network: network schedule, e.g. ``"1ms,1Gbps"`` or ``"0:1ms,10Gbps;100:50ms,1Gbps"``.
+      overlap: model communication as hidden behind compute (``max``) instead of added.
+      eval_every: steps between validation passes (0: only at the end); ``eval_batches``
+        batches each.
+      checkpoint_every: steps between Orbax checkpoints (0: only at the end);
+        ``keep_checkpoints`` newest kept.
+      out_dir: where metrics, plots and checkpoints go ("" means ``runs/<name>``).
+      progress: show a progress bar.
+    """
+
+    name: str = "dp_default"
+    task: str = "gpt"
+    model: dict = dataclasses.field(default_factory=dict)
+    dataset: str = "shakespeare"
+    workers: int = 8
+    global_batch: int = 32
+    steps: int = 200
+    seed: int = 0
+    optimizer: str = "adam"
+    lr: float = 3e-3
+    aggregator: str = "ring"
+    aggregator_args: dict = dataclasses.field(default_factory=dict)
+    network: str = "1ms,1Gbps"
+    overlap: bool = False
+    eval_every: int = 0
+    eval_batches: int = 4
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 3
+    out_dir: str = ""
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        _choice("task", self.task, TASKS)
+        _choice("dataset", self.dataset, DATASETS[self.task])
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("aggregator", self.aggregator, AGGREGATORS)
+        for name in ("workers", "global_batch", "steps", "eval_batches", "keep_checkpoints"):
+            _positive(name, getattr(self, name))
+        for name in ("eval_every", "checkpoint_every", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.global_batch % self.workers:
+            raise ValueError(
+                f"global_batch must be a multiple of workers={self.workers}, "
+                f"got {self.global_batch}"
+            )
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        from jaxcomm.network import NetworkSchedule
+
+        NetworkSchedule.parse(self.network)
+
+    @property
+    def run_dir(self) -> Path:
+        """The output folder of this run."""
+        return Path(self.out_dir or f"runs/{self.name}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict view (for YAML/JSON)."""
+        return dataclasses.asdict(self)
+
+
+def _choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def _unknown(key: str, allowed: list[str]) -> ValueError:
+    hint = difflib.get_close_matches(key, allowed, n=1)
+    tail = f"; did you mean {hint[0]!r}?" if hint else ""
+    return ValueError(f"unknown config key {key!r}; allowed keys: {sorted(allowed)}{tail}")
+
+
+def _coerce(key: str, value: Any) -> Any:
+    default = Config.__dataclass_fields__[key]
+    kind = type(default.default) if default.default is not dataclasses.MISSING else dict
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(
+            f"config key {key!r} must be of type {kind.__name__}, got {value!r} "
+            f"({type(value).__name__})"
+        )
+    return value
+
+
+def _merge(base: dict[str, Any], updates: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in updates.items():
+        if key not in _FIELDS:
+            raise _unknown(key, list(_FIELDS))
+        value = _coerce(key, value)
+        out[key] = {**out.get(key, {}), **value} if isinstance(value, dict) else value
+    return out
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """Apply ``key=value`` strings (``a.b=value`` reaches into mapping fields) to ``cfg``."""
+    data = cfg.to_dict()
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like key=value (e.g. steps=100)")
+        key, text = item.split("=", 1)
+        value = yaml.safe_load(text) if text.strip() else ""
+        head, _, rest = key.strip().partition(".")
+        if head not in _FIELDS:
+            raise _unknown(head, list(_FIELDS))
+        if rest:
+            if not isinstance(data[head], dict):
+                raise ValueError(f"config key {head!r} is not a mapping; cannot set {key!r}")
+            data = _merge(data, {head: {rest: value}})
+        else:
+            data = _merge(data, {head: value})
+    return Config(**data)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config (or the defaults when ``path`` is None) and apply overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config file {str(path)!r} must hold a mapping, got {loaded!r}")
+        data = _merge(Config().to_dict(), loaded)
+    cfg = Config(**data) if data else Config()
+    return apply_overrides(cfg, list(overrides or []))

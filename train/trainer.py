@@ -1,0 +1,346 @@
+"""Data-parallel trainer: ``shard_map`` over a ``data`` axis with a pluggable aggregator.
+
+Every piece of training state that may differ between workers (parameters, optimizer and
+aggregator state) is stored with a leading worker axis ``[N, ...]`` sharded over ``data``, so
+dense data parallelism, compressed aggregators with per-worker residuals and local SGD all
+use the same step. The step is one jitted function, compiled once before the loop; around
+it sit data loading, metrics, the simulated clock and Orbax checkpoints.
+
+Per step the trainer records the mean training loss, the bytes each worker sent (read from
+the aggregator's :class:`~jaxcomm.network.CommLog`, i.e. measured payload sizes), the
+measured step time on this machine (``compute_s``), the modelled communication time of those
+bytes under the configured network (``comm_s``), and the simulated wall clock. On 8
+simulated CPU devices ``compute_s`` is the time of all 8 workers sharing the host's cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+from jaxcomm.network import NetworkSchedule, SimClock, find_logs, log_time
+from models import build_task
+from train.config import Config
+from train.data import Loader, get_dataset, shard
+
+__all__ = ["Trainer", "make_optimizer", "make_aggregator"]
+
+AXIS = "data"
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    """The inner optimizer named by ``cfg.optimizer`` at learning rate ``cfg.lr``."""
+    return {
+        "sgd": lambda: optax.sgd(cfg.lr),
+        "momentum": lambda: optax.sgd(cfg.lr, momentum=0.9),
+        "adam": lambda: optax.adam(cfg.lr),
+        "adamw": lambda: optax.adamw(cfg.lr),
+    }[cfg.optimizer]()
+
+
+def make_aggregator(cfg: Config) -> optax.GradientTransformation:
+    """The gradient aggregator named by ``cfg.aggregator`` over the ``data`` axis."""
+    if cfg.aggregator in ("psum", "ring", "tree"):
+        return jaxcomm.dense_allreduce(AXIS, reduce=cfg.aggregator, **cfg.aggregator_args)
+    raise ValueError(f"aggregator {cfg.aggregator!r} is not available")
+
+
+def _squeeze(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda a: a[0], tree)
+
+
+def _expand(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda a: a[None], tree)
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+class Trainer:
+    """Builds the mesh, model, data, optimizer and step of one :class:`Config`, and runs it."""
+
+    def __init__(self, cfg: Config):
+        if cfg.workers > jax.device_count():
+            raise ValueError(
+                f"workers={cfg.workers} needs that many devices, but JAX sees "
+                f"{jax.device_count()}; on CPU set XLA_FLAGS="
+                f"--xla_force_host_platform_device_count={cfg.workers} before JAX starts"
+            )
+        self.cfg = cfg
+        self.n = cfg.workers
+        self.mesh = jax.make_mesh((self.n,), (AXIS,), devices=jax.devices()[: self.n])
+        self.task = build_task(cfg.task, **cfg.model)
+        data_kwargs = {"seq_len": self.task.module.cfg.seq_len} if cfg.task == "gpt" else {}
+        self.train_data = get_dataset(cfg.dataset, "train", **data_kwargs)
+        self.valid_data = get_dataset(cfg.dataset, "valid", **data_kwargs)
+        self.loader = Loader(self.train_data, cfg.global_batch, seed=cfg.seed, num_shards=self.n)
+        self.schedule = NetworkSchedule.parse(cfg.network)
+        self.tx = optax.chain(make_aggregator(cfg), make_optimizer(cfg))
+        self.sharded = NamedSharding(self.mesh, P(AXIS))
+        self.replicated = NamedSharding(self.mesh, P())
+        self.clock = SimClock(overlap=cfg.overlap)
+        self.step = 0
+        self.params, self.opt_state = self._init_state()
+        self._train_step = self._build_step()
+        self._eval_step = self._build_eval()
+
+    # ------------------------------------------------------------------ state
+
+    def _init_state(self) -> tuple[Any, Any]:
+        sample = self.train_data.get(np.arange(min(2, len(self.train_data))))
+        # The rbg generator compiles far faster than threefry for many parameter shapes.
+        params = self.task.init(jax.random.key(self.cfg.seed, impl="rbg"), sample)
+        stacked = jax.tree_util.tree_map(
+            lambda a: jax.device_put(jnp.broadcast_to(a, (self.n, *a.shape)), self.sharded),
+            params,
+        )
+        init = jax.shard_map(
+            lambda p: _expand(self.tx.init(_squeeze(p))),
+            mesh=self.mesh,
+            in_specs=P(AXIS),
+            out_specs=P(AXIS),
+        )
+        return stacked, jax.jit(init)(stacked)
+
+    def _build_step(self) -> Callable:
+        task, tx = self.task, self.tx
+
+        def per_worker(params, opt_state, batch):
+            # params, opt_state: [1, ...] this worker's; batch: [1, B / N, ...]
+            p, s, b = _squeeze(params), _squeeze(opt_state), _squeeze(batch)
+            (loss, metrics), grads = jax.value_and_grad(task.loss, has_aux=True)(p, b)
+            updates, s = tx.update(grads, s, p)
+            p = optax.apply_updates(p, updates)
+            finite = _all_finite((loss, grads, p))
+            metrics = jax.lax.pmean(metrics, AXIS)
+            finite = jax.lax.pmin(finite.astype(jnp.int32), AXIS)
+            return _expand(p), _expand(s), metrics, finite
+
+        step = jax.shard_map(
+            per_worker,
+            mesh=self.mesh,
+            in_specs=(P(AXIS), P(AXIS), P(AXIS)),
+            out_specs=(P(AXIS), P(AXIS), P(), P()),
+        )
+        return jax.jit(step, donate_argnums=(0, 1))
+
+    def _build_eval(self) -> Callable:
+        task = self.task
+
+        def per_worker(params, batch):
+            _, metrics = task.loss(_squeeze(params), _squeeze(batch))
+            return jax.lax.pmean(metrics, AXIS)
+
+        f = jax.shard_map(per_worker, mesh=self.mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=P())
+        return jax.jit(f)
+
+    def _put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        return {k: jax.device_put(v, self.sharded) for k, v in shard(batch, self.n).items()}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a checkpoint must match to be resumed into this trainer."""
+        shapes = jax.tree_util.tree_map(lambda a: list(a.shape[1:]), self.params)
+        return {
+            "task": self.cfg.task,
+            "model": self.cfg.model,
+            "dataset": self.cfg.dataset,
+            "workers": self.n,
+            "global_batch": self.cfg.global_batch,
+            "seed": self.cfg.seed,
+            "optimizer": self.cfg.optimizer,
+            "aggregator": self.cfg.aggregator,
+            "aggregator_args": self.cfg.aggregator_args,
+            "param_shapes": jax.tree_util.tree_flatten_with_path(shapes)[0].__repr__(),
+        }
+
+    def _state_tree(self) -> dict[str, Any]:
+        return {
+            "params": self.params,
+            "opt_state": self.opt_state,
+            "step": np.asarray(self.step, np.int64),
+            "loader_position": np.asarray(self.loader.position, np.int64),
+            "clock": np.asarray(self.clock.now, np.float64),
+        }
+
+    def _manager(self) -> ocp.CheckpointManager:
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=self.cfg.keep_checkpoints, create=True, enable_async_checkpointing=False
+        )
+        return ocp.CheckpointManager((self.cfg.run_dir / "checkpoints").absolute(), options=options)
+
+    def save(self, manager: ocp.CheckpointManager) -> None:
+        """Write a checkpoint of the current step (atomic: a crash leaves the previous one)."""
+        manager.save(
+            self.step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(self._state_tree()),
+                meta=ocp.args.JsonSave(self.fingerprint()),
+            ),
+            force=True,
+        )
+        manager.wait_until_finished()
+
+    def restore(self, manager: ocp.CheckpointManager) -> bool:
+        """Load the newest checkpoint; False when there is none. Raises on a foreign one."""
+        latest = manager.latest_step()
+        if latest is None:
+            return False
+        meta = manager.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        mine = json.loads(json.dumps(self.fingerprint()))
+        diff = {k: (meta.get(k), v) for k, v in mine.items() if meta.get(k) != v}
+        if diff:
+            details = "; ".join(
+                f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items()
+            )
+            raise ValueError(
+                f"checkpoint directory {str(self.cfg.run_dir / 'checkpoints')!r} holds a "
+                f"different run ({details}); choose another out_dir or matching settings"
+            )
+        target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, self._state_tree())
+        state = manager.restore(
+            latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+        )["state"]
+        self.params, self.opt_state = state["params"], state["opt_state"]
+        self.step = int(state["step"])
+        self.loader.restore({"position": int(state["loader_position"]), "seed": self.cfg.seed})
+        self.clock.restore({"now": float(state["clock"]), "overlap": self.cfg.overlap})
+        return True
+
+    # ------------------------------------------------------------------ loop
+
+    def evaluate(self) -> dict[str, float]:
+        """Mean validation metrics over ``eval_batches`` fixed batches."""
+        batch_size = min(self.cfg.global_batch, len(self.valid_data) // self.n * self.n)
+        loader = Loader(self.valid_data, batch_size, seed=0, num_shards=self.n, shuffle=False)
+        totals: dict[str, float] = {}
+        count = min(self.cfg.eval_batches, loader.batches_per_epoch)
+        for _ in range(count):
+            m = self._eval_step(self.params, self._put_batch(loader.next()))
+            for k, v in m.items():
+                totals[k] = totals.get(k, 0.0) + float(v) / count
+        return totals
+
+    def run(self, *, resume: bool = False, metrics_cb: Callable | None = None) -> dict[str, Any]:
+        """Train to ``cfg.steps``; returns a summary. ``resume`` continues the newest checkpoint."""
+        cfg = self.cfg
+        run_dir = cfg.run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        manager = self._manager()
+        if manager.latest_step() is not None and not resume:
+            raise ValueError(
+                f"{str(run_dir)!r} already holds checkpoints (newest: step "
+                f"{manager.latest_step()}); pass --resume to continue it or choose another out_dir"
+            )
+        resumed = self.restore(manager) if resume else False
+        metrics_path = run_dir / "metrics.jsonl"
+        kept = []
+        if resumed and metrics_path.exists():
+            kept = [
+                line
+                for line in metrics_path.read_text().splitlines()
+                if line and json.loads(line).get("step", 0) <= self.step
+            ]
+        metrics_path.write_text("".join(line + "\n" for line in kept))
+        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+
+        batch = self._put_batch(self.train_data.get(self.loader.batch_ids(self.loader.position)))
+        compiled = self._train_step.lower(self.params, self.opt_state, batch).compile()
+        wall0 = time.perf_counter()
+        last: dict[str, Any] = {}
+        bar = _progress(cfg, self.step)
+        with metrics_path.open("a") as out:
+            while self.step < cfg.steps:
+                batch = self._put_batch(self.loader.next())
+                t0 = time.perf_counter()
+                params, opt_state, metrics, finite = compiled(self.params, self.opt_state, batch)
+                jax.block_until_ready((params, opt_state))
+                compute_s = time.perf_counter() - t0
+                if not bool(finite):
+                    raise FloatingPointError(
+                        f"step {self.step + 1}: loss, gradients or parameters became non-finite "
+                        f"(loss={float(metrics['loss'])}); the last checkpoint is kept intact"
+                    )
+                self.params, self.opt_state = params, opt_state
+                self.step += 1
+                logs = find_logs(self.opt_state)
+                network = self.schedule.at(self.step - 1)
+                comm_s = sum(log_time(log, self.n, network) for log in logs)
+                sent = max((int(np.max(np.asarray(log.sent_bytes))) for log in logs), default=0)
+                sim = self.clock.tick(compute_s, comm_s)
+                last = {
+                    "step": self.step,
+                    **{k: float(v) for k, v in metrics.items()},
+                    "sent_bytes": sent,
+                    "compute_s": compute_s,
+                    "comm_s": comm_s,
+                    "sim_time_s": sim,
+                    "latency_s": network.latency_s,
+                    "bandwidth_bps": network.bandwidth_bps,
+                }
+                if cfg.eval_every and self.step % cfg.eval_every == 0:
+                    last.update({f"valid_{k}": v for k, v in self.evaluate().items()})
+                out.write(json.dumps(last) + "\n")
+                out.flush()
+                if metrics_cb is not None:
+                    metrics_cb(last)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{last['loss']:.3f}", sim=f"{sim:.1f}s")
+                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                    self.save(manager)
+        if bar is not None:
+            bar.close()
+        if manager.latest_step() != self.step:
+            self.save(manager)
+        manager.close()
+        valid = self.evaluate()
+        summary = {
+            "name": cfg.name,
+            "steps": self.step,
+            "resumed": resumed,
+            "final_loss": last.get("loss"),
+            **{f"valid_{k}": v for k, v in valid.items()},
+            "params": sum(math.prod(a.shape[1:]) for a in jax.tree_util.tree_leaves(self.params)),
+            "sent_bytes_per_step": last.get("sent_bytes"),
+            "sim_time_s": self.clock.now,
+            "network": cfg.network,
+            "wall_s": time.perf_counter() - wall0,
+        }
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        from train.plot import plot_metrics
+
+        plot_metrics(metrics_path, run_dir / "loss.png", title=cfg.name)
+        return summary
+
+    def worker_params(self, worker: int = 0) -> Any:
+        """Parameters of one worker as host numpy arrays."""
+        return jax.tree_util.tree_map(lambda a: np.asarray(a)[worker], self.params)
+
+
+def _progress(cfg: Config, start: int):
+    if not cfg.progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=cfg.steps, initial=start, desc=cfg.name, unit="step", dynamic_ncols=True)
+
+
+def bytes_per_step_dense(num_params: int, n: int) -> int:
+    """Bytes one worker sends in a dense fp32 ring all-reduce of ``num_params`` values."""
+    return 2 * (n - 1) * math.ceil(num_params / n) * 4
