@@ -85,7 +85,7 @@ def unpack_bits(packed: jax.Array, n: int) -> jax.Array:
 
 
 def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
-    """Pack ``bits``-bit codes ``uint8[..., n]`` (values < 2**bits) into ``uint8[..., ceil(n*bits/8)]``.
+    """Pack ``bits``-bit codes ``uint8[..., n]`` into ``uint8[..., ceil(n * bits / 8)]``.
 
     Widths that divide 8 pack whole codes per byte; other widths go through a bit stream.
     """
