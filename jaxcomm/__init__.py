@@ -1,6 +1,7 @@
 """jaxcomm: communication-efficient distributed training over slow networks, in JAX."""
 
 from jaxcomm.aggregate import DenseState, dense_allreduce
+from jaxcomm.marsit import MarsitState, marsit, sign_all_reduce, sign_merge
 from jaxcomm.codecs import (
     Quantized,
     SignCode,

@@ -30,6 +30,7 @@ __all__ = [
     "broadcast",
     "split_segments",
     "join_segments",
+    "as_varying",
 ]
 
 Combine = Callable[[Any, jax.Array, jax.Array], Any]
@@ -43,15 +44,22 @@ def _where(pred: jax.Array, a: Any, b: Any) -> Any:
     return jax.tree_util.tree_map(lambda u, v: jnp.where(pred, u, v), a, b)
 
 
-def _varying(tree: Any, axis_name: Any) -> Any:
-    """Mark every leaf as varying over ``axis_name`` (loop carries must agree under check_vma)."""
+def as_varying(tree: Any, axis_name: Any) -> Any:
+    """Mark every leaf as varying over ``axis_name`` (a name or a tuple of names).
+
+    Under ``shard_map(check_vma=True)`` loop carries and ``lax.cond`` branches must agree on
+    which values differ across devices; a constant (e.g. a zero message) is device-invariant
+    until cast.
+    """
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
     def cast(a):
         a = jnp.asarray(a)
         mat = getattr(jax.typeof(a), "manual_axis_type", None)
-        if mat is None or axis_name in mat.varying:
+        if mat is None:
             return a
-        return lax.pcast(a, axis_name, to="varying")
+        missing = tuple(n for n in names if n not in mat.varying)
+        return lax.pcast(a, missing, to="varying") if missing else a
 
     return jax.tree_util.tree_map(cast, tree)
 
@@ -113,7 +121,7 @@ def ring_reduce_scatter(
         return combine(received, segment(i - step - 2), step)
 
     # At hop t device i sends segment (i - t - 1); after N - 1 hops it holds segment i.
-    return lax.fori_loop(0, n - 1, hop, _varying(init(segment(i - 1)), axis_name))
+    return lax.fori_loop(0, n - 1, hop, as_varying(init(segment(i - 1)), axis_name))
 
 
 def ring_all_gather(x: Any, axis_name: Any) -> Any:
@@ -142,7 +150,7 @@ def ring_all_gather(x: Any, axis_name: Any) -> Any:
         buf = jax.tree_util.tree_map(lambda b, c: place(b, c, i - step - 1), buf, cur)
         return cur, buf
 
-    _, out = lax.fori_loop(0, n - 1, hop, _varying((x, out), axis_name))
+    _, out = lax.fori_loop(0, n - 1, hop, as_varying((x, out), axis_name))
     return out
 
 
