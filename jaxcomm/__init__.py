@@ -1,7 +1,6 @@
 """jaxcomm: communication-efficient distributed training over slow networks, in JAX."""
 
 from jaxcomm.aggregate import DenseState, dense_allreduce
-from jaxcomm.marsit import MarsitState, marsit, sign_all_reduce, sign_merge
 from jaxcomm.codecs import (
     Quantized,
     SignCode,
@@ -27,6 +26,7 @@ from jaxcomm.collectives import (
     split_segments,
     tree_all_reduce,
 )
+from jaxcomm.marsit import MarsitState, marsit, sign_all_reduce, sign_merge
 
 __version__ = "0.1.0"
 from jaxcomm.network import (
