@@ -63,12 +63,23 @@ def test_mlp_loss_goes_down_and_files_written(tmp_path):
         assert r["sim_time_s"] == pytest.approx(t, rel=1e-9)
 
 
-def test_resume_is_bit_exact(tmp_path):
-    full = Trainer(_cfg(tmp_path / "a"))
+MARSIT = dict(
+    task="mlp",
+    model={"features": [16]},
+    dataset="digits",
+    optimizer="none",
+    aggregator="marsit",
+    aggregator_args={"local_lr": 0.1, "global_lr": 0.01, "full_sync_every": 4},
+)
+
+
+@pytest.mark.parametrize("extra", [{}, MARSIT], ids=["gpt-ring-adam", "mlp-marsit"])
+def test_resume_is_bit_exact(tmp_path, extra):
+    full = Trainer(_cfg(tmp_path / "a", **extra))
     full.run()
-    first = Trainer(_cfg(tmp_path / "b", steps=3))
+    first = Trainer(_cfg(tmp_path / "b", steps=3, **extra))
     first.run()
-    resumed = Trainer(_cfg(tmp_path / "b", steps=6))
+    resumed = Trainer(_cfg(tmp_path / "b", steps=6, **extra))
     summary = resumed.run(resume=True)
     assert summary["resumed"] and resumed.step == 6
     for a, b in zip(
@@ -102,6 +113,8 @@ def test_config_errors(tmp_path):
         load_config(None, ["global_batch=12"])
     with pytest.raises(ValueError, match=r"aggregator must be one of .* got 'bogus'"):
         load_config(None, ["aggregator=bogus"])
+    with pytest.raises(ValueError, match="optimizer='none'"):
+        load_config(None, ["aggregator=marsit"])
     with pytest.raises(ValueError, match="must be of type int"):
         load_config(None, ["steps=ten"])
     with pytest.raises(ValueError, match="latency|bandwidth|network"):

@@ -18,8 +18,11 @@ __all__ = ["Config", "load_config", "apply_overrides"]
 
 TASKS = ("gpt", "mlp", "cnn")
 DATASETS = {"gpt": ("shakespeare",), "mlp": ("digits",), "cnn": ("digits",)}
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
-AGGREGATORS = ("psum", "ring", "tree")
+OPTIMIZERS = ("none", "sgd", "momentum", "adam", "adamw")
+DENSE_AGGREGATORS = ("psum", "ring", "tree")
+# Aggregators that are the whole optimizer (they apply their own step sizes).
+OPTIMIZING_AGGREGATORS = ("marsit", "signsgd_mv", "ef_signsgd", "ssdm", "cascading_sign")
+AGGREGATORS = DENSE_AGGREGATORS + OPTIMIZING_AGGREGATORS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,9 +38,14 @@ class Config:
       global_batch: samples per step over all workers (a multiple of ``workers``).
       steps: optimizer steps to run (the final step count, also when resuming).
       seed: seeds parameter init and the data order.
-      optimizer: ``sgd``, ``momentum``, ``adam`` or ``adamw``; ``lr`` its learning rate.
-      aggregator: gradient aggregation: ``psum``, ``ring`` or ``tree`` (dense);
-        ``aggregator_args`` its keyword arguments.
+      optimizer: ``sgd``, ``momentum``, ``adam`` or ``adamw`` after a dense aggregator;
+        ``none`` with an aggregator that is the whole optimizer; ``lr`` its learning rate.
+      aggregator: gradient aggregation: ``psum``, ``ring`` or ``tree`` (dense, followed by
+        ``optimizer``), or ``marsit``, ``signsgd_mv``, ``ef_signsgd``, ``ssdm``,
+        ``cascading_sign`` (each a complete optimizer with its own step sizes in
+        ``aggregator_args``, so ``optimizer`` must be ``none``); ``aggregator_args`` are the
+        factory's keyword arguments (e.g. ``{local_lr: 0.1, global_lr: 0.001,
+        full_sync_every: 10}`` for ``marsit``).
       network: network schedule, e.g. ``"1ms,1Gbps"`` or ``"0:1ms,10Gbps;100:50ms,1Gbps"``.
       overlap: model communication as hidden behind compute (``max``) instead of added.
       eval_every: steps between validation passes (0: only at the end); ``eval_batches``
@@ -83,6 +91,12 @@ class Config:
             raise ValueError(
                 f"global_batch must be a multiple of workers={self.workers}, "
                 f"got {self.global_batch}"
+            )
+        if (self.aggregator in OPTIMIZING_AGGREGATORS) != (self.optimizer == "none"):
+            raise ValueError(
+                f"aggregator={self.aggregator!r} with optimizer={self.optimizer!r}: "
+                f"{', '.join(OPTIMIZING_AGGREGATORS)} apply their own step sizes and need "
+                f"optimizer='none'; {', '.join(DENSE_AGGREGATORS)} need an optimizer"
             )
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
@@ -140,7 +154,7 @@ def _merge(base: dict[str, Any], updates: dict[str, Any]) -> dict[str, Any]:
         if key not in _FIELDS:
             raise _unknown(key, list(_FIELDS))
         value = _coerce(key, value)
-        out[key] = {**out.get(key, {}), **value} if isinstance(value, dict) else value
+        out[key] = value
     return out
 
 
@@ -158,7 +172,7 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         if rest:
             if not isinstance(data[head], dict):
                 raise ValueError(f"config key {head!r} is not a mapping; cannot set {key!r}")
-            data = _merge(data, {head: {rest: value}})
+            data = _merge(data, {head: {**data[head], rest: value}})
         else:
             data = _merge(data, {head: value})
     return Config(**data)

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 import jaxcomm
 from jaxcomm.network import NetworkSchedule, SimClock, find_logs, log_time
 from models import build_task
-from train.config import Config
+from train.config import DENSE_AGGREGATORS, Config
 from train.data import Loader, get_dataset, shard
 
 __all__ = ["Trainer", "make_optimizer", "make_aggregator"]
@@ -43,6 +43,7 @@ AXIS = "data"
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     """The inner optimizer named by ``cfg.optimizer`` at learning rate ``cfg.lr``."""
     return {
+        "none": lambda: optax.identity(),
         "sgd": lambda: optax.sgd(cfg.lr),
         "momentum": lambda: optax.sgd(cfg.lr, momentum=0.9),
         "adam": lambda: optax.adam(cfg.lr),
@@ -52,9 +53,17 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
 
 def make_aggregator(cfg: Config) -> optax.GradientTransformation:
     """The gradient aggregator named by ``cfg.aggregator`` over the ``data`` axis."""
-    if cfg.aggregator in ("psum", "ring", "tree"):
-        return jaxcomm.dense_allreduce(AXIS, reduce=cfg.aggregator, **cfg.aggregator_args)
-    raise ValueError(f"aggregator {cfg.aggregator!r} is not available")
+    args = dict(cfg.aggregator_args)
+    if cfg.aggregator in DENSE_AGGREGATORS:
+        factory, args = jaxcomm.dense_allreduce, {"reduce": cfg.aggregator, **args}
+    else:
+        factory = getattr(jaxcomm, cfg.aggregator)
+    if cfg.aggregator in ("marsit", "ssdm", "cascading_sign"):
+        args.setdefault("seed", cfg.seed)
+    try:
+        return factory(AXIS, **args)
+    except TypeError as e:
+        raise ValueError(f"aggregator_args {args!r} do not fit {cfg.aggregator!r}: {e}") from e
 
 
 def _squeeze(tree: Any) -> Any:
