@@ -57,6 +57,10 @@ def test_mlp_loss_goes_down_and_files_written(tmp_path):
     expect = 2 * 7 * 2e-3 + 2 * 7 / 8 * m * 8 / 100e6
     assert rows[0]["comm_s"] == pytest.approx(expect, rel=1e-6)
     assert rows[0]["sent_bytes"] == 2 * 7 * (-(-d // 8)) * 4
+    from jaxcomm import Network
+    from train.trainer import wire_time
+
+    assert wire_time(rows[0]["wire"], 8, Network(2e-3, 100e6)) == pytest.approx(expect, rel=1e-9)
     t = 0.0
     for r in rows:
         t += r["compute_s"] + r["comm_s"]

@@ -30,12 +30,22 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.network import NetworkSchedule, SimClock, find_logs, log_time
+from jaxcomm.network import (
+    COMPRESSED_KINDS,
+    KINDS,
+    CommLog,
+    Network,
+    NetworkSchedule,
+    SimClock,
+    collective_time,
+    find_logs,
+    log_time,
+)
 from models import build_task
 from train.config import DENSE_AGGREGATORS, Config
 from train.data import Loader, get_dataset, shard
 
-__all__ = ["Trainer", "make_optimizer", "make_aggregator"]
+__all__ = ["Trainer", "make_optimizer", "make_aggregator", "wire_time"]
 
 AXIS = "data"
 
@@ -301,6 +311,7 @@ class Trainer:
                     "sim_time_s": sim,
                     "latency_s": network.latency_s,
                     "bandwidth_bps": network.bandwidth_bps,
+                    "wire": _wire_record(logs),
                 }
                 if cfg.eval_every and self.step % cfg.eval_every == 0:
                     last.update({f"valid_{k}": v for k, v in self.evaluate().items()})
@@ -340,6 +351,29 @@ class Trainer:
     def worker_params(self, worker: int = 0) -> Any:
         """Parameters of one worker as host numpy arrays."""
         return jax.tree_util.tree_map(lambda a: np.asarray(a)[worker], self.params)
+
+
+def _wire_record(logs: list[CommLog]) -> list[list]:
+    """``[[kind, calls, message_bytes, ratio], ...]`` of worker 0, to re-model other networks."""
+    rows = []
+    for log in logs:
+        calls = np.asarray(log.calls).reshape(-1, len(KINDS))[0]
+        mbytes = np.asarray(log.message_bytes).reshape(-1, len(KINDS))[0]
+        ratio = np.asarray(log.ratio).reshape(-1, len(KINDS))[0]
+        for i, kind in enumerate(KINDS):
+            if calls[i] > 0:
+                rows.append([kind, int(calls[i]), int(mbytes[i]), float(ratio[i])])
+    return rows
+
+
+def wire_time(wire: list[list], n: int, network: Network) -> float:
+    """Modelled seconds of a metrics row's ``wire`` record under another ``network``."""
+    return sum(
+        collective_time(
+            kind, mbytes, n, network, ratio=ratio if kind in COMPRESSED_KINDS else 1.0, calls=calls
+        )
+        for kind, calls, mbytes, ratio in wire
+    )
 
 
 def _progress(cfg: Config, start: int):
