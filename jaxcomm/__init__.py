@@ -27,6 +27,17 @@ from jaxcomm.collectives import (
     tree_all_reduce,
 )
 from jaxcomm.marsit import MarsitState, marsit, sign_all_reduce, sign_merge
+from jaxcomm.signsgd import (
+    CascadingState,
+    EFSignState,
+    SignMVState,
+    SSDMState,
+    cascading_sign,
+    ef_signsgd,
+    signsgd_mv,
+    ssdm,
+    stochastic_sign_encode,
+)
 
 __version__ = "0.1.0"
 from jaxcomm.network import (
