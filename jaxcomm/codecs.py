@@ -104,9 +104,23 @@ def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
         shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).astype(jnp.uint8)
         # Fields do not overlap, so the sum is a bitwise OR.
         return jnp.sum(jnp.left_shift(codes, shifts), axis=-1, dtype=jnp.uint8)
-    shifts = jnp.arange(bits, dtype=jnp.uint8)
-    stream = (jnp.right_shift(codes[..., None], shifts) & jnp.uint8(1)).reshape(*lead, n * bits)
-    return pack_bits(stream)
+    # Other widths: 8 codes fill exactly `bits` bytes; each byte gathers the (at most two)
+    # codes overlapping it with static shifts, so no per-bit intermediate is formed.
+    pad = (-n) % 8
+    if pad:
+        codes = jnp.pad(codes, [(0, 0)] * len(lead) + [(0, pad)])
+    group = codes.reshape(*lead, -1, 8).astype(jnp.uint32)
+    out = []
+    for k in range(bits):
+        acc = jnp.zeros(group.shape[:-1], jnp.uint32)
+        for j in range(8):
+            shift = j * bits - 8 * k
+            if -bits < shift < 8:
+                part = group[..., j]
+                acc = acc | (part << shift if shift >= 0 else part >> -shift)
+        out.append((acc & 0xFF).astype(jnp.uint8))
+    packed = jnp.stack(out, axis=-1).reshape(*lead, -1)
+    return packed[..., : -(-n * bits // 8)]
 
 
 def unpack_codes(packed: jax.Array, bits: int, n: int) -> jax.Array:
@@ -124,9 +138,22 @@ def unpack_codes(packed: jax.Array, bits: int, n: int) -> jax.Array:
         mask = jnp.uint8((1 << bits) - 1)
         codes = jnp.right_shift(packed[..., None], shifts) & mask
         return codes.reshape(*lead, -1)[..., :n]
-    stream = unpack_bits(packed, n * bits).astype(jnp.uint8).reshape(*lead, n, bits)
-    weights = jnp.left_shift(jnp.uint8(1), jnp.arange(bits, dtype=jnp.uint8))
-    return jnp.sum(stream * weights, axis=-1, dtype=jnp.uint8)
+    nbytes = packed.shape[-1]
+    pad = (-nbytes) % bits
+    if pad:
+        packed = jnp.pad(packed, [(0, 0)] * len(lead) + [(0, pad)])
+    group = packed.reshape(*lead, -1, bits).astype(jnp.uint32)
+    mask = jnp.uint32((1 << bits) - 1)
+    codes = []
+    for j in range(8):
+        acc = jnp.zeros(group.shape[:-1], jnp.uint32)
+        for k in range(bits):
+            shift = 8 * k - j * bits
+            if -8 < shift < bits:
+                part = group[..., k]
+                acc = acc | (part << shift if shift >= 0 else part >> -shift)
+        codes.append((acc & mask).astype(jnp.uint8))
+    return jnp.stack(codes, axis=-1).reshape(*lead, -1)[..., :n]
 
 
 # --------------------------------------------------------------------------- payloads

@@ -181,3 +181,13 @@ def test_topk_roundtrip_and_bytes():
         jaxcomm.topk_encode(x, ratio=1.5)
     with pytest.raises(ValueError, match="exactly one of k and ratio"):
         jaxcomm.topk_encode(x)
+
+
+@pytest.mark.parametrize("bits", [3, 5, 6, 7])
+def test_pack_codes_matches_the_bit_stream_layout(bits):
+    """Code j occupies stream bits j*b .. j*b+b-1, least-significant first."""
+    codes = np.random.default_rng(bits).integers(0, 2**bits, size=1001, dtype=np.uint8)
+    stream = ((codes[:, None] >> np.arange(bits)) & 1).astype(bool).reshape(-1)
+    np.testing.assert_array_equal(
+        np.asarray(codecs.pack_codes(codes, bits)), np.asarray(jaxcomm.pack_bits(stream))
+    )
