@@ -54,3 +54,4 @@ from jaxcomm.network import (
     log_collective,
     log_time,
 )
+from jaxcomm.pipeline import Boundary, BoundaryState, fp32_boundary, gpipe
