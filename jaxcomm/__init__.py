@@ -1,6 +1,11 @@
 """jaxcomm: communication-efficient distributed training over slow networks, in JAX."""
 
-from jaxcomm.aggregate import DenseState, dense_allreduce
+from jaxcomm.aggregate import (
+    DenseState,
+    ECQuantizedState,
+    dense_allreduce,
+    ec_quantized_allreduce,
+)
 from jaxcomm.codecs import (
     Quantized,
     SignCode,

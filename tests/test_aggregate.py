@@ -60,3 +60,52 @@ def test_dense_allreduce_chains_with_optax(mesh8):
 def test_dense_allreduce_rejects_bad_reduce():
     with pytest.raises(ValueError, match=r"reduce must be one of \('psum', 'ring', 'tree'\)"):
         jaxcomm.dense_allreduce("data", reduce="star")
+
+
+def _steps(mesh, tx, grads_seq):
+    """Run ``tx`` for T steps per worker on grads ``[T, N, d]``; return updates ``[N, T, d]``."""
+
+    def per_worker(g_seq):
+        state = tx.init(g_seq[0, 0])
+        outs = []
+        for t in range(g_seq.shape[0]):
+            upd, state = tx.update(g_seq[t, 0], state)
+            outs.append(upd)
+        return jnp.stack(outs)[None], jax.tree_util.tree_map(lambda a: a[None], state)
+
+    f = jax.shard_map(per_worker, mesh=mesh, in_specs=P(None, "data"), out_specs=P("data"))
+    g = jax.device_put(grads_seq, NamedSharding(mesh, P(None, "data")))
+    return jax.jit(f)(g)
+
+
+def test_ec_quantized_allreduce_error_feedback(mesh8):
+    """With a constant gradient the time-average of the outputs converges to the mean.
+
+    Error feedback keeps the running sum of outputs within the (bounded) errors of the exact
+    running sum, so the average over T steps is off by at most O(1/T) of a quantization step.
+    """
+    d, steps = 300, 12
+    g = jax.random.normal(jax.random.key(0), (N, d))
+    grads = jnp.broadcast_to(g, (steps, N, d))
+    upd, state = _steps(
+        mesh8, jaxcomm.ec_quantized_allreduce("data", bits=2, bucket_size=64), grads
+    )
+    upd = np.asarray(upd)
+    mean = np.asarray(g).mean(0)
+    assert np.all(upd == upd[:1])  # every worker applies the same update
+    one = np.abs(upd[0, 0] - mean).max()
+    avg = np.abs(upd[0].mean(0) - mean).max()
+    assert one > 0.05  # a single 2-bit step is coarse...
+    assert avg < one / 4  # ...but the error feedback averages it out
+    # Both phases send 2-bit codes plus one float per 64-element bucket per segment.
+    seg = -(-d // N)
+    seg_bytes = -(-seg * 2 // 8) + 4 * (-(-seg // 64))
+    assert np.all(np.asarray(state.log.sent_bytes) == 2 * (N - 1) * seg_bytes)
+
+
+def test_ec_quantized_allreduce_8bit_close_to_mean(mesh8):
+    g = jax.random.normal(jax.random.key(1), (1, N, 257))
+    upd, _ = _steps(mesh8, jaxcomm.ec_quantized_allreduce("data", bits=8), g)
+    np.testing.assert_allclose(np.asarray(upd)[0, 0], np.asarray(g[0]).mean(0), atol=0.03)
+    with pytest.raises(ValueError, match=r"bits must be an integer in \[1, 8\], got 0"):
+        jaxcomm.ec_quantized_allreduce("data", bits=0)
