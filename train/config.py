@@ -20,9 +20,11 @@ TASKS = ("gpt", "mlp", "cnn")
 DATASETS = {"gpt": ("shakespeare",), "mlp": ("digits",), "cnn": ("digits",)}
 OPTIMIZERS = ("none", "sgd", "momentum", "adam", "adamw")
 DENSE_AGGREGATORS = ("psum", "ring", "tree")
+# Gradient aggregators followed by an optimizer.
+GRADIENT_AGGREGATORS = (*DENSE_AGGREGATORS, "ec_quantized")
 # Aggregators that are the whole optimizer (they apply their own step sizes).
 OPTIMIZING_AGGREGATORS = ("marsit", "signsgd_mv", "ef_signsgd", "ssdm", "cascading_sign")
-AGGREGATORS = DENSE_AGGREGATORS + OPTIMIZING_AGGREGATORS
+AGGREGATORS = GRADIENT_AGGREGATORS + OPTIMIZING_AGGREGATORS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +42,9 @@ class Config:
       seed: seeds parameter init and the data order.
       optimizer: ``sgd``, ``momentum``, ``adam`` or ``adamw`` after a dense aggregator;
         ``none`` with an aggregator that is the whole optimizer; ``lr`` its learning rate.
-      aggregator: gradient aggregation: ``psum``, ``ring`` or ``tree`` (dense, followed by
-        ``optimizer``), or ``marsit``, ``signsgd_mv``, ``ef_signsgd``, ``ssdm``,
+      aggregator: gradient aggregation: ``psum``, ``ring`` or ``tree`` (dense) or
+        ``ec_quantized`` (error-compensated ``bits``-bit, default 4), each followed by
+        ``optimizer``; or ``marsit``, ``signsgd_mv``, ``ef_signsgd``, ``ssdm``,
         ``cascading_sign`` (each a complete optimizer with its own step sizes in
         ``aggregator_args``, so ``optimizer`` must be ``none``); ``aggregator_args`` are the
         factory's keyword arguments (e.g. ``{local_lr: 0.1, global_lr: 0.001,
@@ -96,7 +99,7 @@ class Config:
             raise ValueError(
                 f"aggregator={self.aggregator!r} with optimizer={self.optimizer!r}: "
                 f"{', '.join(OPTIMIZING_AGGREGATORS)} apply their own step sizes and need "
-                f"optimizer='none'; {', '.join(DENSE_AGGREGATORS)} need an optimizer"
+                f"optimizer='none'; {', '.join(GRADIENT_AGGREGATORS)} need an optimizer"
             )
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")

@@ -66,6 +66,8 @@ def make_aggregator(cfg: Config) -> optax.GradientTransformation:
     args = dict(cfg.aggregator_args)
     if cfg.aggregator in DENSE_AGGREGATORS:
         factory, args = jaxcomm.dense_allreduce, {"reduce": cfg.aggregator, **args}
+    elif cfg.aggregator == "ec_quantized":
+        factory = jaxcomm.ec_quantized_allreduce
     else:
         factory = getattr(jaxcomm, cfg.aggregator)
     if cfg.aggregator in ("marsit", "ssdm", "cascading_sign"):
