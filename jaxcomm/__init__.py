@@ -45,6 +45,16 @@ from jaxcomm.signsgd import (
 )
 
 __version__ = "0.1.0"
+from jaxcomm.aqsgd import (
+    AQPayload,
+    aqsgd_decode,
+    aqsgd_encode,
+    directq_decode,
+    directq_encode,
+    grad_wire_bytes,
+    quantize_grad,
+)
+from jaxcomm.aqsgd import wire_bytes as aqsgd_wire_bytes
 from jaxcomm.network import (
     KINDS,
     CommLog,
@@ -59,4 +69,11 @@ from jaxcomm.network import (
     log_collective,
     log_time,
 )
-from jaxcomm.pipeline import Boundary, BoundaryState, fp32_boundary, gpipe
+from jaxcomm.pipeline import (
+    Boundary,
+    BoundaryState,
+    aqsgd_boundary,
+    directq_boundary,
+    fp32_boundary,
+    gpipe,
+)

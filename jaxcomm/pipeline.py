@@ -30,9 +30,18 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomm._checks import axis_size, check_int
-from jaxcomm.codecs import dequantize, payload_bytes, quantize
+from jaxcomm.aqsgd import aqsgd_decode, aqsgd_encode, directq_decode, directq_encode
+from jaxcomm.aqsgd import wire_bytes as aqsgd_wire_bytes
+from jaxcomm.codecs import dequantize, payload_bytes, quantize, quantized_nbytes
 
-__all__ = ["Boundary", "BoundaryState", "fp32_boundary", "gpipe"]
+__all__ = [
+    "Boundary",
+    "BoundaryState",
+    "aqsgd_boundary",
+    "directq_boundary",
+    "fp32_boundary",
+    "gpipe",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,20 +54,53 @@ class Boundary:
       decode: ``(payload, prev, seen) -> new_prev`` on the receiver; ``new_prev`` is what the
         next stage consumes and must equal the sender's ``new_prev``.
       bw_bits: bits of the activation gradient sent back (``None``: float32).
-      bw_bucket: bucket size of the backward quantizer.
+      bw_bucket: bucket size of the backward quantizer (``None``: the activation's last
+        axis, one scale per token).
+      wire_bytes: ``(payload, seen) -> int32[]`` bytes of a payload that actually cross the
+        link (``None``: all of the payload's arrays).
     """
 
     encode: Callable
     decode: Callable
     bw_bits: int | None = None
-    bw_bucket: int = 128
+    bw_bucket: int | None = None
+    wire_bytes: Callable | None = None
 
 
-def fp32_boundary() -> Boundary:
-    """Uncompressed boundary: the activation itself goes forward, its gradient back."""
+def fp32_boundary(bw_bits: int | None = None) -> Boundary:
+    """Uncompressed forward: the activation itself; its gradient back (optionally quantized)."""
     return Boundary(
         encode=lambda a, prev, seen, key: (a, a),
         decode=lambda payload, prev, seen: payload,
+        bw_bits=bw_bits,
+    )
+
+
+def directq_boundary(fw_bits: int, bw_bits: int | None) -> Boundary:
+    """DirectQ baseline: the activation itself quantized to ``fw_bits``, no message buffer."""
+    fw_bits = check_int("fw_bits", fw_bits, lo=1, hi=8)
+
+    def encode(a, prev, seen, key):
+        payload = directq_encode(a, key, bits=fw_bits)
+        return payload, directq_decode(payload)
+
+    return Boundary(
+        encode=encode, decode=lambda payload, prev, seen: directq_decode(payload), bw_bits=bw_bits
+    )
+
+
+def aqsgd_boundary(fw_bits: int, bw_bits: int | None) -> Boundary:
+    """AQ-SGD: quantized deltas against the per-sample previous messages, ``fw_bits`` bits.
+
+    A sample's first visit crosses in full precision; later visits send
+    ``Q(activation - previous)`` and both sides set ``previous += dequantize``.
+    """
+    fw_bits = check_int("fw_bits", fw_bits, lo=1, hi=8)
+    return Boundary(
+        encode=lambda a, prev, seen, key: aqsgd_encode(a, prev, seen, key, bits=fw_bits),
+        decode=aqsgd_decode,
+        bw_bits=bw_bits,
+        wire_bytes=aqsgd_wire_bytes,
     )
 
 
@@ -97,22 +139,28 @@ def _make_transfer(boundary: Boundary, axis_name: Any, n: int):
         new_in = boundary.decode(received, prev_in, seen_in)
         return new_in, new_out, payload
 
+    def count(payload, seen):
+        if boundary.wire_bytes is None:
+            return jnp.int32(payload_bytes(payload))
+        return boundary.wire_bytes(payload, seen)
+
     @jax.custom_vjp
     def transfer(y, prev_out, seen_out, prev_in, seen_in, key):
-        new_in, new_out, _ = send(y, prev_out, seen_out, prev_in, seen_in, key)
-        return new_in, new_out
+        new_in, new_out, payload = send(y, prev_out, seen_out, prev_in, seen_in, key)
+        return new_in, new_out, lax.stop_gradient(count(payload, seen_out))
 
     def fwd(y, prev_out, seen_out, prev_in, seen_in, key):
         return transfer(y, prev_out, seen_out, prev_in, seen_in, key), (key, seen_out, seen_in)
 
     def bwd(res, cotangents):
         key, seen_out, seen_in = res
-        g_in, _ = cotangents  # gradient w.r.t. what the receiver consumed
+        g_in = cotangents[0]  # gradient w.r.t. what the receiver consumed
         if boundary.bw_bits is None:
             back = lax.ppermute(g_in, axis_name, bwd_perm)
         else:
             k = jax.random.fold_in(key, 1)
-            q = quantize(g_in, k, bits=boundary.bw_bits, bucket_size=boundary.bw_bucket)
+            bucket = boundary.bw_bucket or g_in.shape[-1]
+            q = quantize(g_in, k, bits=boundary.bw_bits, bucket_size=bucket)
             back = dequantize(lax.ppermute(q, axis_name, bwd_perm))
         del seen_out, seen_in
         # Straight-through: d(received)/d(sent activation) is the identity; the previous
@@ -120,7 +168,7 @@ def _make_transfer(boundary: Boundary, axis_name: Any, n: int):
         return (back, None, None, None, None, None)
 
     transfer.defvjp(fwd, bwd)
-    return transfer, send
+    return transfer
 
 
 def gpipe(
@@ -143,11 +191,12 @@ def gpipe(
       boundary: codec of the stage boundaries (default :func:`fp32_boundary`).
 
     Returns:
-      ``loss_fn(params, inputs, state, key) -> (loss, (new_state, fw_bytes))``: ``inputs`` is a
-      pytree of ``[M, mb, ...]`` arrays (replicated over stages), ``state`` a
+      ``loss_fn(params, inputs, state, key) -> (loss, (new_state, fw_bytes, bw_bytes))``:
+      ``inputs`` is a pytree of ``[M, mb, ...]`` arrays (replicated over stages), ``state`` a
       :class:`BoundaryState`; ``loss`` is the mean microbatch loss, the same on every stage;
-      ``fw_bytes`` the forward payload bytes each sending stage (all but the last) sent in
-      the step (Python int, counted from the payload's arrays).
+      ``fw_bytes`` (``int32[]``) the forward bytes this stage sent in the step, counted from
+      the payloads (0 on the last stage), and ``bw_bytes`` (Python int) the activation-gradient
+      bytes each non-first stage sends back.
       Differentiate ``loss`` w.r.t. ``params`` with ``jax.grad``/``value_and_grad``
       (``has_aux=True``).
     """
@@ -158,11 +207,11 @@ def gpipe(
         s = lax.axis_index(axis_name)
         m_total = jax.tree_util.tree_leaves(inputs)[0].shape[0]
         check_int("number of microbatches", m_total, lo=1)
-        transfer, send = _make_transfer(boundary, axis_name, n)
+        transfer = _make_transfer(boundary, axis_name, n)
         h0 = first_fn(params, _take(inputs, 0))
 
         def tick(carry, t):
-            h_recv, st, total = carry
+            h_recv, st, total, sent = carry
             m = t - s
             mi = jnp.clip(m, 0, m_total - 1)
             micro = _take(inputs, mi)
@@ -175,7 +224,7 @@ def gpipe(
             ok_out = ok & (s < n - 1)
             ok_in = (m + 1 >= 0) & (m + 1 < m_total) & (s > 0)
             k = jax.random.fold_in(jax.random.fold_in(key, t), s)
-            new_in, new_out = transfer(
+            new_in, new_out, nbytes = transfer(
                 y,
                 lax.stop_gradient(_take(st.prev_out, mi)),
                 _take(st.seen_out, mi),
@@ -189,22 +238,23 @@ def gpipe(
                 seen_in=_put(st.seen_in, jnp.ones_like(st.seen_in[0]), mr, ok_in),
                 seen_out=_put(st.seen_out, jnp.ones_like(st.seen_out[0]), mi, ok_out),
             )
-            return (new_in, st, total), None
+            sent = sent + jnp.where(ok_out, nbytes, 0)
+            return (new_in, st, total, sent), None
 
         ticks = jnp.arange(m_total + n - 1)
-        init = (jnp.zeros_like(h0), state, jnp.zeros((), jnp.float32))
-        (_, new_state, total), _ = lax.scan(tick, init, ticks)
+        init = (jnp.zeros_like(h0), state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+        (_, new_state, total, fw_bytes), _ = lax.scan(tick, init, ticks)
         # The value is the loss summed over stages (only the last one has it); the gradient
         # is this stage's own, since the backward pipeline already reaches the earlier
         # stages through the transposed ppermute (a psum here would scale it by N).
         local = total / m_total
         loss = lax.psum(lax.stop_gradient(local), axis_name) + (local - lax.stop_gradient(local))
-        payload = jax.eval_shape(
-            lambda: send(
-                h0, state.prev_out[0], state.seen_out[0], state.prev_in[0], state.seen_in[0], key
-            )[2]
-        )
-        fw_bytes = m_total * payload_bytes(payload) if n > 1 else 0
-        return loss, (new_state, fw_bytes)
+        if boundary.bw_bits is None:
+            grad_msg = 4 * h0.size
+        else:
+            bucket = boundary.bw_bucket or h0.shape[-1]
+            grad_msg = quantized_nbytes(h0.size, bits=boundary.bw_bits, bucket_size=bucket)
+        bw_bytes = m_total * grad_msg if n > 1 else 0
+        return loss, (new_state, fw_bytes, bw_bytes)
 
     return loss_fn
