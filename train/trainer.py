@@ -384,8 +384,3 @@ def _progress(cfg: Config, start: int):
     from tqdm.auto import tqdm
 
     return tqdm(total=cfg.steps, initial=start, desc=cfg.name, unit="step", dynamic_ncols=True)
-
-
-def bytes_per_step_dense(num_params: int, n: int) -> int:
-    """Bytes one worker sends in a dense fp32 ring all-reduce of ``num_params`` values."""
-    return 2 * (n - 1) * math.ceil(num_params / n) * 4
