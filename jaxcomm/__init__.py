@@ -6,6 +6,7 @@ from jaxcomm.aggregate import (
     dense_allreduce,
     ec_quantized_allreduce,
 )
+from jaxcomm.buffer import BufferRead, MessageBuffer
 from jaxcomm.codecs import (
     Quantized,
     SignCode,

@@ -524,6 +524,9 @@ class MessageBuffer:
             seen_future = self._arrays["seen"].oindex[ids].read()
         if self.storage_bits is None:
             return BufferRead(futures["values"], seen_future)
+        if self._closed:  # no decode thread any more: decode now
+            decoded = _done_future(self._decode({k: f.result() for k, f in futures.items()}))
+            return BufferRead(decoded, seen_future)
         decoded = self._decode_pool.submit(
             lambda: self._decode({k: f.result() for k, f in futures.items()})
         )
@@ -701,6 +704,8 @@ class MessageBuffer:
         directory = Path(directory).absolute()
         if not directory.is_dir():
             raise FileNotFoundError(f"no MessageBuffer snapshot at {directory}")
+        if path is not None and Path(path).absolute() == directory:
+            raise ValueError(f"restore into the snapshot itself ({directory}); give another path")
         meta = _read_meta(directory)
         buf = cls(
             meta["num_samples"],

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -119,6 +122,28 @@ def test_read_after_write_async_sees_latest():
     ref.write(ids, last)
     np.testing.assert_array_equal(buf.read(ids), ref.read(ids))
     assert buf.seen(ids).all()
+
+
+def test_reads_wait_for_slow_pending_writes_of_their_ids(monkeypatch):
+    rng = np.random.default_rng(12)
+    buf = MessageBuffer(N, SHAPE)
+    commit = buf._commit
+
+    def slow_commit(ids, writes):  # a slow disk: the commit lands 0.3 s later
+        time.sleep(0.3)
+        commit(ids, writes)
+
+    monkeypatch.setattr(buf, "_commit", slow_commit)
+    vals = _values(rng, 3)
+    fut = buf.write_async([5, 6, 7], vals)
+    # Other ids do not wait for it.
+    t = time.perf_counter()
+    assert not buf.seen([1, 2]).any()
+    assert time.perf_counter() - t < 0.25 and not fut.done()
+    # These ids do: flags and values are the new ones.
+    assert buf.seen([7, 1]).tolist() == [True, False]
+    assert fut.done()
+    np.testing.assert_array_equal(buf.read([5, 6, 7]), vals)
 
 
 # --------------------------------------------------------------------------- on disk
@@ -290,7 +315,7 @@ def test_async_reads_progress_during_compute_and_overlap_a_wait():
     the timed check uses a sleep as the compute; see the report for the matmul timings.)
     """
     rng = np.random.default_rng(8)
-    shape, n, k = (64, 256), 512, 256  # 64 KiB per sample, 16 MiB per read
+    shape, n, k = (128, 256), 512, 384  # 128 KiB per sample, 48 MiB per read
     buf = MessageBuffer(n, shape)
     for s in range(0, n, 128):
         buf.write(np.arange(s, s + 128), rng.standard_normal((128, *shape), dtype=np.float32))
@@ -410,6 +435,37 @@ def test_save_is_atomic_on_failure(tmp_path, monkeypatch):
     buf.save(snap, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["snap"]
     np.testing.assert_array_equal(MessageBuffer.restore(snap).read(np.arange(4)), newest)
+
+
+_KILLED_SAVE = """
+import os, signal, sys
+import numpy as np
+import jaxcomm.buffer as m
+root = sys.argv[1]
+buf = m.MessageBuffer(8, (3, 5), path=os.path.join(root, "live"))
+buf.write(np.arange(8), np.full((8, 3, 5), 1.0, np.float32))
+buf.save(os.path.join(root, "snap"))
+buf.write(np.arange(8), np.full((8, 3, 5), 2.0, np.float32))
+# Die hard (no exception handlers, no cleanup) once the data is written, before the rename.
+m._write_meta = lambda root, meta: os.kill(os.getpid(), signal.SIGKILL)
+buf.save(os.path.join(root, sys.argv[2]), overwrite=True)
+"""
+
+
+@pytest.mark.parametrize("target", ["fresh", "snap"])
+def test_save_killed_midway_leaves_no_partial_snapshot(tmp_path, target):
+    """A process killed inside ``save`` leaves the target absent or as it was, never partial."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_SAVE, str(tmp_path), target], env=env, timeout=120
+    )
+    assert proc.returncode == -9
+    names = {p.name for p in tmp_path.iterdir()}
+    assert "fresh" not in names
+    assert any(n.startswith(f".{target}.tmp-") for n in names)  # the abandoned temp dir
+    back = MessageBuffer.restore(tmp_path / "snap")  # the earlier snapshot is intact
+    np.testing.assert_array_equal(back.read(np.arange(8)), np.ones((8, 3, 5)))
+    assert back.seen(np.arange(8)).all()
 
 
 def test_restore_into_mismatched_path_raises(tmp_path):
