@@ -257,6 +257,22 @@ class Trainer:
                 totals[k] = totals.get(k, 0.0) + float(v) / count
         return totals
 
+    def _compile(self) -> Callable:
+        """The train step compiled ahead of time for the loader's batch shapes."""
+        batch = self._put_batch(self.train_data.get(self.loader.batch_ids(self.loader.position)))
+        return self._train_step.lower(self.params, self.opt_state, batch).compile()
+
+    def _step_once(self, compiled: Callable) -> tuple:
+        """One step: ``(params, opt_state, metrics, finite, compute_s, extra_logs)``."""
+        batch = self._put_batch(self.loader.next())
+        t0 = time.perf_counter()
+        params, opt_state, metrics, finite = compiled(self.params, self.opt_state, batch)
+        jax.block_until_ready((params, opt_state))
+        return params, opt_state, metrics, finite, time.perf_counter() - t0, []
+
+    def _after_step(self) -> None:
+        """Hook run once a step's state is accepted (before metrics and checkpoints)."""
+
     def run(self, *, resume: bool = False, metrics_cb: Callable | None = None) -> dict[str, Any]:
         """Train to ``cfg.steps``; returns a summary. ``resume`` continues the newest checkpoint."""
         cfg = self.cfg
@@ -280,18 +296,13 @@ class Trainer:
         metrics_path.write_text("".join(line + "\n" for line in kept))
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
 
-        batch = self._put_batch(self.train_data.get(self.loader.batch_ids(self.loader.position)))
-        compiled = self._train_step.lower(self.params, self.opt_state, batch).compile()
+        compiled = self._compile()
         wall0 = time.perf_counter()
         last: dict[str, Any] = {}
         bar = _progress(cfg, self.step)
         with metrics_path.open("a") as out:
             while self.step < cfg.steps:
-                batch = self._put_batch(self.loader.next())
-                t0 = time.perf_counter()
-                params, opt_state, metrics, finite = compiled(self.params, self.opt_state, batch)
-                jax.block_until_ready((params, opt_state))
-                compute_s = time.perf_counter() - t0
+                params, opt_state, metrics, finite, compute_s, extra = self._step_once(compiled)
                 if not bool(finite):
                     raise FloatingPointError(
                         f"step {self.step + 1}: loss, gradients or parameters became non-finite "
@@ -299,7 +310,8 @@ class Trainer:
                     )
                 self.params, self.opt_state = params, opt_state
                 self.step += 1
-                logs = find_logs(self.opt_state)
+                self._after_step()
+                logs = find_logs(self.opt_state) + list(extra)
                 network = self.schedule.at(self.step - 1)
                 comm_s = sum(log_time(log, self.n, network) for log in logs)
                 sent = max((int(np.max(np.asarray(log.sent_bytes))) for log in logs), default=0)
