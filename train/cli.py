@@ -37,11 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_progress:
         cfg = load_config(args.config, [*args.overrides, "progress=false"])
     # Simulated CPU devices must be requested before JAX initialises its backends.
-    flag = f"--xla_force_host_platform_device_count={cfg.workers}"
+    flag = f"--xla_force_host_platform_device_count={cfg.workers * cfg.stages}"
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
     from train.trainer import Trainer
 
+    if cfg.stages > 1:
+        from train.pipeline_trainer import PipelineTrainer as Trainer
     try:
         summary = Trainer(cfg).run(resume=args.resume)
     except (ValueError, FloatingPointError) as e:

@@ -57,6 +57,14 @@ class Config:
         ``keep_checkpoints`` newest kept.
       out_dir: where metrics, plots and checkpoints go ("" means ``runs/<name>``).
       progress: show a progress bar.
+      stages: pipeline stages (``gpt`` only; 1 = pure data parallelism); the mesh is
+        ``workers x stages`` devices.
+      microbatches: GPipe microbatches per step per data replica.
+      boundary: what crosses a stage boundary: ``fp32``, ``directq`` or ``aqsgd``;
+        ``fw_bits``/``bw_bits`` the forward (activation or delta) and backward (activation
+        gradient) bits; ``bw_bits: 0`` sends gradients in float32.
+      buffer_bits: AQ-SGD message buffer storage bits (0 = float32).
+      buffer_dir: keep the message buffers as zarr under this folder ("" = in memory).
     """
 
     name: str = "dp_default"
@@ -79,6 +87,13 @@ class Config:
     keep_checkpoints: int = 3
     out_dir: str = ""
     progress: bool = True
+    stages: int = 1
+    microbatches: int = 4
+    boundary: str = "fp32"
+    fw_bits: int = 4
+    bw_bits: int = 8
+    buffer_bits: int = 0
+    buffer_dir: str = ""
 
     def __post_init__(self) -> None:
         _choice("task", self.task, TASKS)
@@ -101,6 +116,21 @@ class Config:
                 f"{', '.join(OPTIMIZING_AGGREGATORS)} apply their own step sizes and need "
                 f"optimizer='none'; {', '.join(GRADIENT_AGGREGATORS)} need an optimizer"
             )
+        _positive("stages", self.stages)
+        _positive("microbatches", self.microbatches)
+        _choice("boundary", self.boundary, ("fp32", "directq", "aqsgd"))
+        for name, lo in (("fw_bits", 1), ("bw_bits", 0), ("buffer_bits", 0)):
+            value = getattr(self, name)
+            if not lo <= value <= 8:
+                raise ValueError(f"{name} must be an integer in [{lo}, 8], got {value}")
+        if self.stages > 1:
+            if self.task != "gpt":
+                raise ValueError(f"stages={self.stages} needs task='gpt', got {self.task!r}")
+            if self.global_batch % (self.workers * self.microbatches):
+                raise ValueError(
+                    f"global_batch must be a multiple of workers * microbatches = "
+                    f"{self.workers * self.microbatches}, got {self.global_batch}"
+                )
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         from jaxcomm.network import NetworkSchedule
