@@ -208,10 +208,13 @@ def collective_cost(kind: str, n: int) -> tuple[float, float]:
     art_tree              3 L                       3 L
     ====================  ========================  ==========================
 
-    For ``n == 1`` every kind returns ``(0.0, 0.0)``.
+    For ``n == 1`` every collective returns ``(0.0, 0.0)``; ``p2p`` is one message between
+    two devices (e.g. pipeline stages) and always costs ``(1, 1)``.
     """
     _check_kind(kind)
     n = _int("n", n, 1)
+    if kind == "p2p":
+        return (1.0, 1.0)
     if n == 1:
         return (0.0, 0.0)
     L = float(_log2_ceil(n))

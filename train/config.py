@@ -57,6 +57,8 @@ class Config:
         ``keep_checkpoints`` newest kept.
       out_dir: where metrics, plots and checkpoints go ("" means ``runs/<name>``).
       progress: show a progress bar.
+      train_samples: train on the first N samples only (0: all), e.g. to fine-tune over
+        several epochs of the same samples.
       stages: pipeline stages (``gpt`` only; 1 = pure data parallelism); the mesh is
         ``workers x stages`` devices.
       microbatches: GPipe microbatches per step per data replica.
@@ -87,6 +89,7 @@ class Config:
     keep_checkpoints: int = 3
     out_dir: str = ""
     progress: bool = True
+    train_samples: int = 0
     stages: int = 1
     microbatches: int = 4
     boundary: str = "fp32"
@@ -116,6 +119,8 @@ class Config:
                 f"{', '.join(OPTIMIZING_AGGREGATORS)} apply their own step sizes and need "
                 f"optimizer='none'; {', '.join(GRADIENT_AGGREGATORS)} need an optimizer"
             )
+        if self.train_samples < 0:
+            raise ValueError(f"train_samples must be >= 0, got {self.train_samples}")
         _positive("stages", self.stages)
         _positive("microbatches", self.microbatches)
         _choice("boundary", self.boundary, ("fp32", "directq", "aqsgd"))

@@ -237,6 +237,22 @@ class DigitsDataset:
 _DATASETS = {"shakespeare": TextDataset, "digits": DigitsDataset}
 
 
+class Subset:
+    """The first ``size`` samples of a dataset (ids ``0 .. size - 1`` keep their meaning)."""
+
+    def __init__(self, dataset: Any, size: int):
+        if not 1 <= size <= len(dataset):
+            raise ValueError(f"size must be in [1, {len(dataset)}], got {size}")
+        self.dataset, self.size = dataset, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def get(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """Samples by id, validated against the subset's range."""
+        return self.dataset.get(_check_ids(ids, self.size))
+
+
 def get_dataset(name: str, split: str, **kwargs: Any) -> TextDataset | DigitsDataset:
     """Build dataset ``name`` (``"shakespeare"`` or ``"digits"``) for ``split``.
 

@@ -43,7 +43,7 @@ from jaxcomm.network import (
 )
 from models import build_task
 from train.config import DENSE_AGGREGATORS, Config
-from train.data import Loader, get_dataset, shard
+from train.data import Loader, Subset, get_dataset, shard
 
 __all__ = ["Trainer", "make_optimizer", "make_aggregator", "wire_time"]
 
@@ -108,6 +108,8 @@ class Trainer:
         data_kwargs = {"seq_len": self.task.module.cfg.seq_len} if cfg.task == "gpt" else {}
         self.train_data = get_dataset(cfg.dataset, "train", **data_kwargs)
         self.valid_data = get_dataset(cfg.dataset, "valid", **data_kwargs)
+        if cfg.train_samples:
+            self.train_data = Subset(self.train_data, cfg.train_samples)
         self.loader = Loader(self.train_data, cfg.global_batch, seed=cfg.seed, num_shards=self.n)
         self.schedule = NetworkSchedule.parse(cfg.network)
         self.tx = optax.chain(make_aggregator(cfg), make_optimizer(cfg))
