@@ -110,7 +110,7 @@ def analyse(res: dict, batch: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--samples", type=int, default=256, help="fine-tuning set size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/aqsgd")

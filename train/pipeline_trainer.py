@@ -18,6 +18,7 @@ measured bytes) plus the aggregator's collectives, added without overlap: an upp
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from typing import Any
@@ -255,6 +256,11 @@ class PipelineTrainer(Trainer):
         root = self.cfg.run_dir / "buffers" / str(self.step)
         for b, buf in enumerate(self.buffers):
             buf.save(root / f"boundary{b}", overwrite=True)
+        # Keep the snapshots of the checkpoints Orbax keeps, and only those.
+        kept = {str(step) for step in manager.all_steps()}
+        for old in root.parent.iterdir():
+            if old.name not in kept:
+                shutil.rmtree(old, ignore_errors=True)
 
     def restore(self, manager) -> bool:
         """Restore the newest checkpoint and the buffer snapshots saved with it."""
