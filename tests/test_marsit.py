@@ -98,33 +98,13 @@ def test_sign_all_reduce_expectation_is_mean_of_signs(topology):
     assert np.all(np.abs(freq - t) <= 5 * se + 1e-9)
 
 
-def _run_tx(mesh, tx, grads_seq, params):
-    """Apply ``tx`` for len(grads_seq) steps per worker; grads_seq: [T, N, d]."""
-
-    def per_worker(g_seq, p):
-        p = p[0]
-        state = tx.init(p)
-        outs = []
-        for t in range(g_seq.shape[0]):
-            upd, state = tx.update(g_seq[t, 0], state, p)
-            outs.append(upd)
-        return jnp.stack(outs)[None], jax.tree_util.tree_map(lambda a: a[None], state)
-
-    f = jax.shard_map(
-        per_worker, mesh=mesh, in_specs=(P(None, "data"), P("data")), out_specs=P("data")
-    )
-    g = jax.device_put(grads_seq, NamedSharding(mesh, P(None, "data")))
-    p = jax.device_put(params, NamedSharding(mesh, P("data")))
-    return jax.jit(f)(g, p)
-
-
-def test_marsit_rounds_follow_the_algorithm(mesh8):
+def test_marsit_rounds_follow_the_algorithm(mesh8, run_tx):
     """Round 0 is the full-precision average (c = 0); round 1 is one-bit with c = u - g."""
     d, lr_l, lr_g = 37, 0.5, 0.01
     grads = jax.random.normal(jax.random.key(2), (2, N, d))
     params = jnp.zeros((N, d))
     tx = jaxcomm.marsit("data", local_lr=lr_l, global_lr=lr_g, full_sync_every=4)
-    upd, state = _run_tx(mesh8, tx, grads, params)
+    upd, state = run_tx(mesh8, tx, grads, params)
     upd = np.asarray(upd)  # [N, T, d]
     g0 = lr_l * np.asarray(grads[0]).mean(0)
     for w in range(N):
@@ -141,22 +121,22 @@ def test_marsit_rounds_follow_the_algorithm(mesh8):
     assert np.all(np.asarray(state.log.sent_bytes) == 2 * (N - 1) * seg_bytes)
 
 
-def test_marsit_full_sync_every_step_is_psgd(mesh8):
+def test_marsit_full_sync_every_step_is_psgd(mesh8, run_tx):
     d = 50
     grads = jax.random.normal(jax.random.key(3), (3, N, d))
     tx = jaxcomm.marsit("data", local_lr=0.1, global_lr=0.01, full_sync_every=1)
-    upd, state = _run_tx(mesh8, tx, grads, jnp.zeros((N, d)))
+    upd, state = run_tx(mesh8, tx, grads, jnp.zeros((N, d)))
     expect = -0.1 * np.asarray(grads).mean(1)  # [T, d]
     np.testing.assert_allclose(np.asarray(upd)[3], expect, rtol=1e-5, atol=1e-6)
     assert np.all(np.asarray(state.compensation) == 0)
     assert np.all(np.asarray(state.log.sent_bytes) == 2 * (N - 1) * (-(-d // N)) * 4)
 
 
-def test_marsit_one_bit_bytes_are_one_32nd_of_fp32(mesh8):
+def test_marsit_one_bit_bytes_are_one_32nd_of_fp32(mesh8, run_tx):
     d = N * 8 * 1000
     grads = jax.random.normal(jax.random.key(4), (2, N, d))
     tx = jaxcomm.marsit("data", local_lr=0.1, global_lr=0.01, full_sync_every=100)
-    _, state = _run_tx(mesh8, tx, grads, jnp.zeros((N, d)))
+    _, state = run_tx(mesh8, tx, grads, jnp.zeros((N, d)))
     dense = 2 * (N - 1) * (d // N) * 4
     assert int(np.asarray(state.log.sent_bytes)[0]) * 32 == dense
 
@@ -174,13 +154,13 @@ def test_marsit_bad_arguments():
         jaxcomm.marsit("data", local_lr=0.1, global_lr=0.1, full_sync_every=2, topology="torus")
 
 
-def test_marsit_in_optax_chain(mesh8):
+def test_marsit_in_optax_chain(mesh8, run_tx):
     tx = optax.chain(
         optax.clip_by_global_norm(1.0),
         jaxcomm.marsit("data", local_lr=0.1, global_lr=0.01, full_sync_every=2),
     )
     grads = jax.random.normal(jax.random.key(5), (2, N, 10))
-    upd, _ = _run_tx(mesh8, tx, grads, jnp.zeros((N, 10)))
+    upd, _ = run_tx(mesh8, tx, grads, jnp.zeros((N, 10)))
     assert np.all(np.isfinite(np.asarray(upd)))
 
 

@@ -28,26 +28,6 @@ def _mesh(n):
     return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
 
 
-def _run_tx(mesh, tx, grads_seq, params):
-    """Apply ``tx`` for len(grads_seq) steps per worker; grads_seq: [T, N, d]."""
-
-    def per_worker(g_seq, p):
-        p = p[0]
-        state = tx.init(p)
-        outs = []
-        for t in range(g_seq.shape[0]):
-            upd, state = tx.update(g_seq[t, 0], state, p)
-            outs.append(upd)
-        return jnp.stack(outs)[None], jax.tree_util.tree_map(lambda a: a[None], state)
-
-    f = jax.shard_map(
-        per_worker, mesh=mesh, in_specs=(P(None, "data"), P("data")), out_specs=P("data")
-    )
-    g = jax.device_put(grads_seq, NamedSharding(mesh, P(None, "data")))
-    p = jax.device_put(params, NamedSharding(mesh, P("data")))
-    return jax.jit(f)(g, p)
-
-
 def _run_keys(mesh, tx, grads, keys):
     """One step of ``tx`` from a fresh state per key; grads [n, d] -> updates [n, K, d]."""
     key_data = jax.vmap(jax.random.key_data)(keys)  # uint32[K, 2]
@@ -70,7 +50,7 @@ def _run_keys(mesh, tx, grads, keys):
 # ----------------------------------------------------------------------------- signSGD-MV
 
 
-def test_signsgd_mv_is_majority_vote_with_ties_to_zero(mesh8):
+def test_signsgd_mv_is_majority_vote_with_ties_to_zero(mesh8, run_tx):
     """Update = -lr * sign(sum_w sign(g_w)); coordinate j has j % 9 positive voters, so
     coordinates with 4 of 8 positive are ties and get 0. Sent: (N - 1) ceil(d / 8) bytes."""
     d, lr = 29, 0.05
@@ -82,7 +62,7 @@ def test_signsgd_mv_is_majority_vote_with_ties_to_zero(mesh8):
         for j in range(d):
             sign[rng.permutation(N)[: (j + t) % 9], j] = 1.0
         grads[t] = sign * mag
-    upd, state = _run_tx(mesh8, signsgd_mv("data", lr=lr), jnp.asarray(grads), jnp.zeros((N, d)))
+    upd, state = run_tx(mesh8, signsgd_mv("data", lr=lr), jnp.asarray(grads), jnp.zeros((N, d)))
     upd = np.asarray(upd)  # [N, T, d]
     expect = -lr * np.sign(np.sign(grads).sum(1))  # [T, d]
     assert np.any(expect == 0)  # ties were crafted
@@ -97,11 +77,11 @@ def test_signsgd_mv_is_majority_vote_with_ties_to_zero(mesh8):
 # ----------------------------------------------------------------------------- EF-signSGD
 
 
-def test_ef_signsgd_matches_reference_over_two_steps(mesh8):
+def test_ef_signsgd_matches_reference_over_two_steps(mesh8, run_tx):
     """Two steps of p = lr g + e, delta = mean|p| sign(p), e = p - delta, update = -mean delta."""
     d, lr = 45, 0.3
     grads = np.asarray(jax.random.normal(jax.random.key(1), (2, N, d)))
-    upd, state = _run_tx(mesh8, ef_signsgd("data", lr=lr), jnp.asarray(grads), jnp.zeros((N, d)))
+    upd, state = run_tx(mesh8, ef_signsgd("data", lr=lr), jnp.asarray(grads), jnp.zeros((N, d)))
     upd = np.asarray(upd)
     e = np.zeros((N, d))
     for t in range(2):
@@ -145,7 +125,7 @@ def test_ssdm_compressor_is_unbiased_per_worker(mesh8):
     assert not np.array_equal(q[0] > 0, q[1] > 0)  # workers draw differently
 
 
-def test_ssdm_update_is_unbiased_for_mean_momentum(mesh8):
+def test_ssdm_update_is_unbiased_for_mean_momentum(mesh8, run_tx):
     """One step from m = 0: m_w = (1 - beta) g_w; over 2000 keys the update averages to
     -lr mean_w(m_w) within 5 standard errors (lr / N) sqrt(sum_w ||m_w||^2 - m_wj^2) / sqrt(K),
     is identical on all workers, and each payload is ceil(d / 8) + 4 bytes."""
@@ -159,15 +139,15 @@ def test_ssdm_update_is_unbiased_for_mean_momentum(mesh8):
     se = lr / N * np.sqrt(var / k)
     assert np.all(np.abs(upd[0].mean(0) + lr * m.mean(0)) <= 5 * se)
 
-    _, state = _run_tx(mesh8, tx, jnp.asarray(g[None]), jnp.zeros((N, d)))
+    _, state = run_tx(mesh8, tx, jnp.asarray(g[None]), jnp.zeros((N, d)))
     np.testing.assert_allclose(np.asarray(state.momentum), m, rtol=1e-6)
     assert np.all(np.asarray(state.log.sent_bytes) == (N - 1) * (math.ceil(d / 8) + 4))
 
 
-def test_ssdm_momentum_accumulates(mesh8):
+def test_ssdm_momentum_accumulates(mesh8, run_tx):
     d = 10
     g = jax.random.normal(jax.random.key(6), (3, N, d))
-    _, state = _run_tx(mesh8, ssdm("data", lr=0.1, momentum=0.5), g, jnp.zeros((N, d)))
+    _, state = run_tx(mesh8, ssdm("data", lr=0.1, momentum=0.5), g, jnp.zeros((N, d)))
     m = np.zeros((N, d))
     for t in range(3):
         m = 0.5 * m + 0.5 * np.asarray(g[t])
@@ -241,11 +221,11 @@ def test_cascading_deviation_grows_with_workers():
     assert dev8 > 10 * dev2, (dev2, dev8)
 
 
-def test_cascading_sign_hop_messages_are_one_bit(mesh8):
+def test_cascading_sign_hop_messages_are_one_bit(mesh8, run_tx):
     """Each of the 2 (N - 1) hop messages is ceil(s / 8) bytes of bits plus a 4-byte norm."""
     d = 100  # s = 13, padded to 104
     g = jax.random.normal(jax.random.key(7), (2, N, d))
-    upd, state = _run_tx(mesh8, cascading_sign("data", lr=0.1), g, jnp.zeros((N, d)))
+    upd, state = run_tx(mesh8, cascading_sign("data", lr=0.1), g, jnp.zeros((N, d)))
     s = math.ceil(d / N)
     msg = math.ceil(s / 8) + 4
     assert np.all(np.asarray(state.log.sent_bytes) == 2 * (N - 1) * msg)
