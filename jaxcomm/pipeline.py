@@ -150,10 +150,9 @@ def _make_transfer(boundary: Boundary, axis_name: Any, n: int):
         return new_in, new_out, lax.stop_gradient(count(payload, seen_out))
 
     def fwd(y, prev_out, seen_out, prev_in, seen_in, key):
-        return transfer(y, prev_out, seen_out, prev_in, seen_in, key), (key, seen_out, seen_in)
+        return transfer(y, prev_out, seen_out, prev_in, seen_in, key), key
 
-    def bwd(res, cotangents):
-        key, seen_out, seen_in = res
+    def bwd(key, cotangents):
         g_in = cotangents[0]  # gradient w.r.t. what the receiver consumed
         if boundary.bw_bits is None:
             back = lax.ppermute(g_in, axis_name, bwd_perm)
@@ -162,7 +161,6 @@ def _make_transfer(boundary: Boundary, axis_name: Any, n: int):
             bucket = boundary.bw_bucket or g_in.shape[-1]
             q = quantize(g_in, k, bits=boundary.bw_bits, bucket_size=bucket)
             back = dequantize(lax.ppermute(q, axis_name, bwd_perm))
-        del seen_out, seen_in
         # Straight-through: d(received)/d(sent activation) is the identity; the previous
         # messages and flags are state, not differentiated.
         return (back, None, None, None, None, None)

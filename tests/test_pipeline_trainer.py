@@ -85,3 +85,12 @@ def test_pipeline_config_errors():
         Config(stages=2, workers=8, microbatches=4, global_batch=40)
     with pytest.raises(ValueError, match=r"fw_bits must be an integer in \[1, 8\], got 9"):
         Config(stages=2, fw_bits=9)
+
+
+def test_param_count_is_the_models(tmp_path):
+    from models import build_task, param_count
+
+    trainer = PipelineTrainer(_cfg(tmp_path, stages=4, workers=2, global_batch=16))
+    task = build_task("gpt", **MODEL)
+    params = task.init(jax.random.key(0, impl="rbg"), trainer.train_data.get(np.arange(2)))
+    assert trainer.num_params() == param_count(params)

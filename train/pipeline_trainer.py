@@ -18,6 +18,7 @@ measured bytes) plus the aggregator's collectives, added without overlap: an upp
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
 from collections.abc import Callable
@@ -272,6 +273,15 @@ class PipelineTrainer(Trainer):
         ]
         self._pending_reads.clear()
         return True
+
+    def num_params(self) -> int:
+        """Parameters of the model: every stage's blocks, one embedding and one head."""
+
+        def count(tree, lead):
+            return sum(math.prod(a.shape[lead:]) for a in jax.tree_util.tree_leaves(tree))
+
+        p = self.params
+        return count(p["blocks"], 1) + count(p["embed"], 2) + count(p["head"], 2)
 
     def worker_params(self, worker: int = 0) -> Any:
         """Stage-stacked parameters of one data replica as host numpy arrays."""

@@ -352,7 +352,7 @@ class Trainer:
             "resumed": resumed,
             "final_loss": last.get("loss"),
             **{f"valid_{k}": v for k, v in valid.items()},
-            "params": sum(math.prod(a.shape[1:]) for a in jax.tree_util.tree_leaves(self.params)),
+            "params": self.num_params(),
             "sent_bytes_per_step": last.get("sent_bytes"),
             "sim_time_s": self.clock.now,
             "network": cfg.network,
@@ -363,6 +363,10 @@ class Trainer:
 
         plot_metrics(metrics_path, run_dir / "loss.png", title=cfg.name)
         return summary
+
+    def num_params(self) -> int:
+        """Parameters of the model (one worker's copy)."""
+        return sum(math.prod(a.shape[1:]) for a in jax.tree_util.tree_leaves(self.params))
 
     def worker_params(self, worker: int = 0) -> Any:
         """Parameters of one worker as host numpy arrays."""
