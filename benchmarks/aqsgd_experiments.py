@@ -1,17 +1,26 @@
 """AQ-SGD experiments: FP32 vs DirectQ vs AQ-SGD boundaries in pipeline-parallel fine-tuning.
 
-A byte-level GPT is trained on a fixed set of samples of the embedded Shakespeare text for
-several epochs (fine-tuning: every sample is revisited, which is what AQ-SGD's message buffer
-exploits), with 4 and 8 pipeline stages. For each boundary codec and bit setting it records
-the training-loss curve, the bytes that crossed the boundaries (measured from the payloads),
-and a modelled throughput table: sequences per second when the measured step time of this
-machine is added to the time the step's point-to-point messages take at 1 ms latency and
-10 Gbps .. 100 Mbps (no compute/communication overlap, so a lower bound for every method).
+A byte-level GPT (8 layers x 128) is first pre-trained briefly on the embedded Shakespeare
+text (plain data parallelism, ``--pretrain-steps``), then fine-tuned for several epochs on a
+fixed set of samples (every sample is revisited, which is what AQ-SGD's message buffer
+exploits) with 4 and 8 pipeline stages, for every boundary codec at fw2/bw4, fw3/bw6 and
+fw4/bw8. The end-to-end compression runs add data parallelism (2 replicas x 4 stages): the
+paper's fw3/bw6 boundaries with model gradients averaged by the error-compensated 4-bit
+all-reduce (``ec_quantized``), against FP32 and against compressing only one of the two.
 
-    python benchmarks/aqsgd_experiments.py              # ~12 min on 2 CPU cores
+Recorded per run: the training-loss curve; the bytes each device sent per step (measured
+from the payloads); the message-buffer size and the buffer I/O time left on the step's
+critical path (waiting for prefetched reads, issuing writes) next to what the same reads
+and writes take when done synchronously; and a modelled throughput table: sequences per
+second from the measured step time of this machine and the modelled time of the step's
+messages at 1 ms latency and 10 Gbps .. 100 Mbps, both without overlap (compute + comm, a
+lower bound) and with full overlap (max of the two, the paper's model).
+
+    python benchmarks/aqsgd_experiments.py              # ~30 min on 2 CPU cores
     python benchmarks/aqsgd_experiments.py --steps 40   # quicker, noisier
 
-Writes ``table.md``, ``results.json``, ``loss.png`` and ``throughput.png`` under ``--out``.
+Writes ``table.md``, ``results.json``, ``loss.png``, ``e2e.png`` and ``throughput.png`` under
+``--out``.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
 import matplotlib  # noqa: E402
+import numpy as np  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -40,9 +50,12 @@ from jaxcomm import Network  # noqa: E402
 from train.config import Config  # noqa: E402
 from train.pipeline_trainer import PipelineTrainer  # noqa: E402
 from train.plot import read_metrics  # noqa: E402
-from train.trainer import wire_time  # noqa: E402
+from train.trainer import Trainer, wire_time  # noqa: E402
 
 BANDWIDTHS = {"10Gbps": 10e9, "1Gbps": 1e9, "500Mbps": 500e6, "300Mbps": 300e6, "100Mbps": 100e6}
+MODEL = {"num_layers": 8, "width": 128, "num_heads": 4, "seq_len": 64}
+BATCH = 32
+# (label, boundary, fw_bits, bw_bits)
 SETTINGS = [
     ("FP32", "fp32", 4, 0),
     ("DirectQ fw2/bw4", "directq", 2, 4),
@@ -52,30 +65,65 @@ SETTINGS = [
     ("AQ-SGD fw3/bw6", "aqsgd", 3, 6),
     ("AQ-SGD fw4/bw8", "aqsgd", 4, 8),
 ]
-STAGES_8 = {"FP32", "DirectQ fw2/bw4", "AQ-SGD fw2/bw4"}
+# End-to-end compression, 2 data replicas x 4 stages: (label, boundary, fw, bw, aggregator).
+E2E = [
+    ("FP32 + dense DP", "fp32", 4, 0, "ring"),
+    ("AQ-SGD fw3/bw6 + EC 4-bit DP", "aqsgd", 3, 6, "ec_quantized"),
+    ("DirectQ fw3/bw6 + EC 4-bit DP", "directq", 3, 6, "ec_quantized"),
+    ("AQ-SGD fw3/bw6 + dense DP", "aqsgd", 3, 6, "ring"),
+    ("FP32 + EC 4-bit DP", "fp32", 4, 0, "ec_quantized"),
+]
 
 
-def run_one(label, boundary, fw, bw, stages, args, out: Path) -> dict:
-    """Train one setting; returns its metric rows."""
-    run_dir = out / "runs" / f"{label.replace(' ', '_').replace('/', '-')}_s{stages}"
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in text)
+
+
+def pretrain(args, out: Path) -> str:
+    """Briefly pre-train the GPT (data parallel, all training text); returns its params file."""
+    run_dir = out / "runs" / "pretrain"
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = Config(
-        name=f"{label} S={stages}",
+        name="pretrain",
         task="gpt",
-        model={"num_layers": 8, "width": 128, "num_heads": 4, "seq_len": 64},
+        model=MODEL,
         workers=1,
+        global_batch=BATCH,
+        steps=args.pretrain_steps,
+        seed=args.seed,
+        optimizer="adam",
+        lr=3e-3,
+        checkpoint_every=0,
+        out_dir=str(run_dir),
+        progress=False,
+    )
+    summary = Trainer(cfg).run()
+    print(f"pre-trained {args.pretrain_steps} steps: valid loss {summary['valid_loss']:.4f}")
+    return str(run_dir / "params.msgpack")
+
+
+def run_one(label, boundary, fw, bw, stages, workers, aggregator, args, out, init) -> dict:
+    """Fine-tune one setting; returns its metric rows, summary and buffer I/O probe."""
+    run_dir = out / "runs" / f"{_slug(label)}_d{workers}_s{stages}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cfg = Config(
+        name=f"{label} {workers}x{stages}",
+        task="gpt",
+        model=MODEL,
+        workers=workers,
         stages=stages,
         microbatches=4,
-        global_batch=32,
+        global_batch=BATCH,
         train_samples=args.samples,
         steps=args.steps,
         seed=args.seed,
         optimizer="adam",
-        lr=1e-3,
-        aggregator="ring",
+        lr=args.lr,
+        aggregator=aggregator,
         boundary=boundary,
         fw_bits=fw,
         bw_bits=bw,
+        init_params=init,
         eval_every=0,
         checkpoint_every=0,
         out_dir=str(run_dir),
@@ -84,45 +132,87 @@ def run_one(label, boundary, fw, bw, stages, args, out: Path) -> dict:
     trainer = PipelineTrainer(cfg)
     summary = trainer.run()
     rows = read_metrics(run_dir / "metrics.jsonl")
-    return {"label": label, "stages": stages, "rows": rows, "summary": summary}
+    return {
+        "label": label,
+        "stages": stages,
+        "workers": workers,
+        "rows": rows,
+        "summary": summary,
+        "sync_io_s": _sync_io(trainer),
+    }
 
 
-def analyse(res: dict, batch: int) -> dict:
-    """Loss figures, bytes per step and modelled throughput per bandwidth."""
-    rows = res["rows"]
+def _sync_io(trainer: PipelineTrainer, repeats: int = 5) -> float:
+    """Median seconds of one step's buffer reads and writes done synchronously (no overlap)."""
+    if not trainer.buffers:
+        return 0.0
+    ids = trainer.loader.batch_ids(0)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        values = [buf.read(ids) for buf in trainer.buffers]
+        for buf, v in zip(trainer.buffers, values, strict=True):
+            buf.write(ids, np.asarray(v))
+            buf.flush()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def analyse(res: dict) -> dict:
+    """Loss figures, bytes, buffer I/O and modelled throughput per bandwidth."""
+    rows, n = res["rows"], res["workers"]
     tail = rows[-max(1, len(rows) // 10) :]
     compute = statistics.median(r["compute_s"] for r in rows)
     later = rows[len(rows) // 2 :]  # after the first epochs, when samples are revisited
     out = {
         "method": res["label"],
         "stages": res["stages"],
+        "workers": n,
+        "first_loss": rows[0]["loss"],
         "final_loss": sum(r["loss"] for r in tail) / len(tail),
         "valid_loss": res["summary"].get("valid_loss"),
         "bytes_per_step_late": statistics.median(r["sent_bytes"] for r in later),
         "compute_s": compute,
+        "buffer_bytes": res["summary"].get("buffer_bytes", 0),
+        "buffer_wait_s": statistics.median(r.get("buffer_read_wait_s", 0.0) for r in later),
+        "buffer_issue_s": statistics.median(r.get("buffer_write_issue_s", 0.0) for r in later),
+        "buffer_sync_s": res["sync_io_s"],
     }
     for name, bw in BANDWIDTHS.items():
         net = Network(1e-3, bw)
-        comm = statistics.median(wire_time(r["wire"], 1, net) for r in later)
-        out[f"seq_per_s_{name}"] = batch / (compute + comm)
+        comm = statistics.median(wire_time(r["wire"], n, net) for r in later)
+        out[f"comm_s_{name}"] = comm
+        out[f"seq_per_s_{name}"] = BATCH / (compute + comm)
+        out[f"seq_per_s_overlap_{name}"] = BATCH / max(compute, comm)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--steps", type=int, default=100, help="fine-tuning steps per run")
     p.add_argument("--samples", type=int, default=256, help="fine-tuning set size")
+    p.add_argument("--pretrain-steps", type=int, default=200, help="0: fine-tune from random")
+    p.add_argument("--lr", type=float, default=1e-3, help="fine-tuning Adam step size")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end compression runs")
     p.add_argument("--out", default="benchmarks/results/aqsgd")
     args = p.parse_args(argv)
+    for name in ("steps", "samples"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.pretrain_steps < 0:
+        p.error(f"--pretrain-steps must be >= 0, got {args.pretrain_steps}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    todo = [(s, 4) for s in SETTINGS] + [(s, 8) for s in SETTINGS if s[0] in STAGES_8]
     t0 = time.time()
+    init = pretrain(args, out) if args.pretrain_steps else ""
+    todo = [(*s, stages, 1, "ring") for stages in (4, 8) for s in SETTINGS]
+    if not args.no_e2e:
+        todo += [(label, b, fw, bw, 4, 2, agg) for label, b, fw, bw, agg in E2E]
     results = []
-    for (label, boundary, fw, bw), stages in tqdm(todo, desc="aqsgd runs", unit="run"):
-        results.append(run_one(label, boundary, fw, bw, stages, args, out))
-    table = [analyse(r, 32) for r in results]
+    for label, boundary, fw, bw, stages, workers, agg in tqdm(todo, desc="aqsgd", unit="run"):
+        results.append(run_one(label, boundary, fw, bw, stages, workers, agg, args, out, init))
+    table = [analyse(r) for r in results]
     meta = {
         "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
         "date": datetime.date.today().isoformat(),
@@ -132,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.time() - t0, 1),
         "steps": args.steps,
         "samples": args.samples,
+        "pretrain_steps": args.pretrain_steps,
+        "lr": args.lr,
     }
     (out / "results.json").write_text(json.dumps({"meta": meta, "table": table}, indent=2))
     _write_table(out / "table.md", table, meta)
@@ -141,70 +233,160 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_table(path: Path, table: list[dict], meta: dict) -> None:
-    fp32 = {r["stages"]: r for r in table if r["method"] == "FP32"}
+    base = {(r["workers"], r["stages"]): r for r in table if r["method"].startswith("FP32")}
+    start = (
+        f"from a model pre-trained for {meta['pretrain_steps']} steps"
+        if meta["pretrain_steps"]
+        else "from a random init"
+    )
     lines = [
         "# AQ-SGD vs DirectQ vs FP32 pipeline boundaries",
         "",
         f"Command: `{meta['command']}`  ",
         f"Machine: {meta['machine']}, JAX {meta['jax']} ({meta['backend']}), {meta['date']}; "
-        f"wall {meta['wall_s']} s. GPT 8 layers x 128 wide, seq 64, batch 32 in 4 "
-        f"microbatches, Adam 1e-3, {meta['steps']} steps over {meta['samples']} samples "
-        f"({meta['steps'] * 32 / meta['samples']:.0f} epochs).  ",
+        f"wall {meta['wall_s']} s. GPT 8 layers x 128 wide, seq 64, batch {BATCH} in 4 "
+        f"microbatches, Adam {meta['lr']}, {meta['steps']} fine-tuning steps over "
+        f"{meta['samples']} samples ({meta['steps'] * BATCH / meta['samples']:.0f} epochs) "
+        f"{start}.  ",
         "Final loss: mean of the last 10% of steps. Bytes/step: median over the second half "
-        "(samples revisited), the largest stage's forward + backward payloads. Throughput: "
-        "32 / (median measured step time + modelled p2p time at 1 ms latency), no overlap.",
+        "(samples revisited) of what the busiest device sent (forward + backward payloads, "
+        "plus its all-reduce share with data parallelism). Gap: to the FP32 run of the same "
+        "mesh.",
         "",
-        "| method | stages | final loss | gap to FP32 | bytes/step | "
-        + " | ".join(f"seq/s @{b}" for b in BANDWIDTHS)
-        + " |",
-        "|---|---|---|---|---|" + "---|" * len(BANDWIDTHS),
+        "## Loss and bytes",
+        "",
+        "| method | data x stages | final loss | gap to FP32 | bytes/step |",
+        "|---|---|---|---|---|",
     ]
     for r in table:
-        gap = r["final_loss"] - fp32[r["stages"]]["final_loss"]
-        tput = " | ".join(f"{r[f'seq_per_s_{b}']:.1f}" for b in BANDWIDTHS)
+        ref = base[(r["workers"], r["stages"])] if r["workers"] == 1 else None
+        ref = ref or next(x for x in table if x["method"] == "FP32 + dense DP")
+        gap = r["final_loss"] - ref["final_loss"]
         lines.append(
-            f"| {r['method']} | {r['stages']} | {r['final_loss']:.4f} | {gap:+.4f} "
-            f"| {r['bytes_per_step_late']:,.0f} | {tput} |"
+            f"| {r['method']} | {r['workers']} x {r['stages']} | {r['final_loss']:.4f} "
+            f"| {gap:+.4f} | {r['bytes_per_step_late']:,.0f} |"
         )
+    for title, key, note in (
+        ("no overlap", "seq_per_s", "32 / (median step time + modelled comm time)"),
+        ("full overlap", "seq_per_s_overlap", "32 / max(median step time, modelled comm)"),
+    ):
+        lines += [
+            "",
+            f"## Modelled throughput, {title} (sequences / s)",
+            "",
+            f"{note}, 1 ms latency. The step time is this machine's CPU time for all devices "
+            "of the mesh sharing 2 cores, so compute dominates; the comm columns alone are "
+            "hardware independent.",
+            "",
+            "| method | data x stages | compute s | "
+            + " | ".join(f"@{b}" for b in BANDWIDTHS)
+            + " | comm s @100Mbps | speed-up @100Mbps |",
+            "|---|---|---|" + "---|" * len(BANDWIDTHS) + "---|---|",
+        ]
+        for r in table:
+            ref = base.get((r["workers"], r["stages"])) if r["workers"] == 1 else None
+            ref = ref or next(x for x in table if x["method"] == "FP32 + dense DP")
+            tput = " | ".join(f"{r[f'{key}_{b}']:.1f}" for b in BANDWIDTHS)
+            speed = r[f"{key}_100Mbps"] / ref[f"{key}_100Mbps"]
+            lines.append(
+                f"| {r['method']} | {r['workers']} x {r['stages']} | {r['compute_s']:.3f} "
+                f"| {tput} | {r['comm_s_100Mbps']:.4f} | {speed:.2f}x |"
+            )
+    lines += [
+        "",
+        "## Message buffers",
+        "",
+        "Size: all boundaries' buffers (float32, one activation per sample and boundary). "
+        "On the critical path: median per step of waiting for the prefetched reads and of "
+        "copying the new messages to the host and issuing the writes. Synchronous: the same "
+        "reads and writes of one step done one after the other.",
+        "",
+        "| method | data x stages | buffer MB | on critical path ms | synchronous ms |",
+        "|---|---|---|---|---|",
+    ]
+    for r in table:
+        if r["method"].startswith("AQ"):
+            lines.append(
+                f"| {r['method']} | {r['workers']} x {r['stages']} | "
+                f"{r['buffer_bytes'] / 2**20:.1f} | "
+                f"{1e3 * (r['buffer_wait_s'] + r['buffer_issue_s']):.1f} | "
+                f"{1e3 * r['buffer_sync_s']:.1f} |"
+            )
     path.write_text("\n".join(lines) + "\n")
+
+
+def _style(label: str) -> str:
+    return "-" if label.startswith("AQ") else ("--" if "Direct" in label else ":")
 
 
 def _plots(out: Path, results: list[dict], table: list[dict]) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, stages in zip(axes, (4, 8), strict=True):
         for r in results:
-            if r["stages"] != stages:
-                continue
-            style = (
-                "-" if r["label"].startswith("AQ") else ("--" if "Direct" in r["label"] else ":")
-            )
-            ax.plot(
-                [x["step"] for x in r["rows"]],
-                [x["loss"] for x in r["rows"]],
-                style,
-                label=r["label"],
-                lw=1.2,
-            )
+            if r["stages"] == stages and r["workers"] == 1:
+                steps = [x["step"] for x in r["rows"]]
+                ax.plot(
+                    steps,
+                    [x["loss"] for x in r["rows"]],
+                    _style(r["label"]),
+                    lw=1.2,
+                    label=r["label"],
+                )
         ax.set_title(f"{stages} stages")
-        ax.set_xlabel("step")
+        ax.set_xlabel("fine-tuning step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     axes[0].set_ylabel("training loss")
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=110)
     plt.close(fig)
+
+    e2e = [r for r in results if r["workers"] > 1]
+    if e2e:
+        fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for r in e2e:
+            ax.plot(
+                [x["step"] for x in r["rows"]],
+                [x["loss"] for x in r["rows"]],
+                _style(r["label"]),
+                lw=1.2,
+                label=r["label"],
+            )
+        ax.set_title("end-to-end compression, 2 data x 4 stages")
+        ax.set_xlabel("fine-tuning step")
+        ax.set_ylabel("training loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        xs = list(BANDWIDTHS)
+        for r in (t for t in table if t["workers"] > 1):
+            bx.plot(xs, [r[f"comm_s_{b}"] for b in xs], "o-", label=r["method"])
+        bx.set_yscale("log")
+        bx.set_ylabel("modelled comm s / step")
+        bx.set_xlabel("bandwidth (1 ms latency)")
+        bx.grid(alpha=0.3)
+        bx.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "e2e.png", dpi=110)
+        plt.close(fig)
+
     fig, ax = plt.subplots(figsize=(6.5, 4))
     xs = list(BANDWIDTHS)
     for r in table:
-        if r["stages"] == 4 and r["method"] in (
-            "FP32",
-            "DirectQ fw2/bw4",
-            "AQ-SGD fw2/bw4",
-            "AQ-SGD fw4/bw8",
+        if (
+            r["stages"] == 4
+            and r["workers"] == 1
+            and r["method"]
+            in (
+                "FP32",
+                "DirectQ fw2/bw4",
+                "AQ-SGD fw2/bw4",
+                "AQ-SGD fw4/bw8",
+            )
         ):
-            ax.plot(xs, [r[f"seq_per_s_{b}"] for b in xs], "o-", label=r["method"])
-    ax.set_ylabel("sequences / s (modelled)")
+            ax.plot(xs, [r[f"seq_per_s_{b}"] for b in xs], "o-", label=f"{r['method']}")
+    ax.set_ylabel("sequences / s (modelled, no overlap)")
     ax.set_xlabel("bandwidth (1 ms latency)")
+    ax.set_title("4 stages")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

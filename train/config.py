@@ -67,6 +67,9 @@ class Config:
         gradient) bits; ``bw_bits: 0`` sends gradients in float32.
       buffer_bits: AQ-SGD message buffer storage bits (0 = float32).
       buffer_dir: keep the message buffers as zarr under this folder ("" = in memory).
+      init_params: start from the model parameters in this ``params.msgpack`` (every run
+        writes one into its ``out_dir``) instead of a random init, e.g. to fine-tune a
+        briefly pre-trained model; the architecture must match ("" = random init).
     """
 
     name: str = "dp_default"
@@ -97,6 +100,7 @@ class Config:
     bw_bits: int = 8
     buffer_bits: int = 0
     buffer_dir: str = ""
+    init_params: str = ""
 
     def __post_init__(self) -> None:
         _choice("task", self.task, TASKS)
@@ -136,6 +140,8 @@ class Config:
                     f"global_batch must be a multiple of workers * microbatches = "
                     f"{self.workers * self.microbatches}, got {self.global_batch}"
                 )
+        if self.init_params and not Path(self.init_params).is_file():
+            raise ValueError(f"init_params must name an existing file, got {self.init_params!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         from jaxcomm.network import NetworkSchedule

@@ -11,7 +11,7 @@ import optax
 from jaxcomm.pipeline import Boundary, gpipe
 from models import Block, Embed, GPTConfig, Head
 
-__all__ = ["stage_params", "gpt_pipeline_loss"]
+__all__ = ["stage_params", "unstage_params", "gpt_pipeline_loss"]
 
 
 def stage_params(params: Any, cfg: GPTConfig, num_stages: int) -> dict[str, Any]:
@@ -36,6 +36,22 @@ def stage_params(params: Any, cfg: GPTConfig, num_stages: int) -> dict[str, Any]
         "blocks": stack(blocks),
         "head": stack([params["head"]] * num_stages),
     }
+
+
+def unstage_params(staged: Any, cfg: GPTConfig) -> dict[str, Any]:
+    """Inverse of :func:`stage_params`: the GPT's own layout (``embed``, ``block_i``, ``head``).
+
+    ``embed`` is taken from stage 0 and ``head`` from the last stage, the copies that are used.
+    """
+    blocks = staged["blocks"]
+    num_stages = jax.tree_util.tree_leaves(blocks)[0].shape[0]
+    k = cfg.num_layers // num_stages
+    out: dict[str, Any] = {"embed": jax.tree_util.tree_map(lambda a: a[0], staged["embed"])}
+    for i in range(cfg.num_layers):
+        s, j = divmod(i, k)
+        out[f"block_{i}"] = jax.tree_util.tree_map(lambda a, s=s, j=j: a[s, j], blocks)
+    out["head"] = jax.tree_util.tree_map(lambda a: a[-1], staged["head"])
+    return out
 
 
 def gpt_pipeline_loss(cfg: GPTConfig, *, boundary: Boundary | None = None, axis_name="stage"):

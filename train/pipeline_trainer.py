@@ -37,7 +37,7 @@ from jaxcomm.pipeline import BoundaryState
 from models import GPTConfig
 from train.config import Config
 from train.data import Loader
-from train.pipeline import gpt_pipeline_loss, stage_params
+from train.pipeline import gpt_pipeline_loss, stage_params, unstage_params
 from train.trainer import AXIS, Trainer, _all_finite
 
 __all__ = ["PipelineTrainer"]
@@ -88,8 +88,7 @@ class PipelineTrainer(Trainer):
         cfg = self.cfg
         self.gpt_cfg: GPTConfig = self.task.module.cfg
         self.micro = cfg.global_batch // (cfg.workers * cfg.microbatches)
-        sample = self.train_data.get(np.arange(2))
-        params = self.task.init(jax.random.key(cfg.seed, impl="rbg"), sample)
+        params = self._initial_params()
         staged = stage_params(params, self.gpt_cfg, self.stages)
         stacked = jax.tree_util.tree_map(
             lambda a: jax.device_put(
@@ -106,6 +105,7 @@ class PipelineTrainer(Trainer):
         )
         opt_state = jax.jit(init)(stacked)
         act = (self.gpt_cfg.seq_len, self.gpt_cfg.width)
+        # Only AQ-SGD needs previous messages; the other boundaries ignore them.
         self.buffers = [
             jaxcomm.MessageBuffer(
                 len(self.train_data),
@@ -113,9 +113,11 @@ class PipelineTrainer(Trainer):
                 storage_bits=cfg.buffer_bits or None,
                 path=(f"{cfg.buffer_dir}/boundary{b}" if cfg.buffer_dir else None),
             )
-            for b in range(self.stages - 1)
+            for b in range(self.stages - 1 if cfg.boundary == "aqsgd" else 0)
         ]
         self._pending_reads: dict[int, list] = {}
+        self._io: dict[str, float] = {}
+        self._zero_state: BoundaryState | None = None
         self._last_ids: np.ndarray | None = None
         self._last_state: Any = None
         return stacked, opt_state
@@ -170,20 +172,39 @@ class PipelineTrainer(Trainer):
         return {"tokens": jax.device_put(tokens, self.by_data)}
 
     def _boundary_state(self, ids: np.ndarray, reads: list | None) -> BoundaryState:
-        """Previous messages of the batch for every device: ``[D, S, M, mb, T, W]``."""
+        """Previous messages of the batch for every device: ``[D, S, M, mb, T, W]``.
+
+        Adds to ``self._io``: seconds blocked on the buffer reads (``buffer_read_wait_s``)
+        and spent building the host arrays and putting them on the devices (``buffer_copy_s``).
+        """
+        if not self.buffers and self._zero_state is not None:
+            return self._zero_state  # boundaries without previous messages
         d, s, m = self.cfg.workers, self.stages, self.cfg.microbatches
         t, w = self.gpt_cfg.seq_len, self.gpt_cfg.width
+        t0 = time.perf_counter()
         values = np.zeros((d, s, m, self.micro, t, w), np.float32)
         seen = np.zeros((d, s, m, self.micro), bool)
         prev_in, prev_out = values.copy(), values
         seen_in, seen_out = seen.copy(), seen
-        for b in range(s - 1):
-            handle = reads[b] if reads else self.buffers[b].read_async(ids)
-            v = handle.result().reshape(d, m, self.micro, t, w)
-            f = handle.seen().reshape(d, m, self.micro)
+        wait = 0.0
+        for b, buf in enumerate(self.buffers):
+            handle = reads[b] if reads else buf.read_async(ids)
+            t1 = time.perf_counter()
+            v, f = handle.result(), handle.seen()
+            wait += time.perf_counter() - t1
+            v = v.reshape(d, m, self.micro, t, w)
+            f = f.reshape(d, m, self.micro)
             prev_out[:, b], seen_out[:, b] = v, f
             prev_in[:, b + 1], seen_in[:, b + 1] = v, f
-        return jax.device_put(BoundaryState(prev_in, prev_out, seen_in, seen_out), self.sharded)
+        state = jax.device_put(BoundaryState(prev_in, prev_out, seen_in, seen_out), self.sharded)
+        jax.block_until_ready(state)
+        if not self.buffers:
+            self._zero_state = state
+        self._io["buffer_read_wait_s"] = self._io.get("buffer_read_wait_s", 0.0) + wait
+        self._io["buffer_copy_s"] = (
+            self._io.get("buffer_copy_s", 0.0) + time.perf_counter() - t0 - wait
+        )
+        return state
 
     def _compile(self) -> Callable:
         ids = self.loader.batch_ids(self.loader.position)
@@ -197,6 +218,7 @@ class PipelineTrainer(Trainer):
         ids = self.loader.batch_ids(position)
         batch = self._micro(self.train_data.get(ids))
         reads = self._pending_reads.pop(position, None)
+        self._io = {}
         state = self._boundary_state(ids, reads)
         self.loader.position = position + 1
         key = jax.random.fold_in(jax.random.key(self.cfg.seed), position)
@@ -212,15 +234,30 @@ class PipelineTrainer(Trainer):
     def _after_step(self) -> None:
         """Write the new messages back and prefetch the next batch's (same ids never race:
         a buffer read waits for pending writes of its ids)."""
-        if self.stages > 1:
+        if self.buffers:
+            t0 = time.perf_counter()
             prev_out = np.asarray(self._last_state.prev_out)  # [D, S, M, mb, T, W]
+            t1 = time.perf_counter()
             t, w = self.gpt_cfg.seq_len, self.gpt_cfg.width
             for b, buf in enumerate(self.buffers):
                 buf.write_async(self._last_ids, prev_out[:, b].reshape(-1, t, w))
-        nxt = self.loader.position
-        if self.step < self.cfg.steps:
-            ids = self.loader.batch_ids(nxt)
-            self._pending_reads[nxt] = [buf.read_async(ids) for buf in self.buffers]
+            nxt = self.loader.position
+            if self.step < self.cfg.steps:
+                ids = self.loader.batch_ids(nxt)
+                self._pending_reads[nxt] = [buf.read_async(ids) for buf in self.buffers]
+            self._io["buffer_copy_s"] = self._io.get("buffer_copy_s", 0.0) + t1 - t0
+            self._io["buffer_issue_s"] = time.perf_counter() - t1
+
+    def _step_extras(self) -> dict[str, float]:
+        """Message-buffer time on the step's critical path, in seconds: blocked on the
+        prefetched reads (``buffer_read_wait_s``), issuing the writes and the next reads
+        (``buffer_issue_s``), and the host/device copies of the messages (``buffer_copy_s``)."""
+        return dict(self._io)
+
+    def _summary_extras(self) -> dict[str, Any]:
+        """Message-buffer footprint: bytes per boundary and in all."""
+        per = [buf.nbytes for buf in self.buffers]
+        return {"buffer_bytes_per_boundary": per[0] if per else 0, "buffer_bytes": sum(per)}
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss through the pipeline (FP32 boundaries, no buffer)."""
@@ -254,6 +291,8 @@ class PipelineTrainer(Trainer):
         for buf in self.buffers:
             buf.flush()
         super().save(manager)
+        if not self.buffers:
+            return
         root = self.cfg.run_dir / "buffers" / str(self.step)
         for b, buf in enumerate(self.buffers):
             buf.save(root / f"boundary{b}", overwrite=True)
@@ -269,7 +308,7 @@ class PipelineTrainer(Trainer):
             return False
         root = self.cfg.run_dir / "buffers" / str(self.step)
         self.buffers = [
-            jaxcomm.MessageBuffer.restore(root / f"boundary{b}") for b in range(self.stages - 1)
+            jaxcomm.MessageBuffer.restore(root / f"boundary{b}") for b in range(len(self.buffers))
         ]
         self._pending_reads.clear()
         return True
@@ -286,3 +325,7 @@ class PipelineTrainer(Trainer):
     def worker_params(self, worker: int = 0) -> Any:
         """Stage-stacked parameters of one data replica as host numpy arrays."""
         return jax.tree_util.tree_map(lambda a: np.asarray(a)[worker], self.params)
+
+    def model_params(self) -> Any:
+        """Data replica 0's parameters in the GPT's own layout (stages joined)."""
+        return unstage_params(self.worker_params(0), self.gpt_cfg)

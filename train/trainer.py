@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from flax import serialization
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -45,7 +47,14 @@ from models import build_task
 from train.config import DENSE_AGGREGATORS, Config
 from train.data import Loader, Subset, get_dataset, shard
 
-__all__ = ["Trainer", "make_optimizer", "make_aggregator", "wire_time"]
+__all__ = [
+    "Trainer",
+    "make_optimizer",
+    "make_aggregator",
+    "wire_time",
+    "save_model_params",
+    "load_model_params",
+]
 
 AXIS = "data"
 
@@ -123,10 +132,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
 
-    def _init_state(self) -> tuple[Any, Any]:
+    def _initial_params(self) -> Any:
+        """The model's parameters before step 1: ``cfg.init_params`` if set, else random."""
         sample = self.train_data.get(np.arange(min(2, len(self.train_data))))
         # The rbg generator compiles far faster than threefry for many parameter shapes.
         params = self.task.init(jax.random.key(self.cfg.seed, impl="rbg"), sample)
+        if self.cfg.init_params:
+            params = load_model_params(self.cfg.init_params, params)
+        return params
+
+    def _init_state(self) -> tuple[Any, Any]:
+        params = self._initial_params()
         stacked = jax.tree_util.tree_map(
             lambda a: jax.device_put(jnp.broadcast_to(a, (self.n, *a.shape)), self.sharded),
             params,
@@ -275,6 +291,14 @@ class Trainer:
     def _after_step(self) -> None:
         """Hook run once a step's state is accepted (before metrics and checkpoints)."""
 
+    def _step_extras(self) -> dict[str, float]:
+        """Hook: extra per-step metrics for the JSONL row (none here)."""
+        return {}
+
+    def _summary_extras(self) -> dict[str, Any]:
+        """Hook: extra entries for ``summary.json`` (none here)."""
+        return {}
+
     def run(self, *, resume: bool = False, metrics_cb: Callable | None = None) -> dict[str, Any]:
         """Train to ``cfg.steps``; returns a summary. ``resume`` continues the newest checkpoint."""
         cfg = self.cfg
@@ -316,7 +340,8 @@ class Trainer:
                 logs = find_logs(self.opt_state) + list(extra)
                 network = self.schedule.at(self.step - 1)
                 comm_s = sum(log_time(log, self.n, network) for log in logs)
-                sent = max((int(np.max(np.asarray(log.sent_bytes))) for log in logs), default=0)
+                # Every collective of the step (e.g. pipeline p2p and data-parallel all-reduce).
+                sent = sum(int(np.max(np.asarray(log.sent_bytes))) for log in logs)
                 sim = self.clock.tick(compute_s, comm_s)
                 last = {
                     "step": self.step,
@@ -328,6 +353,7 @@ class Trainer:
                     "latency_s": network.latency_s,
                     "bandwidth_bps": network.bandwidth_bps,
                     "wire": _wire_record(logs),
+                    **self._step_extras(),
                 }
                 if cfg.eval_every and self.step % cfg.eval_every == 0:
                     last.update({f"valid_{k}": v for k, v in self.evaluate().items()})
@@ -357,8 +383,10 @@ class Trainer:
             "sim_time_s": self.clock.now,
             "network": cfg.network,
             "wall_s": time.perf_counter() - wall0,
+            **self._summary_extras(),
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        save_model_params(run_dir / "params.msgpack", self.model_params())
         from train.plot import plot_metrics
 
         plot_metrics(metrics_path, run_dir / "loss.png", title=cfg.name)
@@ -371,6 +399,52 @@ class Trainer:
     def worker_params(self, worker: int = 0) -> Any:
         """Parameters of one worker as host numpy arrays."""
         return jax.tree_util.tree_map(lambda a: np.asarray(a)[worker], self.params)
+
+    def model_params(self) -> Any:
+        """Worker 0's parameters in the model's own layout (what ``init_params`` loads)."""
+        return self.worker_params(0)
+
+
+def save_model_params(path: str | os.PathLike, params: Any) -> None:
+    """Write a parameter tree to ``path`` as msgpack, atomically (temporary file, rename)."""
+    path = os.fspath(path)
+    data = serialization.msgpack_serialize(
+        serialization.to_state_dict(jax.tree_util.tree_map(np.asarray, params))
+    )
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_model_params(path: str | os.PathLike, template: Any) -> Any:
+    """Read parameters written by :func:`save_model_params` into ``template``'s structure.
+
+    Raises ``ValueError`` naming the first leaf whose path, shape or dtype differs.
+    """
+    with open(path, "rb") as f:
+        state = serialization.msgpack_restore(f.read())
+    want = jax.tree_util.tree_flatten_with_path(serialization.to_state_dict(template))[0]
+    got = dict(jax.tree_util.tree_flatten_with_path(state)[0])
+    for key, leaf in want:
+        name = jax.tree_util.keystr(key)
+        if key not in got:
+            raise ValueError(f"init_params {os.fspath(path)!r} has no parameter {name}")
+        have = np.asarray(got.pop(key))
+        if have.shape != np.shape(leaf) or have.dtype != np.asarray(leaf).dtype:
+            raise ValueError(
+                f"init_params {os.fspath(path)!r}: parameter {name} is {have.dtype}"
+                f"{list(have.shape)}, the model needs {np.asarray(leaf).dtype}"
+                f"{list(np.shape(leaf))}"
+            )
+    if got:
+        extra = jax.tree_util.keystr(next(iter(got)))
+        raise ValueError(
+            f"init_params {os.fspath(path)!r} has a parameter the model lacks: {extra}"
+        )
+    return serialization.from_state_dict(template, state)
 
 
 def _wire_record(logs: list[CommLog]) -> list[list]:
