@@ -56,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _format_summary(s: dict) -> str:
     lines = ["", "== summary =="]
+    width = max((len(k) for k in s), default=0)
     for key, value in s.items():
         if isinstance(value, float):
             value = f"{value:.4g}"
-        lines.append(f"{key:>22}: {value}")
+        lines.append(f"{key:>{width}}: {value}")
     return "\n".join(lines) if s else json.dumps(s)
