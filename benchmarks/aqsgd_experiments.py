@@ -27,10 +27,8 @@ Writes ``table.md``, ``results.json``, ``loss.png``, ``e2e.png`` and ``throughpu
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -39,12 +37,12 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax  # noqa: E402
 import matplotlib  # noqa: E402
 import numpy as np  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from _meta import run_meta  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from jaxcomm import Network  # noqa: E402
@@ -232,18 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     for label, boundary, fw, bw, stages, workers, agg in tqdm(todo, desc="aqsgd", unit="run"):
         results.append(run_one(label, boundary, fw, bw, stages, workers, agg, args, out, init))
     table = [analyse(r) for r in results]
-    meta = {
-        "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "wall_s": round(time.time() - t0, 1),
-        "steps": args.steps,
-        "samples": args.samples,
-        "pretrain_steps": args.pretrain_steps,
-        "lr": args.lr,
-    }
+    meta = run_meta(
+        argv,
+        t0,
+        steps=args.steps,
+        samples=args.samples,
+        pretrain_steps=args.pretrain_steps,
+        lr=args.lr,
+    )
     return _finish(out, results, table, meta)
 
 

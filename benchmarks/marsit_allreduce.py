@@ -16,11 +16,9 @@ Writes ``marsit_allreduce.md`` / ``.json`` / ``.png`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -33,6 +31,7 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from _meta import run_meta  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
@@ -112,14 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         expect = (2 * (N - 1) * math.ceil(seg / 8), 2 * (N - 1) * seg * 4)
         if (r["marsit_bytes"], r["ring_bytes"]) != expect:
             raise AssertionError(f"byte counts {r} differ from the formula {expect}")
-    meta = {
-        "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "backend": jax.default_backend(),
-        "devices": N,
-        "jax": jax.__version__,
-    }
+    meta = run_meta(argv, devices=N)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "marsit_allreduce.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

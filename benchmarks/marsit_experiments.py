@@ -22,10 +22,8 @@ step actually sent (recomputed per network from each step's wire record).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -37,6 +35,7 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from _meta import run_meta  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from jaxcomm import Network  # noqa: E402
@@ -240,16 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         table.append(row)
         curves[f"{v['name']} n={v['workers']}"] = best["rows"]
     bar.close()
-    meta = {
-        "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores",
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "wall_s": round(time.time() - t0, 1),
-        "steps": args.steps,
-        "target_accuracy": args.target,
-    }
+    meta = run_meta(argv, t0, steps=args.steps, target_accuracy=args.target)
     (out / "results.json").write_text(json.dumps({"meta": meta, "table": table}, indent=2))
     _write_table(out / "table.md", table, meta, args.target)
     _plots(out, table, curves)
