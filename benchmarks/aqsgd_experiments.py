@@ -186,7 +186,7 @@ def analyse(res: dict) -> dict:
     }
     for name, bw in BANDWIDTHS.items():
         net = Network(1e-3, bw)
-        comm = statistics.median(wire_time(r["wire"], n, net) for r in later)
+        comm = statistics.median(wire_time(r["wire"], net) for r in later)
         out[f"comm_s_{name}"] = comm
         out[f"seq_per_s_{name}"] = BATCH / (compute + comm)
         out[f"seq_per_s_overlap_{name}"] = BATCH / max(compute, comm)

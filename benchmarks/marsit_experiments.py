@@ -199,7 +199,7 @@ def analyse(v: dict, res: dict, target: float) -> dict:
     for label, net in NETWORKS.items():
         t, comm, hit, comm_hit = 0.0, 0.0, None, None
         for r in rows:
-            step_comm = wire_time(r["wire"], n, net)
+            step_comm = wire_time(r["wire"], net)
             t += r["compute_s"] + step_comm
             comm += step_comm
             if hit is None and r.get("valid_accuracy", 0.0) >= target:
@@ -295,7 +295,7 @@ def _plots(out: Path, table: list[dict], curves: dict) -> None:
         a.plot([r["step"] for r in ev], [r["valid_accuracy"] for r in ev], label=label)
         t, ts = 0.0, []
         for r in rows:
-            t += r["compute_s"] + wire_time(r["wire"], 8, NETWORKS["1ms,1Gbps"])
+            t += r["compute_s"] + wire_time(r["wire"], NETWORKS["1ms,1Gbps"])
             if "valid_accuracy" in r:
                 ts.append(t)
         b.plot(ts, [r["valid_accuracy"] for r in ev], label=label)

@@ -5,7 +5,9 @@ from jaxcomm.aggregate import (
     ECQuantizedState,
     dense_allreduce,
     ec_quantized_allreduce,
+    worker_state,
 )
+from jaxcomm.audit import CollectiveOp, Traffic, WireAudit, wire_audit
 from jaxcomm.buffer import BufferRead, MessageBuffer
 from jaxcomm.codecs import (
     Quantized,
@@ -26,13 +28,14 @@ from jaxcomm.codecs import (
 from jaxcomm.collectives import (
     broadcast,
     join_segments,
+    replicated,
     ring_all_gather,
     ring_all_reduce,
     ring_reduce_scatter,
     split_segments,
     tree_all_reduce,
 )
-from jaxcomm.marsit import MarsitState, marsit, sign_all_reduce, sign_merge
+from jaxcomm.marsit import MarsitState, SignReduced, marsit, sign_all_reduce, sign_merge
 from jaxcomm.signsgd import (
     CascadingState,
     EFSignState,
@@ -62,6 +65,8 @@ from jaxcomm.network import (
     Network,
     NetworkSchedule,
     SimClock,
+    Wire,
+    as_bytes,
     choose_collective,
     collective_cost,
     collective_time,
@@ -69,6 +74,8 @@ from jaxcomm.network import (
     find_logs,
     log_collective,
     log_time,
+    log_wire,
+    merge_logs,
 )
 from jaxcomm.pipeline import (
     Boundary,

@@ -24,13 +24,21 @@ from jax.flatten_util import ravel_pytree
 from jaxcomm._checks import axis_size, check_choice, check_int
 from jaxcomm.codecs import dequantize, payload_bytes, quantize
 from jaxcomm.collectives import (
+    all_to_all,
+    all_to_all_wire,
+    as_varying,
     join_segments,
+    psum_wire,
+    replicated,
     ring_all_gather,
+    ring_all_gather_wire,
     ring_all_reduce,
+    ring_all_reduce_wire,
     split_segments,
     tree_all_reduce,
+    tree_all_reduce_wire,
 )
-from jaxcomm.network import CommLog, empty_log, log_collective
+from jaxcomm.network import CommLog, empty_log, log_wire
 
 __all__ = [
     "DenseState",
@@ -39,7 +47,19 @@ __all__ = [
     "ec_quantized_allreduce",
     "ring_sent_bytes",
     "tree_sent_bytes",
+    "worker_state",
 ]
+
+
+def worker_state(state: Any, axis_name: Any) -> Any:
+    """Type a per-worker state pytree as varying over ``axis_name`` (inside ``shard_map``).
+
+    Aggregator state (residuals, counters, keys, logs) differs between workers after the
+    first update, so ``init`` returns it typed that way too; then ``init`` and ``update``
+    agree and the state can be a ``lax.scan`` carry or a ``lax.cond`` operand with
+    ``check_vma=True``. Outside ``shard_map`` nothing changes.
+    """
+    return as_varying(state, axis_name)
 
 
 class DenseState(NamedTuple):
@@ -58,9 +78,13 @@ def ring_sent_bytes(segment: Any, n: int) -> int:
 
 
 def tree_sent_bytes(message: Any, n: int) -> int:
-    """Bytes the busiest worker sends in a binomial-tree all-reduce of ``message``."""
-    rounds = max(0, (n - 1).bit_length())
-    return 2 * rounds * payload_bytes(message)
+    """Bytes the busiest worker sends in :func:`jaxcomm.tree_all_reduce` of ``message``.
+
+    That is the root, which forwards the result ``ceil(log2 N)`` times in the broadcast
+    (every other device sends once in the reduce and at most ``ceil(log2 N) - 1`` times in
+    the broadcast); :func:`jaxcomm.collectives.tree_all_reduce_wire` has every device's count.
+    """
+    return max(tree_all_reduce_wire(message, n).sent, default=0)
 
 
 def dense_allreduce(axis_name: Any, *, reduce: str = "psum") -> optax.GradientTransformation:
@@ -68,18 +92,29 @@ def dense_allreduce(axis_name: Any, *, reduce: str = "psum") -> optax.GradientTr
 
     Args:
       axis_name: the data-parallel mesh axis.
-      reduce: ``"psum"`` (XLA's built-in all-reduce, logged with ring all-reduce costs),
-        ``"ring"`` (:func:`jaxcomm.ring_all_reduce`) or ``"tree"``
+      reduce: ``"psum"`` (XLA's built-in all-reduce, logged as kind ``allreduce`` with ring
+        costs), ``"ring"`` (:func:`jaxcomm.ring_all_reduce`) or ``"tree"``
         (:func:`jaxcomm.tree_all_reduce`).
 
     Returns:
-      A ``GradientTransformation`` whose updates are the worker-averaged gradients.
+      A ``GradientTransformation`` whose updates are the worker-averaged gradients, identical
+      on every worker and typed as replicated over ``axis_name`` (so replicated parameters,
+      ``out_specs=P()``, work with ``check_vma=True``).
+
+    Example::
+
+        tx = optax.chain(jaxcomm.dense_allreduce("data", reduce="ring"), optax.adam(1e-3))
+
+        def per_worker(params, state, batch):      # inside jax.shard_map over "data"
+            grads = jax.grad(loss_fn)(params, batch)
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
     """
     check_choice("reduce", reduce, ("psum", "ring", "tree"))
 
     def init_fn(params):
         del params
-        return DenseState(empty_log())
+        return worker_state(DenseState(empty_log()), axis_name)
 
     def update_fn(updates, state, params=None):
         del params, state
@@ -89,18 +124,17 @@ def dense_allreduce(axis_name: Any, *, reduce: str = "psum") -> optax.GradientTr
         # flat: f32[d], this worker's gradient
         if reduce == "psum":
             total = lax.psum(flat, axis_name)
+            wire = psum_wire(flat, n)
         elif reduce == "ring":
             total = ring_all_reduce(flat, axis_name)
+            seg = jax.eval_shape(lambda v: split_segments(v, n)[0], flat)
+            wire = ring_all_reduce_wire(seg, n, message_bytes=payload_bytes(flat))
         else:
             total = tree_all_reduce(flat, axis_name)
+            wire = tree_all_reduce_wire(flat, n)
         mean = unravel(total / n)
-        nbytes = payload_bytes(flat)
-        if reduce == "tree":
-            log = log_collective(empty_log(), "tree_allreduce", nbytes, tree_sent_bytes(flat, n))
-        else:
-            seg = jax.eval_shape(lambda v: split_segments(v, n)[0], flat)
-            log = log_collective(empty_log(), "ring_allreduce", nbytes, ring_sent_bytes(seg, n))
-        return mean, DenseState(log)
+        log = log_wire(empty_log(), wire, lax.axis_index(axis_name))
+        return mean, worker_state(DenseState(log), axis_name)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -130,8 +164,9 @@ def ec_quantized_allreduce(
     error to the gradient, cuts it into ``N`` segments and quantizes each to ``bits`` bits
     (nearest rounding; the error feedback absorbs the bias); an all-to-all hands segment ``j``
     of every worker to worker ``j``, which averages them, adds its own segment error,
-    re-quantizes and all-gathers the result. Every message on the wire is ``bits``-bit codes
-    plus one float32 scale per bucket.
+    re-quantizes and all-gathers the result (a ring). Every message on the wire is
+    ``bits``-bit codes plus one float32 scale per bucket; a NaN or Inf in any worker's
+    gradient makes its bucket's scale non-finite, so it reaches every worker's update.
 
     Args:
       axis_name: data-parallel axis.
@@ -139,8 +174,8 @@ def ec_quantized_allreduce(
       bucket_size: elements per scale.
 
     Returns:
-      A ``GradientTransformation`` whose updates are the (compressed) averaged gradients;
-      chain an optimizer after it.
+      A ``GradientTransformation`` whose updates are the (compressed) averaged gradients,
+      identical on every worker (typed as replicated); chain an optimizer after it.
     """
     bits = check_int("bits", bits, lo=1, hi=8)
     bucket_size = check_int("bucket_size", bucket_size, lo=1)
@@ -152,11 +187,12 @@ def ec_quantized_allreduce(
         # Needs the axis size for the segment length: call init inside shard_map too.
         n = axis_size(axis_name)
         flat, _ = ravel_pytree(params)
-        return ECQuantizedState(
+        state = ECQuantizedState(
             worker_error=jnp.zeros(flat.shape, jnp.float32),
             server_error=jnp.zeros((-(-flat.shape[0] // n),), jnp.float32),
             log=empty_log(),
         )
+        return worker_state(state, axis_name)
 
     def update_fn(updates, state, params=None):
         del params
@@ -168,16 +204,19 @@ def ec_quantized_allreduce(
         sent_back = jax.vmap(dequantize)(q)
         worker_error = join_segments(segments - sent_back, v.shape)
         # Phase 1: worker j receives every worker's segment j.
-        mine = jax.tree_util.tree_map(lambda a: lax.all_to_all(a, axis_name, 0, 0, tiled=False), q)
+        mine = all_to_all(q, axis_name)
         avg = jnp.mean(jax.vmap(dequantize)(mine), axis=0) + state.server_error  # f32[s]
         q2 = encode(avg)
         server_error = avg - dequantize(q2)
         # Phase 2: every worker gets every averaged segment.
         gathered = ring_all_gather(q2, axis_name)
         out = join_segments(jax.vmap(dequantize)(gathered), v.shape)
-        seg_bytes = payload_bytes(q2)
-        log = log_collective(empty_log(), "ring_reduce_scatter", n * seg_bytes, (n - 1) * seg_bytes)
-        log = log_collective(log, "ring_allgather", n * seg_bytes, (n - 1) * seg_bytes)
-        return unravel(out.astype(flat.dtype)), ECQuantizedState(worker_error, server_error, log)
+        chunk = jax.tree_util.tree_map(lambda a: a[0], q)  # one worker-to-worker message
+        log = log_wire(empty_log(), all_to_all_wire(chunk, n))
+        log = log_wire(log, ring_all_gather_wire(q2, n))
+        state = ECQuantizedState(worker_error, server_error, log)
+        return unravel(replicated(out, axis_name).astype(flat.dtype)), worker_state(
+            state, axis_name
+        )
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -14,10 +14,12 @@ bit per element. A ring all-gather circulates the merged bits unchanged. The glo
 ``full_sync_every``-th round is a full-precision ring average ``g = mean_w(u)`` with
 ``c_w = 0``. The 2-D torus variant merges along mesh rows, then columns, then gathers back.
 
-Deviations, both documented where they occur: rounds are counted from 0, so round 0 (when
+Deviations, documented where they occur: rounds are counted from 0, so round 0 (when
 ``c = 0`` anyway) is a full-precision round; the Bernoulli masks are built directly as packed
 words from random bits, with a randomised truncation of ``1/m`` that keeps each bit's
-probability exactly ``1/m`` in expectation.
+probability exactly ``1/m`` in expectation; every one-bit hop message carries one extra byte,
+the OR of the merged workers' non-finite flags, so that a NaN or Inf in one worker's
+gradient reaches every worker's update (a sign bit cannot carry it).
 """
 
 from __future__ import annotations
@@ -32,19 +34,24 @@ from jax import lax
 from jax.flatten_util import ravel_pytree
 
 from jaxcomm._checks import axis_size, check_choice, check_float, check_int, is_concrete
+from jaxcomm.aggregate import worker_state
 from jaxcomm.codecs import pack_bits, unpack_bits
 from jaxcomm.collectives import (
-    as_varying,
     join_segments,
+    replicated,
     ring_all_gather,
+    ring_all_gather_wire,
     ring_all_reduce,
+    ring_all_reduce_wire,
     ring_reduce_scatter,
+    ring_reduce_scatter_wire,
     split_segments,
 )
-from jaxcomm.network import CommLog, empty_log, log_collective
+from jaxcomm.network import CommLog, Wire, empty_log, log_wire
 
 __all__ = [
     "MarsitState",
+    "SignReduced",
     "bernoulli_words",
     "sign_merge",
     "sign_all_reduce",
@@ -127,63 +134,101 @@ def sign_merge(
     return jnp.where(m <= 1, local, merged)
 
 
-def _merge_ring(words: jax.Array, axis_name: Any, key: jax.Array) -> jax.Array:
-    """Reduce-scatter packed words ``[N, w]`` with :func:`sign_merge` at every hop."""
-    me = lax.axis_index(axis_name)
+class SignReduced(NamedTuple):
+    """Result of :func:`sign_all_reduce`.
+
+    Attributes:
+      bits: ``bool[d]`` the merged bits, the same on every worker (typed as replicated).
+      finite: ``bool[]`` False when some worker's ``x`` held a NaN or Inf.
+      wires: the collectives that ran, for :func:`jaxcomm.network.log_wire`.
+    """
+
+    bits: jax.Array
+    finite: jax.Array
+    wires: tuple[Wire, ...]
+
+
+def _device_key(key: jax.Array, axis_name: Any) -> jax.Array:
+    """``key`` made distinct on every device of ``axis_name`` (a name or a tuple of names:
+    the position on all of them, so a torus's columns do not share their rows' draws)."""
+    return jax.random.fold_in(key, lax.axis_index(axis_name))
+
+
+def _merge_ring(words: jax.Array, flag: jax.Array, axis_name: Any, key: jax.Array):
+    """Reduce-scatter packed words ``[N, w]`` with :func:`sign_merge` at every hop.
+
+    Each hop message is a segment's words plus one flag byte (OR of the merged workers'
+    non-finite flags). ``key`` must already differ between devices.
+    """
+
+    def init(segment):
+        return segment, flag
 
     def combine(received, segment, step):
-        k = jax.random.fold_in(jax.random.fold_in(key, me), step)
-        return sign_merge(received, segment, k, step + 2)
+        r_words, r_flag = received
+        merged = sign_merge(r_words, segment, jax.random.fold_in(key, step), step + 2)
+        return merged, r_flag | flag
 
-    return ring_reduce_scatter(words, axis_name, combine=combine)
+    return ring_reduce_scatter(words, axis_name, combine=combine, init=init)
 
 
 def sign_all_reduce(
     x: jax.Array, axis_name: Any, key: jax.Array, *, topology: str = "ring"
-) -> tuple[jax.Array, int]:
+) -> SignReduced:
     """Marsit's one-bit all-reduce of the signs of ``x``.
+
+    Every hop carries one bit per element plus one byte: the OR of the non-finite flags of
+    the workers merged so far, so a NaN or Inf anywhere is known everywhere (``finite``).
 
     Args:
       x: ``f32[d]`` this worker's vector (only its signs travel).
       axis_name: the ring axis (``topology="ring"``), or ``(row_axis, col_axis)`` for
         ``topology="torus"``.
-      key: PRNG key; the merge draws are made distinct per worker and hop inside.
+      key: PRNG key, the same on every worker; the merge draws are made distinct per worker
+        (its position on every axis) and hop inside.
       topology: ``"ring"`` or ``"torus"``.
 
     Returns:
-      ``(bits, sent_bytes)``: ``bool[d]``, the merged bits (the same on every worker), each
-      1 with probability equal to the fraction of workers whose ``x`` is positive there; and
-      the bytes this worker sent (Python int, counted from the packed payloads).
+      :class:`SignReduced`: the merged bits, each 1 with probability equal to the fraction
+      of workers whose ``x`` is positive there; the finite flag; the collectives that ran.
     """
     check_choice("topology", topology, ("ring", "torus"))
     x = jnp.ravel(x)
+    flag = jnp.any(~jnp.isfinite(x)).astype(jnp.uint8)[None]  # uint8[1]
     if topology == "ring":
         n = axis_size(axis_name)
         segments = split_segments(x, n)  # [n, s]
         words = pack_bits(segments > 0)  # [n, ceil(s / 8)]
-        merged = _merge_ring(words, axis_name, key)
-        gathered = ring_all_gather(merged, axis_name)
-        bits = unpack_bits(gathered, segments.shape[1])
-        sent = 2 * (n - 1) * merged.size
-        return join_segments(bits, x.shape), sent
+        merged = _merge_ring(words, flag, axis_name, _device_key(key, axis_name))  # ([w], [1])
+        g_words, g_flags = ring_all_gather(merged, axis_name)
+        bits = join_segments(unpack_bits(g_words, segments.shape[1]), x.shape)
+        finite = ~jnp.any(g_flags > 0)
+        return SignReduced(bits, finite, (ring_all_reduce_wire(merged, n),))
     if not (isinstance(axis_name, tuple) and len(axis_name) == 2):
         raise ValueError(
             f"topology='torus' needs axis_name=(row_axis, col_axis), got {axis_name!r}"
         )
     rows, cols = axis_name
     r, c = axis_size(rows), axis_size(cols)
+    me = _device_key(key, (rows, cols))
     segments = split_segments(x, r)  # [r, s]
     words = pack_bits(segments > 0)  # [r, w]
-    row_merged = _merge_ring(words, rows, jax.random.fold_in(key, 1))  # [w], over my row
-    w = row_merged.shape[0]
-    sub = split_segments(row_merged, c)  # [c, ceil(w / c)], uint8 zero-padded
-    col_key = jax.random.fold_in(jax.random.fold_in(key, 2), lax.axis_index(rows))
-    col_merged = _merge_ring(sub, cols, col_key)  # merges c row-groups of equal size
-    full_row = join_segments(ring_all_gather(col_merged, cols), (w,))
-    gathered = ring_all_gather(full_row, rows)  # [r, w]
-    bits = unpack_bits(gathered, segments.shape[1])
-    sent = 2 * (r - 1) * w + 2 * (c - 1) * col_merged.size
-    return join_segments(bits, x.shape), sent
+    row_words, row_flag = _merge_ring(words, flag, rows, jax.random.fold_in(me, 1))  # [w]
+    w = row_words.shape[0]
+    sub = split_segments(row_words, c)  # [c, ceil(w / c)], uint8 zero-padded
+    col_merged = _merge_ring(sub, row_flag, cols, jax.random.fold_in(me, 2))  # c row groups
+    col_words, col_flags = ring_all_gather(col_merged, cols)
+    full_row = (join_segments(col_words, (w,)), jnp.max(col_flags, axis=0))
+    g_words, g_flags = ring_all_gather(full_row, rows)  # [r, w], [r, 1]
+    bits = join_segments(unpack_bits(g_words, segments.shape[1]), x.shape)
+    finite = ~jnp.any(g_flags > 0)
+    wires = (
+        ring_reduce_scatter_wire((row_words, row_flag), r),
+        ring_reduce_scatter_wire(col_merged, c),
+        ring_all_gather_wire(col_merged, c),
+        ring_all_gather_wire(full_row, r),
+    )
+    return SignReduced(bits, finite, wires)
 
 
 class MarsitState(NamedTuple):
@@ -257,12 +302,13 @@ def marsit(
 
     def init_fn(params):
         flat, _ = ravel_pytree(params)
-        return MarsitState(
+        state = MarsitState(
             count=jnp.zeros((), jnp.int32),
             compensation=jnp.zeros(flat.shape, jnp.float32),
             key=jax.random.key_data(jax.random.key(seed)),
             log=empty_log(),
         )
+        return worker_state(state, axes)
 
     def update_fn(updates, state, params=None):
         del params
@@ -273,26 +319,32 @@ def marsit(
         # u: f32[d] = local step + compensation
         u = local_lr * flat.astype(jnp.float32) + state.compensation
         key, next_key = jax.random.split(jax.random.wrap_key_data(state.key))
-        dense_bytes = 4 * u.shape[0]
+        ring_axes = axes if len(axes) > 1 else axes[0]
 
         def full_round(u):
-            g = ring_all_reduce(u, axes if len(axes) > 1 else axes[0]) / n
-            seg = split_segments(u, n)[0]
-            log = log_collective(
-                empty_log(), "ring_allreduce", dense_bytes, 2 * (n - 1) * seg.nbytes
-            )
-            return g, jnp.zeros_like(u) * u, log
+            g = ring_all_reduce(u, ring_axes) / n
+            seg = jax.eval_shape(lambda v: split_segments(v, n)[0], u)
+            wire = ring_all_reduce_wire(seg, n, message_bytes=4 * u.shape[0])
+            log = log_wire(empty_log(), wire)
+            return g, jnp.zeros_like(u), log
 
         def one_bit_round(u):
-            bits, sent = sign_all_reduce(u, axis_name, key, topology=topology)
-            g = global_lr * (2.0 * bits.astype(jnp.float32) - 1.0)
-            log = log_collective(empty_log(), "ring_allreduce", -(-u.shape[0] // 8), sent)
+            reduced = sign_all_reduce(u, axis_name, key, topology=topology)
+            g = global_lr * (2.0 * reduced.bits.astype(jnp.float32) - 1.0)
+            g = jnp.where(reduced.finite, g, jnp.nan)
+            log = empty_log()
+            for wire in reduced.wires:
+                log = log_wire(log, wire)
             return g, u - g, log
 
-        g, comp, log = lax.cond(
+        def typed(out):
+            g, comp, log = out
+            return replicated(g, axes), worker_state((comp, log), axes)
+
+        g, (comp, log) = lax.cond(
             state.count % k == 0,
-            lambda v: as_varying(full_round(v), axes),
-            lambda v: as_varying(one_bit_round(v), axes),
+            lambda v: typed(full_round(v)),
+            lambda v: typed(one_bit_round(v)),
             u,
         )
         new_state = MarsitState(
@@ -301,6 +353,6 @@ def marsit(
             key=jax.random.key_data(next_key),
             log=log,
         )
-        return unravel((-g).astype(flat.dtype)), new_state
+        return unravel((-g).astype(flat.dtype)), worker_state(new_state, axes)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -11,8 +11,11 @@ For the compressed kinds (``ag_topk``, ``art_ring``, ``art_tree``) ``M`` is the 
 size and the bandwidth term is ``b * M * c * beta`` with compression ratio ``c`` in (0, 1].
 
 Training code records what it puts on the wire in a :class:`CommLog` (jit-friendly arrays kept
-in optimizer state); the host turns it into modelled seconds with :func:`log_time` and adds them
-to a :class:`SimClock`, with the network taken from a :class:`NetworkSchedule`.
+in optimizer state): the bytes each worker sent, and the rounds and bytes of the algorithm that
+ran, each collective describing itself with a :class:`Wire`. The host turns a log into modelled
+seconds with :func:`log_time` and adds them to a :class:`SimClock`, with the network taken from a
+:class:`NetworkSchedule`. :func:`jaxcomm.wire_audit` reads the same quantities from a compiled
+program, so the logs can be checked against what the program actually moves.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ __all__ = [
     "Network",
     "NetworkSchedule",
     "SimClock",
+    "Wire",
+    "as_bytes",
+    "as_words",
     "choose_collective",
     "collective_cost",
     "collective_time",
@@ -43,11 +49,17 @@ __all__ = [
     "find_logs",
     "log_collective",
     "log_time",
+    "log_wire",
+    "merge_logs",
+    "words_add",
+    "words_table",
 ]
 
 KINDS: tuple[str, ...] = (
     "p2p",
     "ps",
+    "allreduce",
+    "alltoall",
     "ring_allreduce",
     "ring_reduce_scatter",
     "ring_allgather",
@@ -58,7 +70,11 @@ KINDS: tuple[str, ...] = (
     "art_ring",
     "art_tree",
 )
-"""Collective kinds known to the cost model; also the index order of :class:`CommLog` arrays."""
+"""Collective kinds known to the cost model; also the index order of :class:`CommLog` arrays.
+
+``allreduce`` and ``alltoall`` are XLA's own collectives (``lax.psum``, ``lax.all_to_all``),
+costed as the bandwidth-optimal ring and the pairwise exchange; the ``ring_*`` and ``tree_*``
+kinds are jaxcomm's ``ppermute`` implementations."""
 
 COMPRESSED_KINDS: tuple[str, ...] = ("ag_topk", "art_ring", "art_tree")
 """Kinds whose message size is the dense size ``M`` and whose cost also depends on ``ratio``."""
@@ -69,8 +85,6 @@ _KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
 _LATENCY_UNITS = {"": 0, "s": 0, "ms": -3, "us": -6, "µs": -6}
 _BANDWIDTH_UNITS = {"": 0, "bps": 0, "kbps": 3, "mbps": 6, "gbps": 9}
 _QUANTITY_RE = re.compile(r"^\s*([0-9.eE+\-]+)\s*([a-zA-Zµ]*)\s*$")
-
-_INT32_MAX = 2**31 - 1
 
 
 # --------------------------------------------------------------------------- validation helpers
@@ -197,6 +211,8 @@ def collective_cost(kind: str, n: int) -> tuple[float, float]:
     ====================  ========================  ==========================
     p2p                   1                         1
     ps                    2                         2 (N-1)
+    allreduce             2 (N-1)                   2 (N-1) / N   (XLA's, as a ring)
+    alltoall              N-1                       (N-1) / N     (pairwise exchange)
     ring_allreduce        2 (N-1)                   2 (N-1) / N
     ring_reduce_scatter   N-1                       (N-1) / N
     ring_allgather        N-1                       (N-1) / N
@@ -222,6 +238,8 @@ def collective_cost(kind: str, n: int) -> tuple[float, float]:
     table = {
         "p2p": (1.0, 1.0),
         "ps": (2.0, 2.0 * nm1),
+        "allreduce": (2.0 * nm1, 2.0 * nm1 / n),
+        "alltoall": (nm1, nm1 / n),
         "ring_allreduce": (2.0 * nm1, 2.0 * nm1 / n),
         "ring_reduce_scatter": (nm1, nm1 / n),
         "ring_allgather": (nm1, nm1 / n),
@@ -425,26 +443,92 @@ class NetworkSchedule:
 
 # ------------------------------------------------------------------------------------ CommLog
 
+# Byte counts travel in jitted state, where JAX (without x64) has no 64-bit integers; they are
+# kept as two uint32 words ``[..., 2] = (low, high)``, exact up to 2**64 - 1 bytes.
+_WORD = 1 << 32
+
+
+def _wide_const(value: int) -> np.ndarray:
+    return np.array([value % _WORD, value // _WORD], np.uint32)
+
+
+def as_words(value: Any, name: str = "value") -> jax.Array:
+    """A non-negative byte count as ``uint32[2]`` words ``(low, high)`` (traceable).
+
+    ``value`` is a Python int (any size below ``2**64``), an integer scalar array (``int32`` or
+    ``uint32``; traced ones are taken as non-negative), or already a ``uint32[..., 2]`` word
+    pair. Concrete values are validated and the error names ``name``.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer number of bytes >= 0; got {value!r}")
+    if isinstance(value, (int, np.integer)):
+        v = int(value)
+        if not 0 <= v < _WORD * _WORD:
+            raise ValueError(f"{name} must be in [0, 2**64) bytes; got {value!r}")
+        return jnp.asarray(_wide_const(v))
+    arr = value if isinstance(value, jax.core.Tracer) else jnp.asarray(value)
+    if arr.dtype == jnp.uint32 and arr.ndim >= 1 and arr.shape[-1] == 2:
+        return arr
+    if arr.shape != () or not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise ValueError(
+            f"{name} must be an integer scalar number of bytes >= 0 (or uint32[2] words); "
+            f"got {value!r}"
+        )
+    if not isinstance(arr, jax.core.Tracer) and int(arr) < 0:
+        raise ValueError(f"{name} must be in [0, 2**64) bytes; got {value!r}")
+    low = arr.astype(jnp.uint32)
+    return jnp.stack([low, jnp.zeros_like(low)])
+
+
+def words_add(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Sum of two ``uint32[..., 2]`` byte counts, with the carry from the low word."""
+    low = a[..., 0] + b[..., 0]
+    carry = (low < a[..., 0]).astype(jnp.uint32)
+    return jnp.stack([low, a[..., 1] + b[..., 1] + carry], axis=-1)
+
+
+def words_table(values: Any) -> jax.Array:
+    """Python ints ``[n]`` as a constant ``uint32[n, 2]`` table (index it with a traced int)."""
+    return jnp.asarray(np.stack([_wide_const(int(v)) for v in values]))
+
+
+def as_bytes(words: Any) -> np.ndarray:
+    """Host value of ``uint32[..., 2]`` byte-count words: ``int64[...]`` (exact below 2**63)."""
+    w = np.asarray(words).astype(np.uint64)
+    return (w[..., 0] | (w[..., 1] << np.uint64(32))).astype(np.int64)
+
 
 class CommLog(NamedTuple):
     """What one training step put on the wire, per worker, as jit-friendly arrays.
 
     Kept inside aggregator state so it flows out of a jitted step. Indexed by :data:`KINDS`.
+    Byte counts are ``uint32[..., 2]`` words (exact 64-bit counts; read them on the host with
+    :func:`as_bytes`).
+
+    The modelled time of the step's communication is ``sum(rounds) * alpha +
+    sum(path_bytes) * beta`` (:func:`log_time`): ``rounds`` counts the sequential messages of
+    the algorithm that ran (``2 (N - 1)`` for a ring all-reduce, ``2 ceil(log2 N)`` for a
+    tree), ``path_bytes`` the bytes along that chain of messages. Both are recorded by the
+    algorithm itself, so a torus, a tree or an all-to-all is costed as it runs;
+    :func:`collective_time` gives the same numbers from the paper's formulas where they apply.
 
     Attributes:
-      calls: int32[len(KINDS)], number of collectives of each kind this step.
-      message_bytes: int32[len(KINDS)], sum over those calls of their message size M (bytes;
-        the dense size for compressed kinds).
-      sent_bytes: int32[], bytes this worker actually sent (measured from payload sizes).
-      ratio: float32[len(KINDS)], compression ratio c of the ag_topk/art_* kinds (1.0
-        elsewhere); with several calls it is the message-size-weighted mean, so that
-        ``message_bytes * ratio`` is the total compressed size.
+      calls: ``int32[K]`` collectives of each kind this step.
+      message_bytes: ``uint32[K, 2]`` sum of their message sizes ``M`` (the dense size for
+        the compressed kinds).
+      sent_bytes: ``uint32[2]`` bytes this worker sent, measured from the payloads.
+      ratio: ``float32[K]`` compression ratio ``c`` of the ``ag_topk``/``art_*`` kinds (1.0
+        elsewhere); with several calls, the message-size-weighted mean.
+      rounds: ``int32[K]`` sequential message rounds (latency terms).
+      path_bytes: ``uint32[K, 2]`` bytes along the sequential rounds (bandwidth terms).
     """
 
     calls: jax.Array
     message_bytes: jax.Array
     sent_bytes: jax.Array
     ratio: jax.Array
+    rounds: jax.Array
+    path_bytes: jax.Array
 
 
 def empty_log() -> CommLog:
@@ -452,23 +536,42 @@ def empty_log() -> CommLog:
     k = len(KINDS)
     return CommLog(
         calls=jnp.zeros((k,), jnp.int32),
-        message_bytes=jnp.zeros((k,), jnp.int32),
-        sent_bytes=jnp.zeros((), jnp.int32),
+        message_bytes=jnp.zeros((k, 2), jnp.uint32),
+        sent_bytes=jnp.zeros((2,), jnp.uint32),
         ratio=jnp.ones((k,), jnp.float32),
+        rounds=jnp.zeros((k,), jnp.int32),
+        path_bytes=jnp.zeros((k, 2), jnp.uint32),
     )
 
 
-def _concrete_check_bytes(name: str, value: Any) -> None:
-    if isinstance(value, jax.core.Tracer):
-        return
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer number of bytes >= 0; got {value!r}")
-    arr = np.asarray(value)
-    if arr.shape != () or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{name} must be an integer scalar number of bytes >= 0; got {value!r}")
-    v = int(arr)
-    if not 0 <= v <= _INT32_MAX:
-        raise ValueError(f"{name} must be in [0, 2**31 - 1] bytes (int32); got {value!r}")
+@dataclasses.dataclass(frozen=True)
+class Wire:
+    """Traffic of one collective call as its algorithm runs it (static, host side).
+
+    Built by the collectives (e.g. :func:`jaxcomm.collectives.ring_all_reduce_wire`) from the
+    payload they move and the message pattern they use, and recorded with :func:`log_wire`.
+
+    Attributes:
+      kind: one of :data:`KINDS`.
+      message_bytes: the message size ``M`` (bytes).
+      rounds: sequential message rounds.
+      path_bytes: bytes along those rounds (the largest message of each round, summed).
+      sent: bytes each device on the axis sends, indexed by axis position.
+      ratio: compression ratio of the compressed kinds (1.0 otherwise).
+    """
+
+    kind: str
+    message_bytes: int
+    rounds: int
+    path_bytes: int
+    sent: tuple[int, ...]
+    ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_kind(self.kind)
+        for name in ("message_bytes", "rounds", "path_bytes"):
+            _int(name, getattr(self, name), 0)
+        object.__setattr__(self, "sent", tuple(_int("sent", s, 0) for s in self.sent))
 
 
 def log_collective(
@@ -477,20 +580,25 @@ def log_collective(
     message_bytes: Any,
     sent_bytes: Any,
     *,
+    rounds: int,
+    path_bytes: Any,
     ratio: Any = 1.0,
     calls: int = 1,
 ) -> CommLog:
     """Record ``calls`` collectives of ``kind`` (total message size ``message_bytes`` bytes).
 
-    Pure and jit-able: ``kind`` and ``calls`` are static Python values; ``message_bytes`` and
-    ``sent_bytes`` (bytes this worker sent) are Python ints or int32 scalars, ``ratio`` a Python
-    float or float32 scalar (compression ratio c; must be 1.0 for uncompressed kinds). Concrete
-    values are validated; traced ones are taken as they are.
+    Pure and jit-able: ``kind``, ``calls`` and ``rounds`` are static Python ints;
+    ``message_bytes``, ``sent_bytes`` (bytes this worker sent) and ``path_bytes`` are Python
+    ints, integer scalars or ``uint32[2]`` words (see :func:`as_words`); ``ratio`` a float or
+    float32 scalar (compression ratio c; must be 1.0 for uncompressed kinds). Concrete values
+    are validated; traced ones are taken as they are.
     """
     i = _check_kind(kind)
     calls = _int("calls", calls, 1)
-    _concrete_check_bytes("message_bytes", message_bytes)
-    _concrete_check_bytes("sent_bytes", sent_bytes)
+    rounds = _int("rounds", rounds, 0)
+    mb = as_words(message_bytes, "message_bytes")
+    sb = as_words(sent_bytes, "sent_bytes")
+    pb = as_words(path_bytes, "path_bytes")
     if not isinstance(ratio, jax.core.Tracer):
         r = _check_ratio(np.asarray(ratio).item() if np.ndim(ratio) == 0 else ratio)
         if kind not in COMPRESSED_KINDS and r != 1.0:
@@ -498,53 +606,92 @@ def log_collective(
                 f"ratio must be 1.0 for kind {kind!r} (only {', '.join(COMPRESSED_KINDS)} take "
                 f"a compression ratio); got {ratio!r}"
             )
-    mb = jnp.asarray(message_bytes, jnp.int32)
-    sb = jnp.asarray(sent_bytes, jnp.int32)
     r = jnp.asarray(ratio, jnp.float32)
-    old_mb = log.message_bytes[i]
-    new_mb = old_mb + mb
-    weighted = (
-        log.ratio[i] * old_mb.astype(jnp.float32) + r * mb.astype(jnp.float32)
-    ) / jnp.maximum(new_mb.astype(jnp.float32), 1.0)
-    new_ratio = jnp.where(new_mb > 0, weighted, r)
+    old = log.message_bytes[i]
+    new = words_add(old, mb)
+
+    def approx(w):
+        return w[..., 0].astype(jnp.float32) + w[..., 1].astype(jnp.float32) * float(_WORD)
+
+    weighted = (log.ratio[i] * approx(old) + r * approx(mb)) / jnp.maximum(approx(new), 1.0)
+    new_ratio = jnp.where(approx(new) > 0, weighted, r)
     return CommLog(
         calls=log.calls.at[i].add(jnp.int32(calls)),
-        message_bytes=log.message_bytes.at[i].add(mb),
-        sent_bytes=log.sent_bytes + sb,
+        message_bytes=log.message_bytes.at[i].set(new),
+        sent_bytes=words_add(log.sent_bytes, sb),
         ratio=log.ratio.at[i].set(new_ratio.astype(jnp.float32)),
+        rounds=log.rounds.at[i].add(jnp.int32(rounds)),
+        path_bytes=log.path_bytes.at[i].set(words_add(log.path_bytes[i], pb)),
     )
 
 
-def log_time(log: CommLog, n: int, network: Network) -> float:
+def log_wire(log: CommLog, wire: Wire, index: Any = None, *, calls: int = 1) -> CommLog:
+    """Record ``calls`` runs of ``wire`` for the device at axis position ``index``.
+
+    ``index`` (a traced ``lax.axis_index`` or a Python int) picks this device's entry of
+    ``wire.sent``; it may be None only when every device sends the same.
+    """
+    if not isinstance(wire, Wire):
+        raise TypeError(f"wire must be a Wire, got {type(wire).__name__}")
+    calls = _int("calls", calls, 1)
+    if index is None:
+        if len(set(wire.sent)) > 1:
+            raise ValueError(
+                f"wire.sent differs between devices ({wire.sent}); pass index=lax.axis_index(...)"
+            )
+        sent = as_words(calls * wire.sent[0]) if wire.sent else as_words(0)
+    else:
+        sent = words_table([calls * s for s in wire.sent])[index]
+    return log_collective(
+        log,
+        wire.kind,
+        calls * wire.message_bytes,
+        sent,
+        rounds=calls * wire.rounds,
+        path_bytes=calls * wire.path_bytes,
+        ratio=wire.ratio,
+        calls=calls,
+    )
+
+
+def merge_logs(*logs: CommLog) -> CommLog:
+    """One :class:`CommLog` holding everything the given logs hold (same leading axes)."""
+    if not logs:
+        return empty_log()
+    out = logs[0]
+    for log in logs[1:]:
+        total = words_add(out.message_bytes, log.message_bytes)
+
+        def approx(w):
+            return w[..., 0].astype(jnp.float32) + w[..., 1].astype(jnp.float32) * float(_WORD)
+
+        weighted = out.ratio * approx(out.message_bytes) + log.ratio * approx(log.message_bytes)
+        ratio = jnp.where(approx(total) > 0, weighted / jnp.maximum(approx(total), 1.0), 1.0)
+        out = CommLog(
+            calls=out.calls + log.calls,
+            message_bytes=total,
+            sent_bytes=words_add(out.sent_bytes, log.sent_bytes),
+            ratio=ratio.astype(jnp.float32),
+            rounds=out.rounds + log.rounds,
+            path_bytes=words_add(out.path_bytes, log.path_bytes),
+        )
+    return out
+
+
+def log_time(log: CommLog, network: Network) -> float:
     """Modelled communication seconds of a step's :class:`CommLog` (host side, numpy).
 
-    Sums :func:`collective_time` over kinds with ``calls > 0`` (``calls`` repeats the alpha
-    term). Fields may be numpy or jax arrays, optionally with leading axes (e.g. one per worker);
-    then the time is computed per worker and the maximum is returned.
+    ``sum(rounds) * alpha + sum(path_bytes) * beta``. Fields may be numpy or jax arrays,
+    optionally with leading axes (e.g. one per worker); then the time is computed per worker
+    and the maximum is returned.
     """
-    n = _int("n", n, 1)
+    if not isinstance(network, Network):
+        raise ValueError(f"network must be a Network; got {network!r}")
     k = len(KINDS)
-    calls = np.asarray(log.calls).reshape(-1, k)
-    mbytes = np.asarray(log.message_bytes).reshape(-1, k)
-    ratio = np.asarray(log.ratio, dtype=np.float64).reshape(-1, k)
-    worst = 0.0
-    for w in range(calls.shape[0]):
-        total = 0.0
-        for i, kind in enumerate(KINDS):
-            c = int(calls[w, i])
-            if c <= 0:
-                continue
-            r = float(np.clip(ratio[w, i], np.finfo(np.float32).tiny, 1.0))
-            total += collective_time(
-                kind,
-                float(mbytes[w, i]),
-                n,
-                network,
-                ratio=r if kind in COMPRESSED_KINDS else 1.0,
-                calls=c,
-            )
-        worst = max(worst, total)
-    return worst
+    rounds = np.asarray(log.rounds).reshape(-1, k).sum(axis=1)
+    path = as_bytes(np.asarray(log.path_bytes).reshape(-1, k, 2)).sum(axis=1)
+    per_worker = rounds * network.latency_s + path.astype(np.float64) * network.beta
+    return float(per_worker.max()) if per_worker.size else 0.0
 
 
 def find_logs(tree: Any) -> list[CommLog]:

@@ -16,7 +16,12 @@ the method has one). :func:`cascading_sign` is the naive multi-hop alternative o
 paper's Sec. 3.2: a ring reduce-scatter whose every hop decompresses, adds and recompresses.
 
 Every state holds a :class:`~jaxcomm.network.CommLog` whose ``sent_bytes`` is counted from the
-payload arrays that actually crossed the wire (:func:`~jaxcomm.codecs.payload_bytes`).
+payload arrays that actually crossed the wire (:func:`~jaxcomm.codecs.payload_bytes`), and
+whose rounds are those of the ring all-gather (``N - 1``) or ring all-reduce that runs.
+
+Non-finite gradients: a NaN or Inf in any worker's gradient reaches every worker's update.
+Payloads with a float scale carry it there; signSGD-MV's payload has no float, so it carries
+one extra byte, the worker's non-finite flag.
 
 Sign convention on the wire (:class:`~jaxcomm.codecs.SignCode`): bit 1 means ``+``, bit 0 means
 ``-``; a deterministic sign of an exact zero is sent as ``-``.
@@ -33,11 +38,10 @@ from jax import lax
 from jax.flatten_util import ravel_pytree
 
 from jaxcomm._checks import axis_size, check_float, check_int
-from jaxcomm.aggregate import ring_sent_bytes
+from jaxcomm.aggregate import worker_state
 from jaxcomm.codecs import (
     SignCode,
     pack_bits,
-    payload_bytes,
     sign_decode,
     sign_encode,
     unpack_bits,
@@ -45,10 +49,12 @@ from jaxcomm.codecs import (
 from jaxcomm.collectives import (
     join_segments,
     ring_all_gather,
+    ring_all_gather_wire,
+    ring_all_reduce_wire,
     ring_reduce_scatter,
     split_segments,
 )
-from jaxcomm.network import CommLog, empty_log, log_collective
+from jaxcomm.network import CommLog, empty_log, log_wire
 
 __all__ = [
     "SignMVState",
@@ -93,6 +99,11 @@ def stochastic_sign_encode(x: jax.Array, key: jax.Array) -> SignCode:
     return SignCode(pack_bits(plus), norm, tuple(x.shape), jnp.dtype(x.dtype).name)
 
 
+def _nonfinite_flag(x: jax.Array) -> jax.Array:
+    """``uint8[1]``: 1 when ``x`` holds a NaN or Inf, else 0 (one byte on the wire)."""
+    return jnp.any(~jnp.isfinite(x)).astype(jnp.uint8)[None]
+
+
 def _decode_all(gathered: SignCode) -> jax.Array:
     """Decode ``N`` gathered :class:`SignCode` payloads (leading axis ``N``) to ``f32[N, n]``."""
     return jax.vmap(sign_decode)(gathered).astype(jnp.float32)
@@ -123,7 +134,8 @@ def signsgd_mv(axis_name: Any, *, lr: float) -> optax.GradientTransformation:
     ``g > 0``, so an exact zero votes ``-``); a ring all-gather gives every worker all ``N``
     votes (``N * ceil(d / 8)`` bytes gathered, ``(N - 1) * ceil(d / 8)`` sent per worker), and
     every worker applies ``-lr * sign(sum_w sign(g_w))``. Ties (possible for even ``N``) give
-    0: no step on that coordinate.
+    0: no step on that coordinate. The payload also carries one byte, set when the worker's
+    gradient holds a NaN or Inf; then every worker's update is NaN.
 
     Args:
       axis_name: data-parallel mesh axis, bound by the enclosing ``shard_map``.
@@ -131,13 +143,14 @@ def signsgd_mv(axis_name: Any, *, lr: float) -> optax.GradientTransformation:
 
     Returns:
       A ``GradientTransformation`` whose state is a :class:`SignMVState`. Logged as one
-      ``"allgather"`` with ``message_bytes = ceil(d / 8)`` (this worker's payload).
+      ``"ring_allgather"`` of ``ceil(d / 8) + 1``-byte payloads.
     """
     lr = check_float("lr", lr, lo=0.0, lo_open=True)
 
     def init_fn(params):
         del params
-        return SignMVState(count=jnp.zeros((), jnp.int32), log=empty_log())
+        state = SignMVState(count=jnp.zeros((), jnp.int32), log=empty_log())
+        return worker_state(state, axis_name)
 
     def update_fn(updates, state, params=None):
         del params
@@ -145,14 +158,15 @@ def signsgd_mv(axis_name: Any, *, lr: float) -> optax.GradientTransformation:
         flat, unravel = ravel_pytree(updates)
         flat = flat.astype(jnp.float32)  # f32[d]
         d = flat.shape[0]
-        payload = sign_encode(flat)  # bits: uint8[ceil(d / 8)]
-        gathered = ring_all_gather(payload, axis_name)  # bits: uint8[N, ceil(d / 8)]
-        ones = jnp.sum(unpack_bits(gathered.bits, d).astype(jnp.int32), axis=0)  # int32[d]
+        # bits: uint8[ceil(d / 8)]; flag: uint8[1], 1 when this gradient is not finite
+        payload = (sign_encode(flat), _nonfinite_flag(flat))
+        votes, flags = ring_all_gather(payload, axis_name)  # [N, ceil(d / 8)], [N, 1]
+        ones = jnp.sum(unpack_bits(votes.bits, d).astype(jnp.int32), axis=0)  # int32[d]
         vote = 2 * ones - n  # sum_w sign(g_w), int32[d]
         direction = jnp.sign(vote).astype(jnp.float32)  # ties -> 0
-        nbytes = payload_bytes(payload)
-        log = log_collective(empty_log(), "allgather", nbytes, (n - 1) * nbytes)
-        new_state = SignMVState(count=state.count + 1, log=log)
+        direction = jnp.where(jnp.any(flags > 0), jnp.nan, direction)
+        log = log_wire(empty_log(), ring_all_gather_wire(payload, n))
+        new_state = worker_state(SignMVState(count=state.count + 1, log=log), axis_name)
         return unravel((-lr * direction).astype(flat.dtype)), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -197,17 +211,18 @@ def ef_signsgd(axis_name: Any, *, lr: float) -> optax.GradientTransformation:
 
     Returns:
       A ``GradientTransformation`` whose state is an :class:`EFSignState`. Logged as one
-      ``"allgather"`` with ``message_bytes = ceil(d / 8) + 4``.
+      ``"ring_allgather"`` of ``ceil(d / 8) + 4``-byte payloads.
     """
     lr = check_float("lr", lr, lo=0.0, lo_open=True)
 
     def init_fn(params):
         flat, _ = ravel_pytree(params)
-        return EFSignState(
+        state = EFSignState(
             count=jnp.zeros((), jnp.int32),
             error=jnp.zeros(flat.shape, jnp.float32),
             log=empty_log(),
         )
+        return worker_state(state, axis_name)
 
     def update_fn(updates, state, params=None):
         del params
@@ -218,9 +233,9 @@ def ef_signsgd(axis_name: Any, *, lr: float) -> optax.GradientTransformation:
         delta = sign_decode(payload).astype(jnp.float32)  # f32[d], what the others receive
         gathered = ring_all_gather(payload, axis_name)  # bits: [N, ceil(d / 8)], scale: [N]
         direction = jnp.mean(_decode_all(gathered), axis=0)  # f32[d]
-        nbytes = payload_bytes(payload)
-        log = log_collective(empty_log(), "allgather", nbytes, (n - 1) * nbytes)
+        log = log_wire(empty_log(), ring_all_gather_wire(payload, n))
         new_state = EFSignState(count=state.count + 1, error=p - delta, log=log)
+        new_state = worker_state(new_state, axis_name)
         return unravel((-direction).astype(flat.dtype)), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -270,7 +285,7 @@ def ssdm(
 
     Returns:
       A ``GradientTransformation`` whose state is an :class:`SSDMState`. Logged as one
-      ``"allgather"`` with ``message_bytes = ceil(d / 8) + 4``.
+      ``"ring_allgather"`` of ``ceil(d / 8) + 4``-byte payloads.
     """
     lr = check_float("lr", lr, lo=0.0, lo_open=True)
     beta = check_float("momentum", momentum, lo=0.0, hi=1.0, hi_open=True)
@@ -278,12 +293,13 @@ def ssdm(
 
     def init_fn(params):
         flat, _ = ravel_pytree(params)
-        return SSDMState(
+        state = SSDMState(
             count=jnp.zeros((), jnp.int32),
             momentum=jnp.zeros(flat.shape, jnp.float32),
             key=jax.random.key_data(jax.random.key(seed)),
             log=empty_log(),
         )
+        return worker_state(state, axis_name)
 
     def update_fn(updates, state, params=None):
         del params
@@ -295,14 +311,14 @@ def ssdm(
         payload = stochastic_sign_encode(m, key)  # bits: uint8[ceil(d / 8)], scale: f32[]
         gathered = ring_all_gather(payload, axis_name)  # bits: [N, ceil(d / 8)], scale: [N]
         direction = jnp.mean(_decode_all(gathered), axis=0)  # f32[d]
-        nbytes = payload_bytes(payload)
-        log = log_collective(empty_log(), "allgather", nbytes, (n - 1) * nbytes)
+        log = log_wire(empty_log(), ring_all_gather_wire(payload, n))
         new_state = SSDMState(
             count=state.count + 1,
             momentum=m,
             key=jax.random.key_data(next_key),
             log=log,
         )
+        new_state = worker_state(new_state, axis_name)
         return unravel((-lr * direction).astype(flat.dtype)), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -362,11 +378,12 @@ def cascading_sign(axis_name: Any, *, lr: float, seed: int = 0) -> optax.Gradien
 
     def init_fn(params):
         del params
-        return CascadingState(
+        state = CascadingState(
             count=jnp.zeros((), jnp.int32),
             key=jax.random.key_data(jax.random.key(seed)),
             log=empty_log(),
         )
+        return worker_state(state, axis_name)
 
     def update_fn(updates, state, params=None):
         del params
@@ -397,13 +414,11 @@ def cascading_sign(axis_name: Any, *, lr: float, seed: int = 0) -> optax.Gradien
         gathered = ring_all_gather(final, axis_name)  # bits: [N, ceil(s / 8)], scale: [N]
         total = join_segments(_decode_all(gathered), (d,))  # f32[d], sum over workers
         direction = total / n
-        seg_bytes = payload_bytes(final)  # ceil(s / 8) + 4
-        log = log_collective(
-            empty_log(), "ring_allreduce", n * seg_bytes, ring_sent_bytes(final, n)
-        )
+        log = log_wire(empty_log(), ring_all_reduce_wire(final, n))  # ceil(s / 8) + 4 a hop
         new_state = CascadingState(
             count=state.count + 1, key=jax.random.key_data(next_key), log=log
         )
+        new_state = worker_state(new_state, axis_name)
         return unravel((-lr * direction).astype(flat.dtype)), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -9,6 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from jaxcomm.network import as_bytes
 
 N = 8
 
@@ -40,13 +41,21 @@ def test_dense_allreduce_is_the_mean(mesh8, reduce):
             np.testing.assert_allclose(np.asarray(upd[k])[w], expect, rtol=1e-5, atol=1e-6)
     d = 13 * 7 + 5
     log = state.log
-    kind = "tree_allreduce" if reduce == "tree" else "ring_allreduce"
+    kind = {"psum": "allreduce", "ring": "ring_allreduce", "tree": "tree_allreduce"}[reduce]
     i = jaxcomm.KINDS.index(kind)
     assert np.all(np.asarray(log.calls)[:, i] == 1)
-    assert np.all(np.asarray(log.message_bytes)[:, i] == 4 * d)
+    assert np.all(as_bytes(log.message_bytes)[:, i] == 4 * d)
     seg = -(-d // N)
-    sent = 2 * (N - 1) * seg * 4 if reduce != "tree" else 2 * 3 * 4 * d
-    assert np.all(np.asarray(log.sent_bytes) == sent)
+    if reduce == "tree":
+        # Reduce: every device but 0 sends once; broadcast: the root 3 times, device 1
+        # twice (rounds 2 and 4), devices 2 and 3 once; 6 rounds of the whole message.
+        sent = 4 * d * np.array([3, 1 + 2, 1 + 1, 1 + 1, 1, 1, 1, 1])
+        rounds = 6
+    else:
+        sent = np.full(N, 2 * (N - 1) * seg * 4)
+        rounds = 2 * (N - 1)
+    np.testing.assert_array_equal(as_bytes(log.sent_bytes), sent)
+    assert np.all(np.asarray(log.rounds)[:, i] == rounds)
 
 
 def test_dense_allreduce_chains_with_optax(mesh8):
@@ -100,7 +109,9 @@ def test_ec_quantized_allreduce_error_feedback(mesh8):
     # Both phases send 2-bit codes plus one float per 64-element bucket per segment.
     seg = -(-d // N)
     seg_bytes = -(-seg * 2 // 8) + 4 * (-(-seg // 64))
-    assert np.all(np.asarray(state.log.sent_bytes) == 2 * (N - 1) * seg_bytes)
+    assert np.all(as_bytes(state.log.sent_bytes) == 2 * (N - 1) * seg_bytes)
+    kinds = [jaxcomm.KINDS[i] for i in np.flatnonzero(np.asarray(state.log.calls)[0])]
+    assert kinds == ["alltoall", "ring_allgather"]
 
 
 def test_ec_quantized_allreduce_8bit_close_to_mean(mesh8):

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm.marsit import bernoulli_words, sign_all_reduce
+from jaxcomm.network import as_bytes
 
 N = 8
 KEYS = 2000
@@ -67,7 +68,7 @@ def _sign_reduce_runs(mesh, x, spec, axis, topology, runs):
 
     def f(v, key):
         flat = v.reshape(v.shape[lead:])
-        bits, _ = sign_all_reduce(flat, axis, key, topology=topology)
+        bits = sign_all_reduce(flat, axis, key, topology=topology).bits
         return bits.reshape((1,) * lead + bits.shape)
 
     g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec, P()), out_specs=spec))
@@ -116,9 +117,9 @@ def test_marsit_rounds_follow_the_algorithm(mesh8, run_tx):
     u1 = lr_l * np.asarray(grads[1])
     np.testing.assert_allclose(np.asarray(state.compensation), u1 - g1, rtol=1e-5, atol=1e-6)
     assert np.all(np.asarray(state.count) == 2)
-    # One-bit round: one bit per element per hop on the wire.
-    seg_bytes = math.ceil(math.ceil(d / N) / 8)
-    assert np.all(np.asarray(state.log.sent_bytes) == 2 * (N - 1) * seg_bytes)
+    # One-bit round: one bit per element (and the flag byte) per hop on the wire.
+    seg_bytes = math.ceil(math.ceil(d / N) / 8) + 1
+    assert np.all(as_bytes(state.log.sent_bytes) == 2 * (N - 1) * seg_bytes)
 
 
 def test_marsit_full_sync_every_step_is_psgd(mesh8, run_tx):
@@ -129,16 +130,18 @@ def test_marsit_full_sync_every_step_is_psgd(mesh8, run_tx):
     expect = -0.1 * np.asarray(grads).mean(1)  # [T, d]
     np.testing.assert_allclose(np.asarray(upd)[3], expect, rtol=1e-5, atol=1e-6)
     assert np.all(np.asarray(state.compensation) == 0)
-    assert np.all(np.asarray(state.log.sent_bytes) == 2 * (N - 1) * (-(-d // N)) * 4)
+    assert np.all(as_bytes(state.log.sent_bytes) == 2 * (N - 1) * (-(-d // N)) * 4)
 
 
 def test_marsit_one_bit_bytes_are_one_32nd_of_fp32(mesh8, run_tx):
+    """A one-bit hop moves 1/32 of the float32 segment, plus the one-byte non-finite flag."""
     d = N * 8 * 1000
     grads = jax.random.normal(jax.random.key(4), (2, N, d))
     tx = jaxcomm.marsit("data", local_lr=0.1, global_lr=0.01, full_sync_every=100)
     _, state = run_tx(mesh8, tx, grads, jnp.zeros((N, d)))
     dense = 2 * (N - 1) * (d // N) * 4
-    assert int(np.asarray(state.log.sent_bytes)[0]) * 32 == dense
+    flags = 2 * (N - 1)
+    assert int(as_bytes(state.log.sent_bytes)[0]) == dense // 32 + flags
 
 
 def test_marsit_bad_arguments():
@@ -191,5 +194,24 @@ def test_marsit_torus_rounds():
         atol=1e-6,
     )
     assert np.all(upd[:, 1] == upd[:1, 1]) and np.allclose(np.abs(upd[:, 1]), 0.01)
-    # Row ring: 2 segments of 19 bits -> 3 bytes, 2 hops; column ring: 1-byte pieces, 6 hops.
-    assert np.all(np.asarray(state.log.sent_bytes) == 2 * 1 * 3 + 2 * 3 * 1)
+    # Row ring: 2 segments of 19 bits -> 3 bytes, 2 hops; column ring: 1-byte pieces, 6 hops;
+    # every hop message also carries the one-byte non-finite flag.
+    assert np.all(as_bytes(state.log.sent_bytes) == 2 * 1 * (3 + 1) + 2 * 3 * (1 + 1))
+    # Costed as it runs: 2 (r - 1) + 2 (c - 1) rounds, not the 2 (N - 1) of an 8-ring.
+    assert np.all(np.asarray(state.log.rounds).sum(-1) == 2 * 1 + 2 * 3)
+
+
+def test_merge_keys_differ_on_every_torus_device():
+    """Each device of a 2x4 torus merges with its own key: with one key per row (shared by
+    the columns, as a key folded with the row index alone would be), columns holding the
+    same signs would draw the same noise."""
+    from jaxcomm.marsit import _device_key
+
+    mesh = jax.make_mesh((2, 4), ("row", "col"))
+
+    def f(key):
+        return jax.random.key_data(_device_key(key, ("row", "col")))[None, None]
+
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P("row", "col")))
+    keys = np.asarray(g(jax.random.key(0))).reshape(N, -1)
+    assert len({tuple(k) for k in keys}) == N

@@ -16,6 +16,9 @@ from jaxcomm.network import (
     Network,
     NetworkSchedule,
     SimClock,
+    Wire,
+    as_bytes,
+    as_words,
     choose_collective,
     collective_cost,
     collective_time,
@@ -23,6 +26,9 @@ from jaxcomm.network import (
     find_logs,
     log_collective,
     log_time,
+    log_wire,
+    merge_logs,
+    words_add,
 )
 
 MS = 1e-3
@@ -34,6 +40,8 @@ M = 1e6
 HAND_N8 = {
     "p2p": 1 + 1,
     "ps": 2 + 2 * 7,
+    "allreduce": 14 + 2 * 7 / 8,
+    "alltoall": 7 + 7 / 8,
     "ring_allreduce": 14 + 2 * 7 / 8,
     "ring_reduce_scatter": 7 + 7 / 8,
     "ring_allgather": 7 + 7 / 8,
@@ -333,18 +341,38 @@ def test_empty_log_shapes_and_dtypes():
     log = empty_log()
     k = len(KINDS)
     assert log.calls.shape == (k,) and log.calls.dtype == jnp.int32
-    assert log.message_bytes.shape == (k,) and log.message_bytes.dtype == jnp.int32
-    assert log.sent_bytes.shape == () and log.sent_bytes.dtype == jnp.int32
+    assert log.message_bytes.shape == (k, 2) and log.message_bytes.dtype == jnp.uint32
+    assert log.sent_bytes.shape == (2,) and log.sent_bytes.dtype == jnp.uint32
     assert log.ratio.shape == (k,) and log.ratio.dtype == jnp.float32
-    assert log_time(log, 8, NET) == 0.0
+    assert log.rounds.shape == (k,) and log.path_bytes.shape == (k, 2)
+    assert log_time(log, NET) == 0.0
 
 
-def test_log_collective_under_jit_accumulates():
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**63 - 1), st.integers(0, 2**62))
+def test_words_are_exact_64_bit_counts(a, b):
+    assert int(as_bytes(as_words(a))) == a
+    total = words_add(as_words(a), as_words(b))
+    assert int(as_bytes(total)) == a + b or a + b >= 2**63
+
+
+def test_words_accept_traced_int32_and_reject_bad_values():
+    f = jax.jit(lambda x: words_add(as_words(x), as_words(2**40)))
+    assert int(as_bytes(f(jnp.int32(7)))) == 2**40 + 7
+    with pytest.raises(ValueError, match=r"sent_bytes must be in \[0, 2\*\*64\) bytes; got -5"):
+        as_words(-5, "sent_bytes")
+    with pytest.raises(ValueError, match="must be an integer scalar"):
+        as_words(5.5)
+    with pytest.raises(ValueError, match="integer number of bytes"):
+        as_words(True)
+
+
+def test_log_collective_under_jit_accumulates_past_32_bits():
     @jax.jit
     def step(log, nbytes):
-        log = log_collective(log, "ring_allreduce", nbytes, 2 * nbytes)
-        log = log_collective(log, "art_ring", 4000, 100, ratio=0.1)
-        log = log_collective(log, "broadcast", jnp.int32(40), jnp.int32(40))
+        log = log_collective(log, "ring_allreduce", nbytes, 2 * nbytes, rounds=14, path_bytes=7)
+        log = log_collective(log, "art_ring", 4000, 100, rounds=17, path_bytes=5, ratio=0.1)
+        log = log_collective(log, "broadcast", 3 * 2**31, 2**33, rounds=3, path_bytes=2**33)
         return log
 
     log = empty_log()
@@ -352,82 +380,95 @@ def test_log_collective_under_jit_accumulates():
         log = step(log, jnp.int32(1000))
     ia, ib, ic = (KINDS.index(k) for k in ("ring_allreduce", "art_ring", "broadcast"))
     assert int(log.calls[ia]) == 3 and int(log.calls[ib]) == 3 and int(log.calls[ic]) == 3
-    assert int(log.message_bytes[ia]) == 3000
-    assert int(log.message_bytes[ib]) == 12000
-    assert int(log.sent_bytes) == 3 * (2000 + 100 + 40)
+    mb = as_bytes(log.message_bytes)
+    assert mb[ia] == 3000 and mb[ib] == 12000 and mb[ic] == 9 * 2**31
+    assert int(as_bytes(log.sent_bytes)) == 3 * (2000 + 100 + 2**33)
+    assert list(np.asarray(log.rounds)[[ia, ib, ic]]) == [42, 51, 9]
+    assert as_bytes(log.path_bytes)[ic] == 3 * 2**33
     assert float(log.ratio[ib]) == pytest.approx(0.1)
     assert float(log.ratio[ia]) == 1.0
-    assert int(log.calls.sum()) == 9
 
 
 def test_log_collective_ratio_is_size_weighted_and_traceable():
     @jax.jit
     def step(log, r):
-        log = log_collective(log, "ag_topk", 1000, 0, ratio=r)
-        return log_collective(log, "ag_topk", 3000, 0, ratio=0.5)
+        log = log_collective(log, "ag_topk", 1000, 0, rounds=3, path_bytes=0, ratio=r)
+        return log_collective(log, "ag_topk", 3000, 0, rounds=3, path_bytes=0, ratio=0.5)
 
     log = step(empty_log(), jnp.float32(0.1))
     i = KINDS.index("ag_topk")
     assert float(log.ratio[i]) == pytest.approx((0.1 * 1000 + 0.5 * 3000) / 4000)
-    t = log_time(log, 8, NET)
-    expected = collective_time("ag_topk", 1000, 8, NET, ratio=0.1) + collective_time(
-        "ag_topk", 3000, 8, NET, ratio=0.5
-    )
-    assert t == pytest.approx(expected, rel=1e-6)
 
 
 def test_log_collective_errors():
     log = empty_log()
+    kw = {"rounds": 1, "path_bytes": 0}
     with pytest.raises(ValueError, match="kind must be one of"):
-        log_collective(log, "gossip", 10, 10)
-    with pytest.raises(ValueError, match=r"message_bytes must be in \[0, 2\*\*31 - 1\].*-5"):
-        log_collective(log, "p2p", -5, 0)
-    with pytest.raises(ValueError, match=r"sent_bytes must be in \[0, 2\*\*31 - 1\]"):
-        log_collective(log, "p2p", 5, 2**31)
+        log_collective(log, "gossip", 10, 10, **kw)
+    with pytest.raises(ValueError, match=r"message_bytes must be in \[0, 2\*\*64\).*-5"):
+        log_collective(log, "p2p", -5, 0, **kw)
+    with pytest.raises(ValueError, match=r"sent_bytes must be in \[0, 2\*\*64\)"):
+        log_collective(log, "p2p", 5, 2**64, **kw)
     with pytest.raises(ValueError, match="message_bytes must be an integer scalar"):
-        log_collective(log, "p2p", 5.5, 0)
+        log_collective(log, "p2p", 5.5, 0, **kw)
     with pytest.raises(ValueError, match=r"ratio must be in \(0, 1\]; got 0.0"):
-        log_collective(log, "art_tree", 5, 0, ratio=0.0)
+        log_collective(log, "art_tree", 5, 0, ratio=0.0, **kw)
     with pytest.raises(ValueError, match="ratio must be 1.0 for kind 'ps'"):
-        log_collective(log, "ps", 5, 0, ratio=0.5)
+        log_collective(log, "ps", 5, 0, ratio=0.5, **kw)
     with pytest.raises(ValueError, match="calls must be an integer >= 1"):
-        log_collective(log, "ps", 5, 0, calls=0)
+        log_collective(log, "ps", 5, 0, calls=0, **kw)
+    with pytest.raises(ValueError, match="rounds must be an integer >= 0"):
+        log_collective(log, "ps", 5, 0, rounds=-1, path_bytes=0)
 
 
-def test_log_time_matches_hand_sum_and_calls():
+def test_log_time_is_rounds_and_path_bytes():
+    """Time = sum(rounds) alpha + sum(path bytes) beta, which for a ring all-reduce of a
+    message divisible by N is exactly the paper's formula."""
     log = empty_log()
-    log = log_collective(log, "ring_allreduce", 600_000, 0)
-    log = log_collective(log, "ring_allreduce", 400_000, 0)  # two buckets: 2x alpha
-    log = log_collective(log, "broadcast", 1000, 0, calls=3)
-    log = log_collective(log, "art_tree", 1_000_000, 0, ratio=0.01)
-    expected = (
-        collective_time("ring_allreduce", 1_000_000, 8, NET, calls=2)
-        + collective_time("broadcast", 1000, 8, NET, calls=3)
-        + collective_time("art_tree", 1_000_000, 8, NET, ratio=0.01)
+    wire = Wire("ring_allreduce", 1_000_000, 14, 2 * 7 * 125_000, (1_750_000,) * 8)
+    log = log_wire(log, wire, calls=2)  # two buckets: 2x alpha
+    log = log_wire(log, Wire("broadcast", 1000, 3, 3000, (3000,) * 8), calls=3)
+    expected = collective_time("ring_allreduce", 2_000_000, 8, NET, calls=2) + collective_time(
+        "broadcast", 3000, 8, NET, calls=3
     )
-    by_hand = (2 * 14 * MS + 1.75 * MS) + (3 * 3 * MS + 3 * 1e-6) + (9 * MS + 9 * 0.01 * MS)
+    by_hand = (2 * 14 * MS + 2 * 1.75 * MS) + (3 * 3 * MS + 9 * 1e-6)
     assert expected == pytest.approx(by_hand)
-    assert log_time(log, 8, NET) == pytest.approx(expected, rel=1e-6)
+    assert log_time(log, NET) == pytest.approx(expected, rel=1e-9)
     as_numpy = CommLog(*(np.asarray(x) for x in log))
-    assert log_time(as_numpy, 8, NET) == pytest.approx(expected, rel=1e-6)
-    assert log_time(log, 1, NET) == 0.0
+    assert log_time(as_numpy, NET) == pytest.approx(expected, rel=1e-9)
+    with pytest.raises(ValueError, match="network must be a Network"):
+        log_time(log, "1ms,1Gbps")
+
+
+def test_log_wire_picks_the_device_and_checks():
+    wire = Wire("tree_allreduce", 8, 6, 48, (24, 8, 16, 8, 8, 8, 8, 8))
+    per = jax.vmap(lambda i: log_wire(empty_log(), wire, i))(jnp.arange(8))
+    assert list(as_bytes(per.sent_bytes)) == [24, 8, 16, 8, 8, 8, 8, 8]
+    with pytest.raises(ValueError, match="differs between devices"):
+        log_wire(empty_log(), wire)
+    with pytest.raises(TypeError, match="wire must be a Wire"):
+        log_wire(empty_log(), "ring")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        Wire("gossip", 1, 1, 1, (1,))
 
 
 def test_log_time_worker_axis_takes_max():
     def per_worker(nbytes):
-        return log_collective(empty_log(), "ps", nbytes, nbytes)
+        return log_collective(empty_log(), "ps", nbytes, nbytes, rounds=2, path_bytes=nbytes)
 
     logs = jax.vmap(per_worker)(jnp.array([10, 5000, 20], jnp.int32))
     assert logs.calls.shape == (3, len(KINDS))
-    assert log_time(logs, 4, NET) == pytest.approx(collective_time("ps", 5000, 4, NET))
+    assert log_time(logs, NET) == pytest.approx(2 * MS + 5000 * NET.beta)
 
 
 def test_log_flows_out_of_shard_map(mesh8):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from jaxcomm.collectives import psum_wire
+
     def body(x):
-        log = log_collective(empty_log(), "ring_allreduce", x.size * 4, x.size * 4)
+        log = log_wire(empty_log(), psum_wire(x, 8))
         y = jax.lax.psum(x, "data")
         return y, jax.tree_util.tree_map(lambda a: a[None], log)
 
@@ -435,11 +476,22 @@ def test_log_flows_out_of_shard_map(mesh8):
     x = jax.device_put(jnp.ones((8 * 16,), jnp.float32), NamedSharding(mesh8, P("data")))
     _, logs = f(x)
     assert logs.calls.shape == (8, len(KINDS))
-    assert log_time(logs, 8, NET) == pytest.approx(collective_time("ring_allreduce", 64, 8, NET))
+    assert log_time(logs, NET) == pytest.approx(collective_time("allreduce", 64, 8, NET))
+
+
+def test_merge_logs_adds_everything():
+    a = log_collective(empty_log(), "p2p", 8, 8, rounds=1, path_bytes=8)
+    b = log_collective(empty_log(), "ag_topk", 100, 5, rounds=3, path_bytes=20, ratio=0.1)
+    c = log_collective(empty_log(), "ag_topk", 300, 5, rounds=3, path_bytes=20, ratio=0.5)
+    m = merge_logs(a, b, c)
+    i = KINDS.index("ag_topk")
+    assert int(as_bytes(m.sent_bytes)) == 18 and int(m.rounds.sum()) == 7
+    assert float(m.ratio[i]) == pytest.approx((0.1 * 100 + 0.5 * 300) / 400)
+    assert log_time(m, NET) == pytest.approx(7 * MS + 48 * NET.beta)
 
 
 def test_find_logs():
-    a = log_collective(empty_log(), "p2p", 8, 8)
+    a = log_collective(empty_log(), "p2p", 8, 8, rounds=1, path_bytes=8)
     b = empty_log()
     state = {"opt": (jnp.zeros(3), {"comm": a}), "other": [None, b, 1.0]}
     found = find_logs(state)

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.network import KINDS
+from jaxcomm.network import KINDS, as_bytes
 from jaxcomm.signsgd import (
     cascading_sign,
     ef_signsgd,
@@ -20,7 +20,7 @@ from jaxcomm.signsgd import (
 )
 
 N = 8
-ALLGATHER = KINDS.index("allgather")
+ALLGATHER = KINDS.index("ring_allgather")
 RING = KINDS.index("ring_allreduce")
 
 
@@ -68,8 +68,10 @@ def test_signsgd_mv_is_majority_vote_with_ties_to_zero(mesh8, run_tx):
     assert np.any(expect == 0)  # ties were crafted
     for w in range(N):
         np.testing.assert_array_equal(upd[w], expect.astype(np.float32))
-    assert np.all(np.asarray(state.log.sent_bytes) == (N - 1) * math.ceil(d / 8))
-    assert np.all(np.asarray(state.log.message_bytes)[:, ALLGATHER] == math.ceil(d / 8))
+    # Each payload: the packed signs and the one-byte non-finite flag; N - 1 ring hops.
+    assert np.all(as_bytes(state.log.sent_bytes) == (N - 1) * (math.ceil(d / 8) + 1))
+    assert np.all(as_bytes(state.log.message_bytes)[:, ALLGATHER] == N * (math.ceil(d / 8) + 1))
+    assert np.all(np.asarray(state.log.rounds)[:, ALLGATHER] == N - 1)
     assert np.all(np.asarray(state.log.calls)[:, ALLGATHER] == 1)
     assert np.all(np.asarray(state.count) == 2)
 
@@ -93,8 +95,8 @@ def test_ef_signsgd_matches_reference_over_two_steps(mesh8, run_tx):
     np.testing.assert_allclose(np.asarray(state.error), e, rtol=1e-5, atol=1e-6)
     assert np.any(np.abs(e) > 1e-3)  # the memory is really carried
     payload = math.ceil(d / 8) + 4
-    assert np.all(np.asarray(state.log.sent_bytes) == (N - 1) * payload)
-    assert np.all(np.asarray(state.log.message_bytes)[:, ALLGATHER] == payload)
+    assert np.all(as_bytes(state.log.sent_bytes) == (N - 1) * payload)
+    assert np.all(as_bytes(state.log.message_bytes)[:, ALLGATHER] == N * payload)
 
 
 # ------------------------------------------------------------------------------------ SSDM
@@ -141,7 +143,7 @@ def test_ssdm_update_is_unbiased_for_mean_momentum(mesh8, run_tx):
 
     _, state = run_tx(mesh8, tx, jnp.asarray(g[None]), jnp.zeros((N, d)))
     np.testing.assert_allclose(np.asarray(state.momentum), m, rtol=1e-6)
-    assert np.all(np.asarray(state.log.sent_bytes) == (N - 1) * (math.ceil(d / 8) + 4))
+    assert np.all(as_bytes(state.log.sent_bytes) == (N - 1) * (math.ceil(d / 8) + 4))
 
 
 def test_ssdm_momentum_accumulates(mesh8, run_tx):
@@ -228,8 +230,8 @@ def test_cascading_sign_hop_messages_are_one_bit(mesh8, run_tx):
     upd, state = run_tx(mesh8, cascading_sign("data", lr=0.1), g, jnp.zeros((N, d)))
     s = math.ceil(d / N)
     msg = math.ceil(s / 8) + 4
-    assert np.all(np.asarray(state.log.sent_bytes) == 2 * (N - 1) * msg)
-    assert np.all(np.asarray(state.log.message_bytes)[:, RING] == N * msg)
+    assert np.all(as_bytes(state.log.sent_bytes) == 2 * (N - 1) * msg)
+    assert np.all(as_bytes(state.log.message_bytes)[:, RING] == N * msg)
     assert np.all(np.asarray(state.log.calls)[:, RING] == 1)
     assert np.all(np.isfinite(np.asarray(upd)))
     assert np.all(np.asarray(state.count) == 2)

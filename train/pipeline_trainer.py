@@ -136,7 +136,9 @@ class PipelineTrainer(Trainer):
             finite = jax.lax.pmin(_all_finite((loss, grads, p)).astype(jnp.int32), (AXIS, STAGE))
             metrics = {"loss": jax.lax.pmean(loss, AXIS)}
             sent = jax.lax.pmax(fw + bw, (AXIS, STAGE))
-            log = log_collective(empty_log(), "p2p", sent, sent, calls=2 * m)
+            log = log_collective(
+                empty_log(), "p2p", sent, sent, rounds=2 * m, path_bytes=sent, calls=2 * m
+            )
             return _ex(p), _ex(s), metrics, finite, _ex(st), log
 
         step = jax.shard_map(

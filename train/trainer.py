@@ -15,6 +15,7 @@ simulated CPU devices ``compute_s`` is the time of all 8 workers sharing the hos
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -33,15 +34,13 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm.network import (
-    COMPRESSED_KINDS,
     KINDS,
     CommLog,
     Network,
     NetworkSchedule,
     SimClock,
-    collective_time,
+    as_bytes,
     find_logs,
-    log_time,
 )
 from models import build_task
 from train.config import DENSE_AGGREGATORS, Config
@@ -52,6 +51,8 @@ __all__ = [
     "make_optimizer",
     "make_aggregator",
     "wire_time",
+    "StepTraffic",
+    "step_traffic",
     "save_model_params",
     "load_model_params",
 ]
@@ -337,11 +338,12 @@ class Trainer:
                 self.params, self.opt_state = params, opt_state
                 self.step += 1
                 self._after_step()
-                logs = find_logs(self.opt_state) + list(extra)
+                # Every collective of the step (e.g. pipeline p2p and data-parallel all-reduce),
+                # per device; the busiest device's bytes and time are reported.
+                traffic = step_traffic(find_logs(self.opt_state) + list(extra))
                 network = self.schedule.at(self.step - 1)
-                comm_s = sum(log_time(log, self.n, network) for log in logs)
-                # Every collective of the step (e.g. pipeline p2p and data-parallel all-reduce).
-                sent = sum(int(np.max(np.asarray(log.sent_bytes))) for log in logs)
+                comm_s = float(traffic.times(network).max())
+                sent = int(traffic.sent.max())
                 sim = self.clock.tick(compute_s, comm_s)
                 last = {
                     "step": self.step,
@@ -352,7 +354,7 @@ class Trainer:
                     "sim_time_s": sim,
                     "latency_s": network.latency_s,
                     "bandwidth_bps": network.bandwidth_bps,
-                    "wire": _wire_record(logs),
+                    "wire": traffic.wire_record(network),
                     **self._step_extras(),
                 }
                 if cfg.eval_every and self.step % cfg.eval_every == 0:
@@ -447,27 +449,84 @@ def load_model_params(path: str | os.PathLike, template: Any) -> Any:
     return serialization.from_state_dict(template, state)
 
 
-def _wire_record(logs: list[CommLog]) -> list[list]:
-    """``[[kind, calls, message_bytes, ratio], ...]`` of worker 0, to re-model other networks."""
-    rows = []
-    for log in logs:
-        calls = np.asarray(log.calls).reshape(-1, len(KINDS))[0]
-        mbytes = np.asarray(log.message_bytes).reshape(-1, len(KINDS))[0]
-        ratio = np.asarray(log.ratio).reshape(-1, len(KINDS))[0]
-        for i, kind in enumerate(KINDS):
-            if calls[i] > 0:
-                rows.append([kind, int(calls[i]), int(mbytes[i]), float(ratio[i])])
-    return rows
+@dataclasses.dataclass(frozen=True)
+class StepTraffic:
+    """A step's communication per device, summed over all its logs (host side, int64).
 
+    Attributes: ``calls``, ``message_bytes``, ``rounds``, ``path_bytes``: ``[devices, K]``
+    per kind of :data:`~jaxcomm.network.KINDS`; ``ratio`` ``[devices, K]``; ``sent``
+    ``[devices]`` bytes each device sent.
+    """
 
-def wire_time(wire: list[list], n: int, network: Network) -> float:
-    """Modelled seconds of a metrics row's ``wire`` record under another ``network``."""
-    return sum(
-        collective_time(
-            kind, mbytes, n, network, ratio=ratio if kind in COMPRESSED_KINDS else 1.0, calls=calls
+    calls: np.ndarray
+    message_bytes: np.ndarray
+    ratio: np.ndarray
+    rounds: np.ndarray
+    path_bytes: np.ndarray
+    sent: np.ndarray
+
+    def times(self, network: Network) -> np.ndarray:
+        """Modelled seconds per device: ``rounds * alpha + path_bytes * beta``."""
+        return (
+            self.rounds.sum(1) * network.latency_s
+            + self.path_bytes.sum(1).astype(np.float64) * network.beta
         )
-        for kind, calls, mbytes, ratio in wire
-    )
+
+    def wire_record(self, network: Network) -> list[list]:
+        """``[[kind, calls, message_bytes, ratio, rounds, path_bytes], ...]`` of the device
+        whose communication takes longest, to re-model the step (:func:`wire_time`)."""
+        w = int(np.argmax(self.times(network)))
+        return [
+            [
+                kind,
+                int(self.calls[w, i]),
+                int(self.message_bytes[w, i]),
+                float(self.ratio[w, i]),
+                int(self.rounds[w, i]),
+                int(self.path_bytes[w, i]),
+            ]
+            for i, kind in enumerate(KINDS)
+            if self.calls[w, i] > 0
+        ]
+
+
+def step_traffic(logs: list[CommLog]) -> StepTraffic:
+    """Sum a step's logs per device. Logs kept in per-worker state carry leading mesh axes
+    (``[N, ...]``, ``[D, S, ...]``), flattened here; a log without them counts for every
+    device."""
+    k = len(KINDS)
+    parts = []
+    for log in logs:
+        calls = np.asarray(log.calls).reshape(-1, k).astype(np.int64)
+        parts.append(
+            (
+                calls,
+                as_bytes(np.asarray(log.message_bytes).reshape(-1, k, 2)),
+                np.asarray(log.ratio, np.float64).reshape(-1, k),
+                np.asarray(log.rounds).reshape(-1, k).astype(np.int64),
+                as_bytes(np.asarray(log.path_bytes).reshape(-1, k, 2)),
+                as_bytes(np.asarray(log.sent_bytes).reshape(-1, 2)),
+            )
+        )
+    devices = max((p[0].shape[0] for p in parts), default=1)
+    zeros = np.zeros((devices, k), np.int64)
+    calls, mbytes, rounds, path = zeros.copy(), zeros.copy(), zeros.copy(), zeros.copy()
+    weighted, sent = np.zeros((devices, k)), np.zeros(devices, np.int64)
+    for c, m, r, ro, pa, se in parts:
+        calls += c
+        mbytes += m
+        weighted += r * m
+        rounds += ro
+        path += pa
+        sent += se
+    ratio = np.where(mbytes > 0, weighted / np.maximum(mbytes, 1), 1.0)
+    return StepTraffic(calls, mbytes, ratio, rounds, path, sent)
+
+
+def wire_time(wire: list[list], network: Network) -> float:
+    """Modelled seconds of a metrics row's ``wire`` record under another ``network``:
+    ``sum(rounds) * alpha + sum(path_bytes) * beta``."""
+    return sum(rounds * network.latency_s + path * network.beta for *_, rounds, path in wire)
 
 
 def _progress(cfg: Config, start: int):

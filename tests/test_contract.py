@@ -1,0 +1,317 @@
+"""The aggregator contract: one suite that every jaxcomm aggregator passes.
+
+Each aggregator, inside ``jax.shard_map`` with ``check_vma`` on (the default):
+
+* runs its ``init``/``update`` under ``jit``, also as a ``lax.scan`` over steps whose carry
+  holds replicated parameters (``out_specs=P()``), and gives the same result as a loop;
+* runs under ``lax.cond`` on its state;
+* survives an Orbax save/restore of its state bit for bit, and continues identically;
+* lets a NaN in one worker's gradient reach every worker's update;
+* logs exactly the bytes, rounds and path bytes that the compiled program's collectives
+  move (read by :func:`jaxcomm.wire_audit`), device by device.
+
+A new aggregator joins by adding a line to ``CASES``.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+from jaxcomm.network import as_bytes, find_logs
+
+N = 8
+SHAPES = {"w": (13, 7), "b": (5,)}  # d = 96: not a multiple of the segment or bucket sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    make: Callable  # axis_name -> GradientTransformation
+    mesh: tuple = (N,)
+    axes: tuple = ("data",)
+    # Conditionals holding collectives, as {op-name part: branch} per step index.
+    branches: Callable = lambda step: None
+
+    @property
+    def axis(self):
+        return self.axes[0] if len(self.axes) == 1 else self.axes
+
+
+def _marsit_rounds(step):
+    # Round t is full precision when t % 2 == 0 (the cond's true branch, index 1).
+    return {"cond": 1 if step % 2 == 0 else 0}
+
+
+CASES = {
+    "psum": Case(lambda ax: jaxcomm.dense_allreduce(ax, reduce="psum")),
+    "ring": Case(lambda ax: jaxcomm.dense_allreduce(ax, reduce="ring")),
+    "tree": Case(lambda ax: jaxcomm.dense_allreduce(ax, reduce="tree")),
+    "ec_quantized": Case(lambda ax: jaxcomm.ec_quantized_allreduce(ax, bits=3, bucket_size=8)),
+    "marsit": Case(
+        lambda ax: jaxcomm.marsit(ax, local_lr=0.1, global_lr=0.01, full_sync_every=2),
+        branches=_marsit_rounds,
+    ),
+    "marsit_torus": Case(
+        lambda ax: jaxcomm.marsit(
+            ax, local_lr=0.1, global_lr=0.01, full_sync_every=2, topology="torus"
+        ),
+        mesh=(2, 4),
+        axes=("row", "col"),
+        branches=_marsit_rounds,
+    ),
+    "signsgd_mv": Case(lambda ax: jaxcomm.signsgd_mv(ax, lr=0.01)),
+    "ef_signsgd": Case(lambda ax: jaxcomm.ef_signsgd(ax, lr=0.01)),
+    "ssdm": Case(lambda ax: jaxcomm.ssdm(ax, lr=0.01)),
+    "cascading_sign": Case(lambda ax: jaxcomm.cascading_sign(ax, lr=0.01)),
+}
+
+
+def _mesh(case):
+    return jax.make_mesh(case.mesh, case.axes)
+
+
+def _grads(steps, seed=0):
+    keys = jax.random.split(jax.random.key(seed), len(SHAPES))
+    return {
+        k: jax.random.normal(key, (steps, N, *shape))
+        for key, (k, shape) in zip(keys, SHAPES.items(), strict=True)
+    }
+
+
+def _params():
+    return {k: jnp.full(shape, 0.5, jnp.float32) for k, shape in SHAPES.items()}
+
+
+def _first(tree):
+    return jax.tree_util.tree_map(lambda a: a[0], tree)
+
+
+def _lead(tree):
+    return jax.tree_util.tree_map(lambda a: a[None], tree)
+
+
+def _programs(case):
+    """Jitted ``init(params) -> state [N, ...]`` and
+    ``update(grads [N, ...], state [N, ...], params) -> (updates [N, ...], state [N, ...])``."""
+    mesh, tx, spec = _mesh(case), case.make(case.axis), P(case.axes)
+
+    def init(params):
+        return _lead(tx.init(params))
+
+    def update(grads, state, params):
+        u, s = tx.update(_first(grads), _first(state), params)
+        return _lead(jaxcomm.collectives.as_varying(u, case.axes)), _lead(s)
+
+    init_f = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=P(), out_specs=spec))
+    update_f = jax.jit(
+        jax.shard_map(update, mesh=mesh, in_specs=(spec, spec, P()), out_specs=(spec, spec))
+    )
+    return mesh, init_f, update_f
+
+
+def _same(a, b):
+    """Integers (counters, keys, byte counts) exactly; floats to 1e-6 (XLA may fuse the same
+    arithmetic differently inside a ``cond`` or a loop body, a last-bit difference)."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    if np.issubdtype(a.dtype, np.floating):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    else:
+        np.testing.assert_array_equal(a, b)
+
+
+def _put(mesh, tree, spec):
+    return jax.device_put(tree, NamedSharding(mesh, spec))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_scan_with_replicated_params_matches_a_loop(name):
+    """``lax.scan`` over steps inside ``shard_map`` (``check_vma`` on) with parameters kept
+    replicated (``in_specs``/``out_specs`` ``P()``) runs, and equals the same steps unrolled."""
+    case = CASES[name]
+    mesh, tx, steps = _mesh(case), case.make(case.axis), 3
+
+    def per_worker(g_seq, params):
+        g_seq = jax.tree_util.tree_map(lambda a: a[:, 0], g_seq)  # [T, ...] this worker's
+
+        def step(carry, g):
+            p, s = carry
+            u, s = tx.update(g, s, p)
+            return (optax.apply_updates(p, u), s), None
+
+        (p_scan, s_scan), _ = jax.lax.scan(step, (params, tx.init(params)), g_seq)
+        p_loop, s_loop = params, tx.init(params)
+        for t in range(steps):
+            (p_loop, s_loop), _ = step(
+                (p_loop, s_loop), jax.tree_util.tree_map(lambda a, t=t: a[t], g_seq)
+            )
+        return p_scan, p_loop, _lead(s_scan), _lead(s_loop)
+
+    spec = P(None, case.axes)
+    f = jax.jit(
+        jax.shard_map(
+            per_worker,
+            mesh=mesh,
+            in_specs=(spec, P()),
+            out_specs=(P(), P(), P(case.axes), P(case.axes)),
+        )
+    )
+    p_scan, p_loop, s_scan, s_loop = f(_put(mesh, _grads(steps), spec), _params())
+    for a, b, p0 in zip(
+        jax.tree_util.tree_leaves(p_scan),
+        jax.tree_util.tree_leaves(p_loop),
+        jax.tree_util.tree_leaves(_params()),
+        strict=True,
+    ):
+        assert np.all(np.isfinite(a)) and not np.array_equal(a, p0)
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    jax.tree_util.tree_map(_same, s_scan, s_loop)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_cond_on_the_state(name):
+    """``lax.cond`` between an update and a skip, on a traced flag: both branches type-check
+    with ``check_vma`` on and the taken one is what runs."""
+    case = CASES[name]
+    mesh, tx, spec = _mesh(case), case.make(case.axis), P(case.axes)
+
+    def per_worker(g, flag, params):
+        g = _first(g)
+        state = tx.init(params)
+        _, state = tx.update(g, state, params)  # a non-trivial state
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+        u, s = jax.lax.cond(flag, lambda s: tx.update(g, s, params), lambda s: (zeros, s), state)
+        u_direct, s_direct = tx.update(g, state, params)
+        return p_out(u), p_out(u_direct), _lead(s), _lead(s_direct), _lead(state)
+
+    def p_out(u):
+        return _lead(jaxcomm.collectives.as_varying(u, case.axes))
+
+    f = jax.jit(
+        jax.shard_map(per_worker, mesh=mesh, in_specs=(spec, P(), P()), out_specs=(spec,) * 5)
+    )
+    grads = _put(mesh, _first(_grads(1)), spec)
+    u, u_direct, s, s_direct, before = f(grads, jnp.bool_(True), _params())
+    jax.tree_util.tree_map(_same, u, u_direct)
+    jax.tree_util.tree_map(_same, s, s_direct)
+    assert any(np.any(np.asarray(a) != 0) for a in jax.tree_util.tree_leaves(u))
+    u, _, s, _, before = f(grads, jnp.bool_(False), _params())
+    assert all(np.all(np.asarray(a) == 0) for a in jax.tree_util.tree_leaves(u))
+    jax.tree_util.tree_map(np.testing.assert_array_equal, s, before)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_orbax_round_trip_is_bit_exact(name, tmp_path):
+    """The state after two steps saves and restores bit for bit, and the next step from the
+    restored state equals the next step from the original."""
+    case = CASES[name]
+    mesh, init_f, update_f = _programs(case)
+    spec = P(case.axes)
+    grads = _put(mesh, _grads(3), P(None, case.axes))
+    params = _params()
+    state = init_f(params)
+    for t in range(2):
+        _, state = update_f(
+            _first(jax.tree_util.tree_map(lambda a, t=t: a[t:], grads)), state, params
+        )
+    host = jax.tree_util.tree_map(np.asarray, state)
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "state", host)
+    ckpt.wait_until_finished()
+    target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, host)
+    restored = ckpt.restore(tmp_path / "state", target)
+    assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(host)
+    for a, b in zip(
+        jax.tree_util.tree_leaves(host), jax.tree_util.tree_leaves(restored), strict=True
+    ):
+        assert np.asarray(b).dtype == a.dtype
+        np.testing.assert_array_equal(np.asarray(b), a)
+    g2 = jax.tree_util.tree_map(lambda a: a[2], grads)
+    u_a, s_a = update_f(g2, state, params)
+    u_b, s_b = update_f(g2, _put(mesh, restored, spec), params)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, u_a, u_b)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, s_a, s_b)
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nonfinite_gradient_reaches_every_worker(name, bad):
+    """A NaN or Inf in one worker's gradient makes every worker's update non-finite, in
+    every kind of round (Marsit's full-precision round 0 and one-bit round 1)."""
+    case = CASES[name]
+    mesh, init_f, update_f = _programs(case)
+    params = _params()
+    grads = _grads(2)
+    for step in range(2):
+        g = jax.tree_util.tree_map(lambda a, step=step: a[step], grads)
+        g = {**g, "w": g["w"].at[3, 2, 4].set(bad)}
+        state = init_f(params)
+        if step:  # reach the second kind of round with a finite first step
+            _, state = update_f(
+                _put(mesh, jax.tree_util.tree_map(lambda a: a[0], grads), P(case.axes)),
+                state,
+                params,
+            )
+        u, _ = update_f(_put(mesh, g, P(case.axes)), state, params)
+        flat = np.concatenate(
+            [np.asarray(a).reshape(N, -1) for a in jax.tree_util.tree_leaves(u)], 1
+        )
+        assert np.all(~np.all(np.isfinite(flat), axis=1)), (step, np.isfinite(flat).all(1))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_logged_traffic_equals_the_compiled_program(name):
+    """Bytes sent, rounds and path bytes in the aggregator's log equal what the compiled
+    update's collectives move, device by device (two steps: Marsit's two kinds of round)."""
+    case = CASES[name]
+    mesh, init_f, update_f = _programs(case)
+    params = _params()
+    grads = _grads(2)
+    state = init_f(params)
+    g0 = _put(mesh, jax.tree_util.tree_map(lambda a: a[0], grads), P(case.axes))
+    audit = jaxcomm.wire_audit(update_f.lower(g0, state, params))
+    assert audit.num_devices == N and audit.ops
+    for step in range(2):
+        g = _put(mesh, jax.tree_util.tree_map(lambda a, step=step: a[step], grads), P(case.axes))
+        _, state = update_f(g, state, params)
+        want = audit.traffic(case.branches(step))
+        (log,) = find_logs(state)
+        k = len(jaxcomm.KINDS)
+        sent = as_bytes(np.asarray(log.sent_bytes).reshape(N, 2))
+        rounds = np.asarray(log.rounds).reshape(N, k).sum(1)
+        path = as_bytes(np.asarray(log.path_bytes).reshape(N, k, 2)).sum(1)
+        np.testing.assert_array_equal(sent, want.sent)
+        np.testing.assert_array_equal(rounds, want.rounds)
+        np.testing.assert_array_equal(path, want.path_bytes)
+        assert sent.max() > 0
+
+
+def test_counters_work_for_a_600m_parameter_model():
+    """A 600M-parameter update traces (nothing overflows int32 at trace time), and its byte
+    counts, past 2**32, are exact."""
+    mesh = jax.make_mesh((N,), ("data",))
+    tx = jaxcomm.dense_allreduce("data", reduce="ring")
+    d = 600_000_000
+
+    def per_worker(g):
+        u, s = tx.update(g[0], tx.init(g[0]))
+        return u[None], _lead(s)
+
+    f = jax.shard_map(per_worker, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    sharding = NamedSharding(mesh, P("data"))
+    out = jax.eval_shape(f, jax.ShapeDtypeStruct((N, d), jnp.float32, sharding=sharding))
+    assert out[0].shape == (N, d)
+    assert out[1].log.sent_bytes.shape == (N, 2)
+    seg = jax.ShapeDtypeStruct((d // N,), jnp.float32)
+    wire = jaxcomm.collectives.ring_all_reduce_wire(seg, N, message_bytes=4 * d)
+    log = jaxcomm.log_wire(jaxcomm.empty_log(), wire)
+    assert int(as_bytes(log.sent_bytes)) == 2 * (N - 1) * 4 * d // N == 4_200_000_000
+    assert int(as_bytes(log.message_bytes).sum()) == 2_400_000_000
