@@ -3,9 +3,10 @@
 On 8 devices (simulated CPU devices unless a GPU is present), for vectors of 1M..64M float32
 elements per device, measures in one run:
 
-- bytes each device sends per round, counted from the payloads that cross ``ppermute``
-  (Marsit: packed sign words; dense ring: float32 segments), and their ratio (1/32 up to
-  padding);
+- bytes each device sends per round, read from the compiled programs by
+  :func:`jaxcomm.wire_audit` (Marsit: packed sign words plus the one-byte non-finite flag of
+  every hop message; dense ring: float32 segments), and their ratio (1/32 up to the flag
+  bytes and padding);
 - median wall time of one round of each, as ratios to ``psum`` of the same array.
 
     python benchmarks/marsit_allreduce.py [--sizes 1,4,16,64] [--repeats 5]
@@ -37,7 +38,6 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 import jaxcomm  # noqa: E402
-from jaxcomm.collectives import split_segments  # noqa: E402
 from jaxcomm.marsit import sign_all_reduce  # noqa: E402
 
 N = 8
@@ -59,16 +59,11 @@ def measure(d: int, repeats: int, mesh) -> dict:
         jax.random.normal(jax.random.key(0, impl="rbg"), (N, d)), NamedSharding(mesh, P("data"))
     )
     key = jax.random.key(1)
-    sent = {}
 
     def marsit(v, k):
-        bits, nbytes = sign_all_reduce(v[0], "data", k)
-        sent["marsit"] = nbytes
-        return bits[None]
+        return sign_all_reduce(v[0], "data", k).bits[None]
 
     def ring(v):
-        seg = split_segments(v[0], N)[0]
-        sent["ring"] = 2 * (N - 1) * jaxcomm.payload_bytes(seg)
         return jaxcomm.ring_all_reduce(v[0], "data")[None]
 
     def psum(v):
@@ -81,6 +76,10 @@ def measure(d: int, repeats: int, mesh) -> dict:
     t_psum = _timed(f_psum, x, repeats=repeats)
     t_ring = _timed(f_ring, x, repeats=repeats)
     t_marsit = _timed(f_marsit, x, key, repeats=repeats)
+    sent = {
+        "marsit": int(jaxcomm.wire_audit(f_marsit.lower(x, key)).sent_bytes().max()),
+        "ring": int(jaxcomm.wire_audit(f_ring.lower(x)).sent_bytes().max()),
+    }
     return {
         "elements": d,
         "marsit_bytes": sent["marsit"],
@@ -108,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure(d, args.repeats, mesh) for d in tqdm(sizes, desc="sizes", unit="size")]
     for r in rows:
         seg = math.ceil(r["elements"] / N)
-        expect = (2 * (N - 1) * math.ceil(seg / 8), 2 * (N - 1) * seg * 4)
+        # 2 (N - 1) hops of packed sign words plus the one-byte flag; fp32 segments.
+        expect = (2 * (N - 1) * (math.ceil(seg / 8) + 1), 2 * (N - 1) * seg * 4)
         if (r["marsit_bytes"], r["ring_bytes"]) != expect:
             raise AssertionError(f"byte counts {r} differ from the formula {expect}")
     meta = run_meta(argv, devices=N)
