@@ -148,9 +148,7 @@ def _to_bytes(leaf: jax.Array, lead: int) -> jax.Array:
     leaf = jnp.asarray(leaf)
     if leaf.dtype == jnp.bool_:
         leaf = leaf.astype(jnp.uint8)
-    if leaf.dtype.itemsize > 1:
-        leaf = lax.bitcast_convert_type(leaf, jnp.uint8)
-    elif leaf.dtype != jnp.uint8:
+    if leaf.dtype != jnp.uint8:
         leaf = lax.bitcast_convert_type(leaf, jnp.uint8)
     return leaf.reshape(*leaf.shape[:lead], -1)
 

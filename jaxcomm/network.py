@@ -492,6 +492,11 @@ def words_table(values: Any) -> jax.Array:
     return jnp.asarray(np.stack([_wide_const(int(v)) for v in values]))
 
 
+def _approx_words(w: jax.Array) -> jax.Array:
+    """A byte count's words as an approximate float32 (for size-weighted ratios only)."""
+    return w[..., 0].astype(jnp.float32) + w[..., 1].astype(jnp.float32) * float(_WORD)
+
+
 def as_bytes(words: Any) -> np.ndarray:
     """Host value of ``uint32[..., 2]`` byte-count words: ``int64[...]`` (exact below 2**63)."""
     w = np.asarray(words).astype(np.uint64)
@@ -609,10 +614,7 @@ def log_collective(
     r = jnp.asarray(ratio, jnp.float32)
     old = log.message_bytes[i]
     new = words_add(old, mb)
-
-    def approx(w):
-        return w[..., 0].astype(jnp.float32) + w[..., 1].astype(jnp.float32) * float(_WORD)
-
+    approx = _approx_words
     weighted = (log.ratio[i] * approx(old) + r * approx(mb)) / jnp.maximum(approx(new), 1.0)
     new_ratio = jnp.where(approx(new) > 0, weighted, r)
     return CommLog(
@@ -661,9 +663,7 @@ def merge_logs(*logs: CommLog) -> CommLog:
     out = logs[0]
     for log in logs[1:]:
         total = words_add(out.message_bytes, log.message_bytes)
-
-        def approx(w):
-            return w[..., 0].astype(jnp.float32) + w[..., 1].astype(jnp.float32) * float(_WORD)
+        approx = _approx_words
 
         weighted = out.ratio * approx(out.message_bytes) + log.ratio * approx(log.message_bytes)
         ratio = jnp.where(approx(total) > 0, weighted / jnp.maximum(approx(total), 1.0), 1.0)
