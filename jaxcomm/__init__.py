@@ -50,15 +50,14 @@ from jaxcomm.signsgd import (
 
 __version__ = "0.1.0"
 from jaxcomm.aqsgd import (
-    AQPayload,
     aqsgd_decode,
     aqsgd_encode,
     directq_decode,
     directq_encode,
     grad_wire_bytes,
     quantize_grad,
+    uniform_seen,
 )
-from jaxcomm.aqsgd import wire_bytes as aqsgd_wire_bytes
 from jaxcomm.network import (
     KINDS,
     CommLog,
@@ -84,4 +83,5 @@ from jaxcomm.pipeline import (
     directq_boundary,
     fp32_boundary,
     gpipe,
+    pipeline_ticks,
 )

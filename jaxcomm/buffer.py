@@ -493,6 +493,11 @@ class MessageBuffer:
                 self._decode_pool.shutdown(wait=True)
                 self._closed = True
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (writes are refused; reads still work)."""
+        return self._closed
+
     def __enter__(self) -> MessageBuffer:
         return self
 

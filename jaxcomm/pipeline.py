@@ -2,21 +2,33 @@
 
 Each device on the ``stage`` axis holds one stage's parameters. A batch is cut into ``M``
 microbatches; at tick ``t`` stage ``s`` runs microbatch ``t - s`` (when ``0 <= t - s < M``),
-then sends its output to stage ``s + 1`` with ``ppermute``. ``M + S - 1`` ticks fill and drain
-the pipeline; ``jax.grad`` of the summed loss runs the backward pipeline, with the transposed
-``ppermute`` carrying activation gradients from stage ``s + 1`` back to ``s``.
+then sends its output to stage ``s + 1``. ``M + S - 1`` ticks fill and drain the pipeline;
+``jax.grad`` of the summed loss runs the backward pipeline, whose transfers carry activation
+gradients from stage ``s + 1`` back to ``s``.
+
+**Only real messages cross.** The stages that hold a microbatch at tick ``t`` are known when
+the program is built, so each tick's ``ppermute`` lists only the boundaries that carry one:
+a bubble tick sends nothing, the last stage sends nothing forward and the first nothing
+back. Ticks with the same set of active boundaries run as one ``lax.scan`` (the steady
+state), the others (filling and draining) are unrolled, so the compiled program has at most
+``2 S - 1`` tick bodies. Each message is one packed ``uint8`` buffer (codes and scales
+together, see :func:`jaxcomm.collectives.send`). The embedding runs only on stage 0 and the
+loss head only on the last stage (``lax.cond`` on the stage index).
 
 What crosses a boundary is decided by a :class:`Boundary`: the sender ``encode``s its output
 against the boundary's previous message for those samples and the receiver ``decode``s the
-payload into the activation it consumes (FP32, DirectQ and AQ-SGD are such codecs). The
-backward message is the activation gradient, optionally quantized to ``bw_bits``
-(stochastic, unbiased) before it is sent back. Both sides of a boundary keep their own copy
-of the previous messages (``prev_out`` on the sender, ``prev_in`` on the receiver); the codecs
-make them agree bit for bit.
+payload into the activation it consumes (FP32, DirectQ and AQ-SGD, the codecs of
+:mod:`jaxcomm.aqsgd`). The backward message is the activation gradient, optionally quantized
+to ``bw_bits`` with :func:`jaxcomm.aqsgd.directq_encode` (stochastic, unbiased). Both sides of
+a boundary keep their own copy of the previous messages (``prev_in`` on the receiver,
+``prev_out`` on the sender); the codecs make them agree bit for bit.
+
+Every transfer gets its own key ``fold_in(fold_in(key, tick), stage)``, split once into the
+forward and backward rounding keys (each then split per row), so no two roundings share
+noise.
 
 Shapes (per device, inside ``shard_map`` over ``axis_name``): microbatched inputs
-``[M, mb, ...]``; boundary state ``prev_in``, ``prev_out``: ``[M, mb, *act]``; ``seen``:
-``bool[M, mb]``.
+``[M, mb, ...]``; boundary state ``prev_in``, ``prev_out``: ``[M, mb, *act]``.
 """
 
 from __future__ import annotations
@@ -30,9 +42,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomm._checks import axis_size, check_int
-from jaxcomm.aqsgd import aqsgd_decode, aqsgd_encode, directq_decode, directq_encode
-from jaxcomm.aqsgd import wire_bytes as aqsgd_wire_bytes
-from jaxcomm.codecs import dequantize, payload_bytes, quantize, quantized_nbytes
+from jaxcomm.aqsgd import (
+    aqsgd_decode,
+    aqsgd_encode,
+    directq_decode,
+    directq_encode,
+    fp32_decode,
+    fp32_encode,
+)
+from jaxcomm.codecs import payload_bytes
+from jaxcomm.collectives import psum_wire, send
+from jaxcomm.network import CommLog, empty_log, log_collective, log_wire, words_table
 
 __all__ = [
     "Boundary",
@@ -41,6 +61,7 @@ __all__ = [
     "directq_boundary",
     "fp32_boundary",
     "gpipe",
+    "pipeline_ticks",
 ]
 
 
@@ -49,30 +70,35 @@ class Boundary:
     """How activations cross a stage boundary.
 
     Attributes:
-      encode: ``(activation, prev, seen, key) -> (payload, new_prev)`` on the sender;
-        ``activation``/``prev``: ``f32[mb, *act]``, ``seen``: ``bool[mb]``.
-      decode: ``(payload, prev, seen) -> new_prev`` on the receiver; ``new_prev`` is what the
-        next stage consumes and must equal the sender's ``new_prev``.
+      encode: ``(activation, prev, key, seen) -> (payload, new_prev)`` on the sender;
+        ``activation``/``prev``: ``f32[mb, *act]``, ``seen`` a static bool (the microbatch
+        crossed before). The payload's arrays are exactly the bytes sent.
+      decode: ``(payload, prev) -> new_prev`` on the receiver; ``new_prev`` is what the next
+        stage consumes and must equal the sender's ``new_prev``.
       bw_bits: bits of the activation gradient sent back (``None``: float32).
       bw_bucket: bucket size of the backward quantizer (``None``: the activation's last
         axis, one scale per token).
-      wire_bytes: ``(payload, seen) -> int32[]`` bytes of a payload that actually cross the
-        link (``None``: all of the payload's arrays).
+      uses_buffer: whether ``encode``/``decode`` read the previous messages (AQ-SGD), so the
+        caller must keep a message buffer.
     """
 
     encode: Callable
     decode: Callable
     bw_bits: int | None = None
     bw_bucket: int | None = None
-    wire_bytes: Callable | None = None
+    uses_buffer: bool = False
+
+
+def _bw(bw_bits: int | None) -> int | None:
+    return None if bw_bits is None else check_int("bw_bits", bw_bits, lo=1, hi=8)
 
 
 def fp32_boundary(bw_bits: int | None = None) -> Boundary:
     """Uncompressed forward: the activation itself; its gradient back (optionally quantized)."""
     return Boundary(
-        encode=lambda a, prev, seen, key: (a, a),
-        decode=lambda payload, prev, seen: payload,
-        bw_bits=bw_bits,
+        encode=lambda a, prev, key, seen: (fp32_encode(a), a),
+        decode=lambda payload, prev: fp32_decode(payload),
+        bw_bits=_bw(bw_bits),
     )
 
 
@@ -80,27 +106,28 @@ def directq_boundary(fw_bits: int, bw_bits: int | None) -> Boundary:
     """DirectQ baseline: the activation itself quantized to ``fw_bits``, no message buffer."""
     fw_bits = check_int("fw_bits", fw_bits, lo=1, hi=8)
 
-    def encode(a, prev, seen, key):
+    def encode(a, prev, key, seen):
         payload = directq_encode(a, key, bits=fw_bits)
         return payload, directq_decode(payload)
 
     return Boundary(
-        encode=encode, decode=lambda payload, prev, seen: directq_decode(payload), bw_bits=bw_bits
+        encode=encode, decode=lambda payload, prev: directq_decode(payload), bw_bits=_bw(bw_bits)
     )
 
 
 def aqsgd_boundary(fw_bits: int, bw_bits: int | None) -> Boundary:
     """AQ-SGD: quantized deltas against the per-sample previous messages, ``fw_bits`` bits.
 
-    A sample's first visit crosses in full precision; later visits send
-    ``Q(activation - previous)`` and both sides set ``previous += dequantize``.
+    A microbatch's first visit (``seen=False``) crosses in float32; later visits send
+    ``Q(activation - previous)`` and both sides set ``previous += dequantize``
+    (:func:`jaxcomm.aqsgd_encode`).
     """
     fw_bits = check_int("fw_bits", fw_bits, lo=1, hi=8)
     return Boundary(
-        encode=lambda a, prev, seen, key: aqsgd_encode(a, prev, seen, key, bits=fw_bits),
+        encode=lambda a, prev, key, seen: aqsgd_encode(a, prev, seen, key, bits=fw_bits),
         decode=aqsgd_decode,
-        bw_bits=bw_bits,
-        wire_bytes=aqsgd_wire_bytes,
+        bw_bits=_bw(bw_bits),
+        uses_buffer=True,
     )
 
 
@@ -110,14 +137,29 @@ class BoundaryState(NamedTuple):
     Attributes:
       prev_in: ``f32[M, mb, *act]`` previous messages of the incoming boundary (receiver).
       prev_out: ``f32[M, mb, *act]`` previous messages of the outgoing boundary (sender).
-      seen_in: ``bool[M, mb]`` samples seen before at the incoming boundary.
-      seen_out: ``bool[M, mb]`` samples seen before at the outgoing boundary.
     """
 
     prev_in: jax.Array
     prev_out: jax.Array
-    seen_in: jax.Array
-    seen_out: jax.Array
+
+
+def pipeline_ticks(microbatches: int, stages: int) -> list[tuple[int, int, tuple[int, ...]]]:
+    """The GPipe schedule as runs of ticks: ``[(start, stop, senders), ...]``.
+
+    Ticks ``start .. stop - 1`` share the set ``senders`` of stages that send a microbatch
+    forward (stage ``s`` sends at tick ``t`` when ``0 <= t - s < M`` and ``s < S - 1``); the
+    runs cover ticks ``0 .. M + S - 2``. The last tick sends nothing.
+    """
+    m = check_int("microbatches", microbatches, lo=1)
+    n = check_int("stages", stages, lo=1)
+    runs: list[tuple[int, int, tuple[int, ...]]] = []
+    for t in range(m + n - 1):
+        senders = tuple(s for s in range(n - 1) if 0 <= t - s < m)
+        if runs and runs[-1][2] == senders:
+            runs[-1] = (runs[-1][0], t + 1, senders)
+        else:
+            runs.append((t, t + 1, senders))
+    return runs
 
 
 def _take(tree: Any, i: jax.Array) -> Any:
@@ -129,44 +171,63 @@ def _put(buf: jax.Array, value: jax.Array, i: jax.Array, ok: jax.Array) -> jax.A
     return lax.dynamic_update_index_in_dim(buf, jnp.where(ok, value, old), i, 0)
 
 
-def _make_transfer(boundary: Boundary, axis_name: Any, n: int):
-    fwd_perm = [(j, j + 1) for j in range(n - 1)]
-    bwd_perm = [(j + 1, j) for j in range(n - 1)]
-
-    def send(y, prev_out, seen_out, prev_in, seen_in, key):
-        payload, new_out = boundary.encode(y, prev_out, seen_out, key)
-        received = lax.ppermute(payload, axis_name, fwd_perm)
-        new_in = boundary.decode(received, prev_in, seen_in)
-        return new_in, new_out, payload
-
-    def count(payload, seen):
-        if boundary.wire_bytes is None:
-            return jnp.int32(payload_bytes(payload))
-        return boundary.wire_bytes(payload, seen)
+def _make_transfer(boundary: Boundary, axis_name: Any, senders: tuple[int, ...], seen: bool):
+    """One tick's transfer over the boundaries ``s -> s + 1`` for ``s`` in ``senders``."""
+    fwd_perm = [(j, j + 1) for j in senders]
+    bwd_perm = [(j + 1, j) for j in senders]
 
     @jax.custom_vjp
-    def transfer(y, prev_out, seen_out, prev_in, seen_in, key):
-        new_in, new_out, payload = send(y, prev_out, seen_out, prev_in, seen_in, key)
-        return new_in, new_out, lax.stop_gradient(count(payload, seen_out))
+    def transfer(y, prev_out, prev_in, key):
+        k_fw, _ = jax.random.split(key)
+        payload, new_out = boundary.encode(y, prev_out, k_fw, seen)
+        new_in = boundary.decode(send(payload, axis_name, fwd_perm), prev_in)
+        return new_in, new_out
 
-    def fwd(y, prev_out, seen_out, prev_in, seen_in, key):
-        return transfer(y, prev_out, seen_out, prev_in, seen_in, key), key
+    def fwd(y, prev_out, prev_in, key):
+        return transfer(y, prev_out, prev_in, key), key
 
     def bwd(key, cotangents):
         g_in = cotangents[0]  # gradient w.r.t. what the receiver consumed
         if boundary.bw_bits is None:
-            back = lax.ppermute(g_in, axis_name, bwd_perm)
+            back = send(g_in, axis_name, bwd_perm)
         else:
-            k = jax.random.fold_in(key, 1)
-            bucket = boundary.bw_bucket or g_in.shape[-1]
-            q = quantize(g_in, k, bits=boundary.bw_bits, bucket_size=bucket)
-            back = dequantize(lax.ppermute(q, axis_name, bwd_perm))
+            _, k_bw = jax.random.split(key)
+            q = directq_encode(g_in, k_bw, bits=boundary.bw_bits, bucket_size=boundary.bw_bucket)
+            back = directq_decode(send(q, axis_name, bwd_perm))
         # Straight-through: d(received)/d(sent activation) is the identity; the previous
-        # messages and flags are state, not differentiated.
-        return (back, None, None, None, None, None)
+        # messages are state, not differentiated.
+        return (back, None, None, None)
 
     transfer.defvjp(fwd, bwd)
     return transfer
+
+
+def _message_bytes(boundary: Boundary, act: jax.ShapeDtypeStruct, seen: bool) -> tuple[int, int]:
+    """Bytes of one forward and one backward message, read from the payloads' shapes."""
+    key = jax.random.key(0)
+    fw = jax.eval_shape(lambda a: boundary.encode(a, a, key, seen)[0], act)
+    if boundary.bw_bits is None:
+        return payload_bytes(fw), payload_bytes(act)
+    bw = jax.eval_shape(
+        lambda g: directq_encode(g, key, bits=boundary.bw_bits, bucket_size=boundary.bw_bucket),
+        act,
+    )
+    return payload_bytes(fw), payload_bytes(bw)
+
+
+def _p2p_log(log: CommLog, runs, message: int, sent: list[int], index: Any, m: int) -> CommLog:
+    """Log one direction's point-to-point traffic: ``m`` messages per boundary, one round per
+    tick that carries any (``message`` bytes along the path each such tick)."""
+    ticks = sum(stop - start for start, stop, senders in runs if senders)
+    return log_collective(
+        log,
+        "p2p",
+        sum(sent),
+        words_table(sent)[index],
+        rounds=ticks,
+        path_bytes=ticks * message,
+        calls=max(m, 1),
+    )
 
 
 def gpipe(
@@ -181,78 +242,89 @@ def gpipe(
 
     Args:
       first_fn: ``(params, micro_inputs) -> f32[mb, *act]``, stage 0's input layer (e.g.
-        the embedding); evaluated on every stage, used only on stage 0.
+        the embedding); runs on stage 0 only.
       stage_fn: ``(params, h) -> h`` this stage's layers.
       last_fn: ``(params, h, micro_inputs) -> f32[]`` loss of one microbatch (mean over its
-        samples) on the last stage.
+        samples); runs on the last stage only.
       axis_name: the pipeline mesh axis.
       boundary: codec of the stage boundaries (default :func:`fp32_boundary`).
 
     Returns:
-      ``loss_fn(params, inputs, state, key) -> (loss, (new_state, fw_bytes, bw_bytes))``:
+      ``loss_fn(params, inputs, state, key, seen=False) -> (loss, (new_state, log))``:
       ``inputs`` is a pytree of ``[M, mb, ...]`` arrays (replicated over stages), ``state`` a
-      :class:`BoundaryState`; ``loss`` is the mean microbatch loss, the same on every stage;
-      ``fw_bytes`` (``int32[]``) the forward bytes this stage sent in the step, counted from
-      the payloads (0 on the last stage), and ``bw_bytes`` (Python int) the activation-gradient
-      bytes each non-first stage sends back.
-      Differentiate ``loss`` w.r.t. ``params`` with ``jax.grad``/``value_and_grad``
-      (``has_aux=True``).
+      :class:`BoundaryState`, ``seen`` a static bool (every sample of the step crossed the
+      boundaries before; AQ-SGD then sends deltas, see :mod:`jaxcomm.aqsgd`). ``loss`` is
+      the mean microbatch loss, the same on every stage; ``log`` a :class:`CommLog` of this
+      device's traffic in the step: ``p2p`` messages (forward activations and backward
+      gradients, one round per tick that carries any) and the 4-byte ``allreduce`` that
+      shares the loss. Differentiate ``loss`` w.r.t. ``params`` with ``jax.grad`` or
+      ``value_and_grad`` (``has_aux=True``).
     """
     boundary = boundary or fp32_boundary()
 
-    def loss_fn(params, inputs, state: BoundaryState, key):
+    def loss_fn(params, inputs, state: BoundaryState, key, seen: bool = False):
+        if not isinstance(seen, bool):
+            raise TypeError(f"seen must be a Python bool (static), got {type(seen).__name__}")
         n = axis_size(axis_name)
         s = lax.axis_index(axis_name)
-        m_total = jax.tree_util.tree_leaves(inputs)[0].shape[0]
-        check_int("number of microbatches", m_total, lo=1)
-        transfer = _make_transfer(boundary, axis_name, n)
-        h0 = first_fn(params, _take(inputs, 0))
+        m_total = check_int(
+            "number of microbatches", jax.tree_util.tree_leaves(inputs)[0].shape[0], lo=1
+        )
+        act = jax.eval_shape(first_fn, params, _take(inputs, 0))
+        zero_act = jnp.zeros(act.shape, act.dtype)
 
-        def tick(carry, t):
-            h_recv, st, total, sent = carry
+        def tick(carry, t, senders):
+            h_recv, st, total = carry
             m = t - s
             mi = jnp.clip(m, 0, m_total - 1)
             micro = _take(inputs, mi)
-            x = jnp.where(s == 0, first_fn(params, micro), h_recv)
+            x = lax.cond(s == 0, lambda: first_fn(params, micro), lambda: h_recv)
             y = stage_fn(params, x)
             ok = (m >= 0) & (m < m_total)
-            total = total + jnp.where(ok & (s == n - 1), last_fn(params, y, micro), 0.0)
+            loss = lax.cond(
+                ok & (s == n - 1),
+                lambda: last_fn(params, y, micro).astype(jnp.float32),
+                lambda: jnp.zeros((), jnp.float32),
+            )
+            if not senders:
+                return (h_recv, st, total + loss), None
             # Receiver side of this tick's transfer handles microbatch m + 1 next tick.
             mr = jnp.clip(m + 1, 0, m_total - 1)
             ok_out = ok & (s < n - 1)
             ok_in = (m + 1 >= 0) & (m + 1 < m_total) & (s > 0)
             k = jax.random.fold_in(jax.random.fold_in(key, t), s)
-            new_in, new_out, nbytes = transfer(
+            new_in, new_out = _make_transfer(boundary, axis_name, senders, seen)(
                 y,
                 lax.stop_gradient(_take(st.prev_out, mi)),
-                _take(st.seen_out, mi),
                 lax.stop_gradient(_take(st.prev_in, mr)),
-                _take(st.seen_in, mr),
                 k,
             )
             st = BoundaryState(
                 prev_in=_put(st.prev_in, lax.stop_gradient(new_in), mr, ok_in),
                 prev_out=_put(st.prev_out, lax.stop_gradient(new_out), mi, ok_out),
-                seen_in=_put(st.seen_in, jnp.ones_like(st.seen_in[0]), mr, ok_in),
-                seen_out=_put(st.seen_out, jnp.ones_like(st.seen_out[0]), mi, ok_out),
             )
-            sent = sent + jnp.where(ok_out, nbytes, 0)
-            return (new_in, st, total, sent), None
+            return (new_in, st, total + loss), None
 
-        ticks = jnp.arange(m_total + n - 1)
-        init = (jnp.zeros_like(h0), state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-        (_, new_state, total, fw_bytes), _ = lax.scan(tick, init, ticks)
+        runs = pipeline_ticks(m_total, n)
+        carry = (zero_act, state, jnp.zeros((), jnp.float32))
+        for start, stop, senders in runs:
+            body = lambda c, t, senders=senders: tick(c, t, senders)  # noqa: E731
+            if stop - start == 1:
+                carry, _ = body(carry, jnp.int32(start))
+            else:
+                carry, _ = lax.scan(body, carry, jnp.arange(start, stop, dtype=jnp.int32))
+        _, new_state, total = carry
         # The value is the loss summed over stages (only the last one has it); the gradient
         # is this stage's own, since the backward pipeline already reaches the earlier
-        # stages through the transposed ppermute (a psum here would scale it by N).
+        # stages through the transposed transfers (a psum here would scale it by N).
         local = total / m_total
-        loss = lax.psum(lax.stop_gradient(local), axis_name) + (local - lax.stop_gradient(local))
-        if boundary.bw_bits is None:
-            grad_msg = 4 * h0.size
-        else:
-            bucket = boundary.bw_bucket or h0.shape[-1]
-            grad_msg = quantized_nbytes(h0.size, bits=boundary.bw_bits, bucket_size=bucket)
-        bw_bytes = m_total * grad_msg if n > 1 else 0
-        return loss, (new_state, fw_bytes, bw_bytes)
+        shared = lax.psum(lax.stop_gradient(local), axis_name)
+        loss = shared + (local - lax.stop_gradient(local))
+
+        fw_msg, bw_msg = _message_bytes(boundary, act, seen)
+        log = _p2p_log(empty_log(), runs, fw_msg, [m_total * fw_msg] * (n - 1) + [0], s, m_total)
+        log = _p2p_log(log, runs, bw_msg, [0] + [m_total * bw_msg] * (n - 1), s, m_total)
+        log = log_wire(log, psum_wire(local, n), s)
+        return loss, (new_state, log)
 
     return loss_fn

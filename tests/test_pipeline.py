@@ -8,7 +8,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.pipeline import Boundary, BoundaryState
+from jaxcomm.collectives import psum_wire
+from jaxcomm.pipeline import Boundary, BoundaryState, pipeline_ticks
 from models import GPTConfig, build_task
 from train.pipeline import gpt_pipeline_loss, stage_params
 
@@ -23,45 +24,63 @@ def _setup():
     return task, tokens, params
 
 
-def _run(num_stages, params, tokens, boundary=None, state=None):
+def _run(num_stages, params, tokens, boundary=None, state=None, seen=False):
+    """One pipelined loss and gradient. Checks the logged traffic of every device against the
+    wire audit of the compiled program, and returns ``(loss, grads, state, log)``."""
     mesh = jax.make_mesh((num_stages,), ("stage",), devices=jax.devices()[:num_stages])
     loss_fn = gpt_pipeline_loss(CFG, boundary=boundary)
-    act = (M, MB, T, W)
-
     if state is None:
-        zeros, unseen = (
-            np.zeros((num_stages, *act), np.float32),
-            np.zeros((num_stages, M, MB), bool),
-        )
-        state = BoundaryState(zeros, zeros, unseen, unseen)
+        zeros = np.zeros((num_stages, M, MB, T, W), np.float32)
+        state = BoundaryState(zeros, zeros)
 
     def per_device(p, inputs, st):
         p, st = jax.tree_util.tree_map(lambda a: a[0], (p, st))
-        (loss, (st, fw, bw)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            p, inputs, st, jax.random.key(2)
+        (loss, (st, log)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            p, inputs, st, jax.random.key(2), seen
         )
-        per_dev = jax.tree_util.tree_map(lambda a: a[None], (grads, st, fw))
-        return loss, per_dev, jnp.int32(bw)
+        return loss, jax.tree_util.tree_map(lambda a: a[None], (grads, st, log))
 
     f = jax.shard_map(
         per_device,
         mesh=mesh,
         in_specs=(P("stage"), P(), P("stage")),
-        out_specs=(P(), P("stage"), P()),
+        out_specs=(P(), P("stage")),
         check_vma=False,
     )
     sharded = NamedSharding(mesh, P("stage"))
     sp = jax.device_put(stage_params(params, CFG, num_stages), sharded)
     st = jax.device_put(state, sharded)
-    loss, (grads, state, fw), bw = jax.jit(f)(sp, {"tokens": tokens.reshape(M, MB, T + 1)}, st)
-    return float(loss), jax.device_get(grads), jax.device_get(state), np.asarray(fw), int(bw)
+    args = (sp, {"tokens": tokens.reshape(M, MB, T + 1)}, st)
+    compiled = jax.jit(f).lower(*args).compile()
+    loss, (grads, state, log) = compiled(*args)
+    log = jax.device_get(log)
+    audit = jaxcomm.wire_audit(compiled).traffic()
+    np.testing.assert_array_equal(jaxcomm.as_bytes(log.sent_bytes).ravel(), audit.sent)
+    np.testing.assert_array_equal(log.rounds.sum(-1), audit.rounds)
+    np.testing.assert_array_equal(jaxcomm.as_bytes(log.path_bytes).sum(-1), audit.path_bytes)
+    return float(loss), jax.device_get(grads), jax.device_get(state), log
+
+
+def _p2p_sent(log, num_stages):
+    """Point-to-point bytes each stage sent (all it sent, less the loss's 4-byte psum)."""
+    loss_psum = psum_wire(jnp.zeros((), jnp.float32), num_stages).sent[0]
+    return list(jaxcomm.as_bytes(log.sent_bytes).ravel() - loss_psum)
+
+
+def _expect(num_stages, fw, bw):
+    """Per-stage bytes: ``fw`` forward from all but the last, ``bw`` back from all but the
+    first, over the ``M`` microbatches; nothing on bubble ticks."""
+    return [M * (fw * (s < num_stages - 1) + bw * (s > 0)) for s in range(num_stages)]
+
+
+FP32_MSG = MB * T * W * 4
 
 
 @pytest.mark.parametrize("num_stages", [2, 4, 8])
 def test_fp32_pipeline_equals_unpipelined_model(num_stages):
     task, tokens, params = _setup()
     ref_loss, ref_grads = jax.value_and_grad(lambda p: task.loss(p, {"tokens": tokens})[0])(params)
-    loss, grads, state, fw, bw = _run(num_stages, params, tokens)
+    loss, grads, state, log = _run(num_stages, params, tokens)
     assert loss == pytest.approx(float(ref_loss), rel=1e-5)
     k = L // num_stages
     for s in range(num_stages):
@@ -80,13 +99,15 @@ def test_fp32_pipeline_equals_unpipelined_model(num_stages):
             strict=True,
         ):
             np.testing.assert_allclose(a[stage], b, rtol=1e-4, atol=1e-6)
-    # Every microbatch's activation crosses each boundary once, in float32.
-    assert list(fw) == [M * MB * T * W * 4] * (num_stages - 1) + [0]
-    assert bw == M * MB * T * W * 4
-    # Both sides of each boundary hold the same messages, and every sample is now seen.
+    # Every microbatch's activation crosses each boundary once, in float32, and so does its
+    # gradient back; the last stage sends nothing forward and the first nothing back.
+    assert _p2p_sent(log, num_stages) == _expect(num_stages, FP32_MSG, FP32_MSG)
+    # One round per tick that carries a message, each way: M + S - 2 ticks of M + S - 1.
+    p2p = jaxcomm.KINDS.index("p2p")
+    assert list(log.rounds[:, p2p]) == [2 * (M + num_stages - 2)] * num_stages
+    # Both sides of each boundary hold the same messages.
     for s in range(num_stages - 1):
         np.testing.assert_array_equal(state.prev_out[s], state.prev_in[s + 1])
-        assert state.seen_out[s].all() and state.seen_in[s + 1].all()
 
 
 def test_quantized_backward_changes_gradients_but_not_loss():
@@ -94,8 +115,9 @@ def test_quantized_backward_changes_gradients_but_not_loss():
     fp32 = jaxcomm.pipeline.fp32_boundary()
     q = Boundary(encode=fp32.encode, decode=fp32.decode, bw_bits=4)
     loss_a, grads_a, *_ = _run(4, params, tokens)
-    loss_b, grads_b, _, _, bw = _run(4, params, tokens, boundary=q)
-    assert bw == M * MB * T * (W * 4 // 8 + 4)  # 4-bit codes + one scale per token
+    loss_b, grads_b, _, log = _run(4, params, tokens, boundary=q)
+    q_msg = MB * T * (W * 4 // 8 + 4)  # 4-bit codes + one scale per token
+    assert _p2p_sent(log, 4) == _expect(4, FP32_MSG, q_msg)
     assert loss_a == pytest.approx(loss_b, rel=1e-6)
     a = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(grads_a["blocks"])])
     b = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(grads_b["blocks"])])
@@ -115,27 +137,26 @@ def test_aqsgd_pipeline_first_visit_exact_then_deltas(fw_bits):
     of every boundary reconstruct identically, at the byte count of the formula."""
     _, tokens, params = _setup()
     aq = jaxcomm.pipeline.aqsgd_boundary(fw_bits, 8)
-    loss_fp, _, st_fp, fw_fp, _ = _run(4, params, tokens)
-    loss_1, _, st_1, fw_1, _ = _run(4, params, tokens, boundary=aq)
+    loss_fp, _, st_fp, _ = _run(4, params, tokens)
+    loss_1, _, st_1, log_1 = _run(4, params, tokens, boundary=aq)
     assert loss_1 == pytest.approx(loss_fp, rel=1e-6)
     np.testing.assert_array_equal(st_1.prev_out, st_fp.prev_out)
-    np.testing.assert_array_equal(fw_1, fw_fp)
+    bw_msg = MB * T * (W + 4)  # 8-bit codes + one scale per token
+    assert _p2p_sent(log_1, 4) == _expect(4, FP32_MSG, bw_msg)
     # Step 2 with slightly moved parameters: every sample is seen now.
     moved = jax.tree_util.tree_map(lambda a: a * 1.01, params)
-    loss_ref, _, st_ref, _, _ = _run(4, moved, tokens)
-    loss_2, _, st_2, fw_2, _ = _run(4, moved, tokens, boundary=aq, state=st_1)
+    loss_ref, _, st_ref, _ = _run(4, moved, tokens)
+    loss_2, _, st_2, log_2 = _run(4, moved, tokens, boundary=aq, state=st_1, seen=True)
     for s in range(3):
         np.testing.assert_array_equal(st_2.prev_out[s], st_2.prev_in[s + 1])
-    row = -(-W * fw_bits // 8) + 4  # codes of one token row + its scale
-    assert list(fw_2) == [M * MB * T * row] * 3 + [0]
+    row = -(-W * fw_bits // 8) + 4  # codes of one token row + its scale: nothing else
+    assert _p2p_sent(log_2, 4) == _expect(4, MB * T * row, bw_msg)
     # First boundary (no upstream error): within one grid step of the change's range.
     err0 = np.abs(st_2.prev_out[0] - st_ref.prev_out[0]).max()
     delta0 = np.abs(st_ref.prev_out[0] - st_1.prev_out[0]).max()
     assert 0 < err0 <= 2 * delta0 / (2**fw_bits - 1) + 1e-6
     # Quantizing the change beats quantizing the activation (DirectQ) at the same bits.
-    _, _, st_dq, _, _ = _run(
-        4, moved, tokens, boundary=jaxcomm.pipeline.directq_boundary(fw_bits, 8)
-    )
+    _, _, st_dq, _ = _run(4, moved, tokens, boundary=jaxcomm.pipeline.directq_boundary(fw_bits, 8))
     err_aq = np.abs(st_2.prev_out[:3] - st_ref.prev_out[:3]).mean()
     err_dq = np.abs(st_dq.prev_out[:3] - st_ref.prev_out[:3]).mean()
     assert err_aq < err_dq / 3
@@ -145,6 +166,75 @@ def test_aqsgd_pipeline_first_visit_exact_then_deltas(fw_bits):
 
 def test_directq_pipeline_bytes():
     _, tokens, params = _setup()
-    loss, _, _, fw, _ = _run(2, params, tokens, boundary=jaxcomm.pipeline.directq_boundary(4, 8))
+    loss, _, _, log = _run(2, params, tokens, boundary=jaxcomm.pipeline.directq_boundary(4, None))
     assert np.isfinite(loss)
-    assert list(fw) == [M * MB * T * (W * 4 // 8 + 4), 0]
+    assert _p2p_sent(log, 2) == _expect(2, MB * T * (W * 4 // 8 + 4), FP32_MSG)
+
+
+@pytest.mark.parametrize("microbatches,stages", [(1, 1), (1, 4), (3, 4), (4, 2), (8, 3)])
+def test_tick_runs_cover_the_schedule(microbatches, stages):
+    runs = pipeline_ticks(microbatches, stages)
+    assert runs[0][0] == 0 and runs[-1][1] == microbatches + stages - 1
+    assert all(a[1] == b[0] for a, b in zip(runs, runs[1:], strict=False))
+    for start, stop, senders in runs:
+        for t in range(start, stop):
+            assert senders == tuple(s for s in range(stages - 1) if 0 <= t - s < microbatches)
+    assert runs[-1][2] == ()  # the last tick sends nothing
+    assert len(runs) <= 2 * stages - 1
+
+
+def _regression(boundary, steps=300):
+    """A two-stage regression fine-tuned full-batch through :func:`jaxcomm.gpipe`, the same
+    32 samples every step (so every step after the first revisits them all)."""
+    kx, kw, k1, k2 = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(kx, (1, 32, 8))
+    y = jnp.sin(x @ jax.random.normal(kw, (8, 2)))
+    w0, w1 = 0.5 * jax.random.normal(k1, (8, 16)), 0.5 * jax.random.normal(k2, (16, 2))
+    params = {"w0": jnp.stack([w0, w0]), "w1": jnp.stack([w1, w1])}
+    loss_fn = jaxcomm.gpipe(
+        lambda p, mb: jnp.tanh(mb["x"] @ p["w0"]),
+        lambda p, h: h,
+        lambda p, h, mb: jnp.mean((h @ p["w1"] - mb["y"]) ** 2),
+        boundary=boundary,
+    )
+    mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+
+    def per_device(params):
+        p = jax.tree_util.tree_map(lambda a: a[0], params)
+        zeros = jnp.zeros((1, 32, 16))
+
+        def step(seen):
+            def body(carry, key):
+                p, st = carry
+                grad = jax.grad(loss_fn, has_aux=True)
+                g, (st, _) = grad(p, {"x": x, "y": y}, st, key, seen)
+                return (jax.tree_util.tree_map(lambda a, b: a - 0.2 * b, p, g), st), None
+
+            return body
+
+        keys = jax.random.split(jax.random.key(1), steps)
+        carry, _ = step(False)((p, BoundaryState(zeros, zeros)), keys[0])
+        (p, _), _ = jax.lax.scan(step(True), carry, keys[1:])
+        loss, _ = loss_fn(p, {"x": x, "y": y}, BoundaryState(zeros, zeros), keys[0])
+        return loss
+
+    f = jax.shard_map(per_device, mesh=mesh, in_specs=P("stage"), out_specs=P(), check_vma=False)
+    params = jax.device_put(params, NamedSharding(mesh, P("stage")))
+    return float(jax.jit(f)(params))
+
+
+def test_training_aqsgd_tracks_fp32_where_directq_drifts():
+    pipe = jaxcomm.pipeline
+    fp32 = _regression(pipe.fp32_boundary())
+    aq8 = _regression(pipe.aqsgd_boundary(8, 8))
+    aq2 = _regression(pipe.aqsgd_boundary(2, 8))
+    dq2 = _regression(pipe.directq_boundary(2, 8))
+    assert aq8 == pytest.approx(fp32, rel=1e-2)
+    assert aq2 == pytest.approx(fp32, rel=5e-2)
+    assert dq2 > 5 * fp32
+
+
+def test_seen_must_be_a_static_bool():
+    _, tokens, params = _setup()
+    with pytest.raises(TypeError, match="seen must be a Python bool"):
+        _run(2, params, tokens, boundary=jaxcomm.aqsgd_boundary(2, 8), seen=np.True_)

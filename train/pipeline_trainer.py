@@ -4,25 +4,36 @@ The mesh is ``workers x stages`` (axes ``data`` and ``stage``). Every per-device
 has two leading axes ``[D, S, ...]``: stage ``s`` holds its blocks (and copies of the
 embedding and head, used only by the first and last stage). Each step:
 
-1. the batch's previous messages are read from the :class:`jaxcomm.MessageBuffer` of every
-   boundary (issued asynchronously one step ahead, so the read overlaps the previous step);
-2. the jitted step runs the GPipe pipeline (:func:`jaxcomm.gpipe`) with the configured
+1. the jitted step runs the GPipe pipeline (:func:`jaxcomm.gpipe`) with the configured
    boundary codec, then the configured aggregator averages each stage's gradients over
    ``data`` (dense or error-compensated quantized) and the optimizer applies them;
-3. the new previous messages of every boundary are written back (asynchronously).
+2. while it runs, the next step's batch and the previous messages of its samples are read
+   from the :class:`jaxcomm.MessageBuffer` of every boundary and copied to the devices;
+3. the step's new messages are written back (asynchronously).
 
-Communication is modelled per step as the pipeline's point-to-point transfers (``2 M``
-messages per boundary: activations or deltas forward, activation gradients back, with their
-measured bytes) plus the aggregator's collectives, added without overlap: an upper bound.
+There are two compiled steps: while any sample of a step is on its first visit, AQ-SGD
+sends float32 (and resets the buffer rows); once all were seen, it sends deltas. The host
+knows which from the buffers' ``seen`` flags, so the payloads are exactly the wire.
+
+The embedding and head copies of the stages that do not use them get zero gradients, and are
+still averaged over ``data`` with the rest (their bytes are logged): skipping them needs the
+averaging inside a ``lax.cond`` on the stage index, and XLA's CPU runtime requires every
+device of a program to join every collective, so a collective that only some stages run
+deadlocks there.
+
+Communication is each device's logged traffic: the pipeline's point-to-point messages (one
+round per tick that carries any) plus the aggregator's collectives, added without overlap:
+an upper bound.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import shutil
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +43,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.network import empty_log, log_collective
+from jaxcomm.collectives import psum_wire
+from jaxcomm.network import log_wire
 from jaxcomm.pipeline import BoundaryState
 from models import GPTConfig
 from train.config import Config
@@ -43,6 +55,17 @@ from train.trainer import AXIS, Trainer, _all_finite
 __all__ = ["PipelineTrainer"]
 
 STAGE = "stage"
+
+
+class _Prepared(NamedTuple):
+    """A step's inputs on the devices: batch, boundary state and boundary mode."""
+
+    position: int
+    ids: np.ndarray
+    batch: dict[str, jax.Array]
+    state: BoundaryState
+    seen: bool
+    seconds: float  # host time spent preparing it (reads waited on, copies issued)
 
 
 def _sq(tree: Any) -> Any:
@@ -115,40 +138,62 @@ class PipelineTrainer(Trainer):
             )
             for b in range(self.stages - 1 if cfg.boundary == "aqsgd" else 0)
         ]
-        self._pending_reads: dict[int, list] = {}
         self._io: dict[str, float] = {}
         self._zero_state: BoundaryState | None = None
+        self._next: _Prepared | None = None
+        self._compiled: dict[bool, Any] = {}
         self._last_ids: np.ndarray | None = None
         self._last_state: Any = None
         return stacked, opt_state
 
-    def _build_step(self) -> Callable:
-        loss_fn = gpt_pipeline_loss(self.gpt_cfg, boundary=make_boundary(self.cfg))
+    def _build_step(self) -> dict[bool, Callable]:
+        """One jitted step per boundary mode: ``seen=False`` (some sample of the step is on
+        its first visit: AQ-SGD sends float32) and ``seen=True`` (deltas)."""
+        boundary = make_boundary(self.cfg)
+        loss_fn = gpt_pipeline_loss(self.gpt_cfg, boundary=boundary)
         tx = self.tx
-        m = self.cfg.microbatches
 
-        def per_device(params, opt_state, batch, bstate, key):
+        def per_device(params, opt_state, batch, bstate, key, seen):
             p, s, b, st = _sq(params), _sq(opt_state), _sq(batch), _sq(bstate)
             k = jax.random.fold_in(key, jax.lax.axis_index(AXIS))
-            (loss, (st, fw, bw)), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, b, st, k)
-            updates, s = tx.update(grads, s, p)
+            grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+            (loss, (st, log)), grads = grad_fn(p, b, st, k, seen)
+            # Every stage updates (and averages over data) its copies of the embedding and
+            # head too, although only stage 0 uses the embedding and the last stage the head:
+            # see the class docstring.
+            updates, new_s = tx.update(grads, s, p)
             p = optax.apply_updates(p, updates)
-            finite = jax.lax.pmin(_all_finite((loss, grads, p)).astype(jnp.int32), (AXIS, STAGE))
+            ok = _all_finite((loss, grads, p)).astype(jnp.int32)
+            finite = jax.lax.pmin(ok, (AXIS, STAGE))
             metrics = {"loss": jax.lax.pmean(loss, AXIS)}
-            sent = jax.lax.pmax(fw + bw, (AXIS, STAGE))
-            log = log_collective(
-                empty_log(), "p2p", sent, sent, rounds=2 * m, path_bytes=sent, calls=2 * m
-            )
-            return _ex(p), _ex(s), metrics, finite, _ex(st), log
+            # The two scalar reductions above cross the wire too.
+            index = jax.lax.axis_index((AXIS, STAGE))
+            log = log_wire(log, psum_wire(ok, self.cfg.workers * self.stages), index)
+            log = log_wire(log, psum_wire(loss, self.cfg.workers), index)
+            return _ex(p), _ex(new_s), metrics, finite, _ex(st), _ex(log)
 
-        step = jax.shard_map(
-            per_device,
-            mesh=self.mesh,
-            in_specs=(P(AXIS, STAGE), P(AXIS, STAGE), P(AXIS), P(AXIS, STAGE), P()),
-            out_specs=(P(AXIS, STAGE), P(AXIS, STAGE), P(), P(), P(AXIS, STAGE), P()),
-            check_vma=False,
+        def build(seen: bool) -> Callable:
+            step = jax.shard_map(
+                functools.partial(per_device, seen=seen),
+                mesh=self.mesh,
+                in_specs=(P(AXIS, STAGE), P(AXIS, STAGE), P(AXIS), P(AXIS, STAGE), P()),
+                out_specs=(
+                    P(AXIS, STAGE),
+                    P(AXIS, STAGE),
+                    P(),
+                    P(),
+                    P(AXIS, STAGE),
+                    P(AXIS, STAGE),
+                ),
+                check_vma=False,
+            )
+            return jax.jit(step, donate_argnums=(0, 1))
+
+        return (
+            {False: build(False), True: build(True)}
+            if boundary.uses_buffer
+            else {False: build(False)}
         )
-        return jax.jit(step, donate_argnums=(0, 1))
 
     def _build_eval(self) -> Callable:
         loss_fn = gpt_pipeline_loss(self.gpt_cfg)
@@ -173,87 +218,105 @@ class PipelineTrainer(Trainer):
         tokens = batch["tokens"].reshape(d, 1, m, self.micro, -1)
         return {"tokens": jax.device_put(tokens, self.by_data)}
 
-    def _boundary_state(self, ids: np.ndarray, reads: list | None) -> BoundaryState:
-        """Previous messages of the batch for every device: ``[D, S, M, mb, T, W]``.
+    def _zeros_state(self) -> BoundaryState:
+        if self._zero_state is None:
+            d, s, m = self.cfg.workers, self.stages, self.cfg.microbatches
+            t, w = self.gpt_cfg.seq_len, self.gpt_cfg.width
+            zeros = np.zeros((d, s, m, self.micro, t, w), np.float32)
+            self._zero_state = jax.device_put(BoundaryState(zeros, zeros), self.sharded)
+        return self._zero_state
 
-        Adds to ``self._io``: seconds blocked on the buffer reads (``buffer_read_wait_s``)
-        and spent building the host arrays and putting them on the devices (``buffer_copy_s``).
+    def _prepare(self, position: int) -> _Prepared:
+        """Everything step ``position`` needs on the devices: its batch, the previous messages
+        of its samples at every boundary (``[D, S, M, mb, T, W]``) and its boundary mode.
+
+        The buffer reads and the host-to-device copies are issued here without waiting for
+        the devices, so called while a step runs they overlap its compute.
         """
-        if not self.buffers and self._zero_state is not None:
-            return self._zero_state  # boundaries without previous messages
-        d, s, m = self.cfg.workers, self.stages, self.cfg.microbatches
-        t, w = self.gpt_cfg.seq_len, self.gpt_cfg.width
         t0 = time.perf_counter()
-        values = np.zeros((d, s, m, self.micro, t, w), np.float32)
-        seen = np.zeros((d, s, m, self.micro), bool)
-        prev_in, prev_out = values.copy(), values
-        seen_in, seen_out = seen.copy(), seen
-        wait = 0.0
-        for b, buf in enumerate(self.buffers):
-            handle = reads[b] if reads else buf.read_async(ids)
-            t1 = time.perf_counter()
-            v, f = handle.result(), handle.seen()
-            wait += time.perf_counter() - t1
-            v = v.reshape(d, m, self.micro, t, w)
-            f = f.reshape(d, m, self.micro)
-            prev_out[:, b], seen_out[:, b] = v, f
-            prev_in[:, b + 1], seen_in[:, b + 1] = v, f
-        state = jax.device_put(BoundaryState(prev_in, prev_out, seen_in, seen_out), self.sharded)
-        jax.block_until_ready(state)
-        if not self.buffers:
-            self._zero_state = state
-        self._io["buffer_read_wait_s"] = self._io.get("buffer_read_wait_s", 0.0) + wait
-        self._io["buffer_copy_s"] = (
-            self._io.get("buffer_copy_s", 0.0) + time.perf_counter() - t0 - wait
-        )
-        return state
-
-    def _compile(self) -> Callable:
-        ids = self.loader.batch_ids(self.loader.position)
-        batch = self._micro(self.train_data.get(ids))
-        state = self._boundary_state(ids, None)
-        key = jax.random.key(self.cfg.seed)
-        return self._train_step.lower(self.params, self.opt_state, batch, state, key).compile()
-
-    def _step_once(self, compiled: Callable) -> tuple:
-        position = self.loader.position
         ids = self.loader.batch_ids(position)
         batch = self._micro(self.train_data.get(ids))
-        reads = self._pending_reads.pop(position, None)
-        self._io = {}
-        state = self._boundary_state(ids, reads)
-        self.loader.position = position + 1
-        key = jax.random.fold_in(jax.random.key(self.cfg.seed), position)
+        if not self.buffers:
+            return _Prepared(position, ids, batch, self._zeros_state(), False, 0.0)
+        d, s, m = self.cfg.workers, self.stages, self.cfg.microbatches
+        t, w = self.gpt_cfg.seq_len, self.gpt_cfg.width
+        prev = np.zeros((d, s, m, self.micro, t, w), np.float32)
+        prev_in = np.zeros_like(prev)
+        seen = True
+        handles = [buf.read_async(ids) for buf in self.buffers]
+        for b, handle in enumerate(handles):
+            v = handle.result().reshape(d, m, self.micro, t, w)
+            seen = seen and bool(handle.seen().all())
+            prev[:, b], prev_in[:, b + 1] = v, v
+        if not seen:  # first visits (or a mix): everything crosses in float32
+            prev[:], prev_in[:] = 0.0, 0.0
+        state = jax.device_put(BoundaryState(prev_in, prev), self.sharded)
+        return _Prepared(position, ids, batch, state, seen, time.perf_counter() - t0)
+
+    def _compile(self) -> dict[bool, Any]:
+        self._next = self._prepare(self.loader.position)
+        self._compiled: dict[bool, Any] = {}
+        return self._compiled
+
+    def _program(self, prep: _Prepared) -> Any:
+        """The compiled step for ``prep``'s boundary mode (compiled on first use)."""
+        if prep.seen not in self._compiled:
+            self._compiled[prep.seen] = (
+                self._train_step[prep.seen]
+                .lower(self.params, self.opt_state, prep.batch, prep.state, jax.random.key(0))
+                .compile()
+            )
+        return self._compiled[prep.seen]
+
+    def _step_once(self, compiled: Any) -> tuple:
+        cur = self._next
+        self._io = {"buffer_exposed_s": 0.0, "buffer_prefetch_s": 0.0}
+        if cur is None or cur.position != self.loader.position:
+            cur = self._prepare(self.loader.position)
+            self._io["buffer_exposed_s"] = cur.seconds
+        program = self._program(cur)
+        key = jax.random.fold_in(jax.random.key(self.cfg.seed), cur.position)
         t0 = time.perf_counter()
-        params, opt_state, metrics, finite, new_state, log = compiled(
-            self.params, self.opt_state, batch, state, key
+        params, opt_state, metrics, finite, new_state, log = program(
+            self.params, self.opt_state, cur.batch, cur.state, key
         )
+        # Step t + 1's batch, buffer reads and host-to-device copies go out while step t
+        # runs, unless they would read rows step t is about to write (an epoch boundary):
+        # then they are prepared after its writes, and the time is exposed.
+        self._next = None
+        nxt = cur.position + 1
+        if self.step + 1 < self.cfg.steps and not (
+            self.buffers and np.intersect1d(self.loader.batch_ids(nxt), cur.ids).size
+        ):
+            self._next = self._prepare(nxt)
+        prefetch_s = time.perf_counter() - t0
         jax.block_until_ready((params, opt_state, new_state))
         compute_s = time.perf_counter() - t0
-        self._last_ids, self._last_state = ids, new_state
+        if self._next is not None:
+            self._io["buffer_prefetch_s"] = self._next.seconds
+            # Host work past the device's end is on the critical path.
+            self._io["buffer_exposed_s"] += max(0.0, prefetch_s - compute_s)
+        self.loader.position = nxt
+        self._last_ids, self._last_state = cur.ids, new_state
         return params, opt_state, metrics, finite, compute_s, [log]
 
     def _after_step(self) -> None:
-        """Write the new messages back and prefetch the next batch's (same ids never race:
-        a buffer read waits for pending writes of its ids)."""
+        """Write the step's new messages back (asynchronously; a later read of the same ids
+        waits for these writes)."""
         if self.buffers:
             t0 = time.perf_counter()
             prev_out = np.asarray(self._last_state.prev_out)  # [D, S, M, mb, T, W]
-            t1 = time.perf_counter()
             t, w = self.gpt_cfg.seq_len, self.gpt_cfg.width
             for b, buf in enumerate(self.buffers):
                 buf.write_async(self._last_ids, prev_out[:, b].reshape(-1, t, w))
-            nxt = self.loader.position
-            if self.step < self.cfg.steps:
-                ids = self.loader.batch_ids(nxt)
-                self._pending_reads[nxt] = [buf.read_async(ids) for buf in self.buffers]
-            self._io["buffer_copy_s"] = self._io.get("buffer_copy_s", 0.0) + t1 - t0
-            self._io["buffer_issue_s"] = time.perf_counter() - t1
+            self._io["buffer_writeback_s"] = time.perf_counter() - t0
 
     def _step_extras(self) -> dict[str, float]:
-        """Message-buffer time on the step's critical path, in seconds: blocked on the
-        prefetched reads (``buffer_read_wait_s``), issuing the writes and the next reads
-        (``buffer_issue_s``), and the host/device copies of the messages (``buffer_copy_s``)."""
+        """Message-buffer host time, in seconds: ``buffer_prefetch_s`` preparing the next
+        step (reads waited on, host arrays built, copies issued) while this one ran,
+        ``buffer_exposed_s`` the part of the buffer work the devices waited for (a prefetch
+        that outlasted the step, or a step prepared after the previous one ended), and
+        ``buffer_writeback_s`` copying the new messages to the host and issuing the writes."""
         return dict(self._io)
 
     def _summary_extras(self) -> dict[str, Any]:
@@ -267,10 +330,7 @@ class PipelineTrainer(Trainer):
         size = d * m * self.micro
         loader = Loader(self.valid_data, size, seed=0, num_shards=d, shuffle=False)
         count = min(self.cfg.eval_batches, loader.batches_per_epoch)
-        t, w = self.gpt_cfg.seq_len, self.gpt_cfg.width
-        zeros = np.zeros((d, self.stages, m, self.micro, t, w), np.float32)
-        unseen = np.zeros((d, self.stages, m, self.micro), bool)
-        state = jax.device_put(BoundaryState(zeros, zeros, unseen, unseen), self.sharded)
+        state = self._zeros_state()
         total = 0.0
         for _ in range(count):
             total += float(self._eval_step(self.params, self._micro(loader.next()), state)["loss"])
@@ -309,10 +369,13 @@ class PipelineTrainer(Trainer):
         if not super().restore(manager):
             return False
         root = self.cfg.run_dir / "buffers" / str(self.step)
-        self.buffers = [
-            jaxcomm.MessageBuffer.restore(root / f"boundary{b}") for b in range(len(self.buffers))
-        ]
-        self._pending_reads.clear()
+        restored = []
+        for b, old in enumerate(self.buffers):
+            old.close()
+            path = f"{self.cfg.buffer_dir}/boundary{b}" if self.cfg.buffer_dir else None
+            restored.append(jaxcomm.MessageBuffer.restore(root / f"boundary{b}", path))
+        self.buffers = restored
+        self._next = None
         return True
 
     def num_params(self) -> int:

@@ -127,6 +127,7 @@ class Trainer:
         self.replicated = NamedSharding(self.mesh, P())
         self.clock = SimClock(overlap=cfg.overlap)
         self.step = 0
+        self.last_traffic: StepTraffic | None = None
         self.params, self.opt_state = self._init_state()
         self._train_step = self._build_step()
         self._eval_step = self._build_eval()
@@ -341,6 +342,7 @@ class Trainer:
                 # Every collective of the step (e.g. pipeline p2p and data-parallel all-reduce),
                 # per device; the busiest device's bytes and time are reported.
                 traffic = step_traffic(find_logs(self.opt_state) + list(extra))
+                self.last_traffic = traffic
                 network = self.schedule.at(self.step - 1)
                 comm_s = float(traffic.times(network).max())
                 sent = int(traffic.sent.max())
