@@ -26,8 +26,12 @@ largest number of bytes any device sends in it.
 
 Collectives inside a ``conditional`` (``lax.cond``/``lax.switch``) run only when their branch
 is taken, which the program alone cannot tell. The audit lists them per branch; resolve them
-with ``branches=`` (one branch for every device, or one per device), and it raises when a
-conditional holding collectives is left unresolved.
+with ``branches=`` (one branch for every device, one per device, or, for a conditional inside
+a loop, how many of its executions take each branch), and it raises when a conditional
+holding collectives is left unresolved.
+
+Asynchronous collectives count once: the ``-start`` op of a native pair, or the collective
+wrapped by an ``async-start`` (its ``async-update`` and ``async-done`` move nothing more).
 """
 
 from __future__ import annotations
@@ -83,7 +87,9 @@ _COLLECTIVES = {
     "all-reduce": "all-reduce",
     "all-reduce-start": "all-reduce",
     "reduce-scatter": "reduce-scatter",
+    "reduce-scatter-start": "reduce-scatter",
     "all-to-all": "all-to-all",
+    "all-to-all-start": "all-to-all",
     "ragged-all-to-all": None,
     "collective-broadcast": None,
     "send": None,
@@ -146,11 +152,43 @@ class WireAudit:
       ops: every collective found.
       conditionals: ``{conditional name: JAX op name}`` of the conditionals that hold
         collectives (keys for ``branches=``).
+      conditional_counts: ``{conditional name: executions per run}`` (the trip counts of the
+        loops around it; 1 outside loops).
     """
 
     num_devices: int
     ops: tuple[CollectiveOp, ...]
     conditionals: dict[str, str]
+    conditional_counts: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def _executions(self, name: str, value: Any) -> np.ndarray:
+        """``int64[D, B]``: executions of each branch of conditional ``name`` on each device."""
+        total = self.conditional_counts.get(name, 1)
+        if isinstance(value, Mapping):
+            counts = {}
+            for b, k in value.items():
+                if not (isinstance(b, (int, np.integer)) and b >= 0):
+                    raise ValueError(f"branches[{name!r}]: branch {b!r} is not an index >= 0")
+                if not (isinstance(k, (int, np.integer)) and k >= 0):
+                    raise ValueError(
+                        f"branches[{name!r}][{b}] = {k!r}: executions must be an int >= 0"
+                    )
+                counts[int(b)] = int(k)
+            if sum(counts.values()) != total:
+                raise ValueError(
+                    f"branches[{name!r}] = {dict(value)} counts {sum(counts.values())} "
+                    f"executions, but the conditional runs {total} times per run"
+                )
+            table = np.zeros((self.num_devices, max(counts, default=0) + 1), np.int64)
+            for b, k in counts.items():
+                table[:, b] = k
+            return table
+        choice = np.broadcast_to(np.asarray(value, np.int64), (self.num_devices,))
+        if (choice < 0).any():
+            raise ValueError(f"branches[{name!r}] = {value!r}: branch indices must be >= 0")
+        table = np.zeros((self.num_devices, int(choice.max()) + 1), np.int64)
+        table[np.arange(self.num_devices), choice] = total
+        return table
 
     def _resolve(self, branches: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
         branches = dict(branches or {})
@@ -166,8 +204,7 @@ class WireAudit:
                     f"collectives (by HLO name or a part of its op name); it matches "
                     f"{len(names)}. Conditionals: {self.conditionals}"
                 )
-            choice = np.broadcast_to(np.asarray(value, np.int64), (self.num_devices,))
-            out[names[0]] = choice
+            out[names[0]] = self._executions(names[0], value)
         missing = {c: op for c, op in self.conditionals.items() if c not in out}
         if missing:
             raise ValueError(
@@ -181,21 +218,36 @@ class WireAudit:
 
         Args:
           branches: for each conditional holding collectives, the branch index taken, as an
-            int (every device) or ``int[D]`` (per device). Keys are conditional names or a
-            unique part of their op name (a ``jax.named_scope`` shows there).
+            int (every device, every execution) or ``int[D]`` (per device), or, when the
+            conditional runs several times per run (inside a loop), ``{branch: executions}``
+            summing to :attr:`conditional_counts` (every device). Keys are conditional names
+            or a unique part of their op name (a ``jax.named_scope`` shows there).
         """
         taken = self._resolve(branches)
+        # Conditionals given as branch counts (a share per branch rather than one branch).
+        counted = {c for c, table in taken.items() if (table > 0).sum(1).max() > 1}
         d = self.num_devices
         sent = np.zeros(d, np.int64)
         rounds = np.zeros(d, np.int64)
         path = np.zeros(d, np.int64)
         for op in self.ops:
-            runs = np.ones(d, bool)
+            # Executions of this op: its count scaled, per enclosing conditional, by the share
+            # of that conditional's executions that take the op's branch.
+            if sum(c in counted for c, _ in op.branches) > 1:
+                raise ValueError(
+                    f"{op.name} sits in nested conditionals "
+                    f"{[c for c, _ in op.branches]}; give branch counts for at most one of them"
+                )
+            num = np.full(d, op.count, np.int64)
+            den = 1
             for cond, branch in op.branches:
-                runs &= taken[cond] == branch
-            sent += np.where(runs, op.count * op.sent, 0)
-            rounds += np.where(runs, op.count * op.rounds, 0)
-            path += np.where(runs, op.count * op.path_bytes, 0)
+                table = taken[cond]
+                num *= table[:, branch] if branch < table.shape[1] else 0
+                den *= self.conditional_counts.get(cond, 1)
+            runs = num // den
+            sent += runs * op.sent
+            rounds += runs * op.rounds
+            path += runs * op.path_bytes
         return Traffic(sent=sent, rounds=rounds, path_bytes=path)
 
     def sent_bytes(self, branches: Mapping[str, Any] | None = None) -> np.ndarray:
@@ -334,8 +386,15 @@ def _collective(instr: _Instr, shapes: dict[str, str], d: int) -> tuple[np.ndarr
     operand_shapes = [shapes.get(o, "") for o in instr.operands]
     sent = np.zeros(d, np.int64)
     if kind == "collective-permute":
+        if _attr(instr.attrs, "slice_sizes") is not None:
+            raise ValueError(
+                f"collective-permute {instr.name} ({_op_name(instr.attrs)!r}) is the in-place "
+                "slice form, which the wire audit does not count"
+            )
         pairs = re.findall(r"\{(\d+),(\d+)\}", _attr(instr.attrs, "source_target_pairs") or "")
-        nbytes = _nbytes(operand_shapes[0]) if operand_shapes else _nbytes(instr.shape)
+        # A combined permute sends every operand along the same pairs.
+        nbytes = sum(_nbytes(s) for s in operand_shapes) if operand_shapes else 0
+        nbytes = nbytes or _nbytes(instr.shape)
         for src, _ in pairs:
             sent[int(src)] += nbytes
         return sent, 1
@@ -440,13 +499,22 @@ def wire_audit(program: Any) -> WireAudit:
                         _attr(instr.attrs, "false_computation")
                     )
                 _cond_names[instr.name] = _op_name(instr.attrs)
+                _cond_counts[instr.name] = _cond_counts.get(instr.name, 0) + count
                 for b, c in enumerate(names):
                     walk(c, count, path + ((instr.name, b),), loop, seen + (comp,))
+            elif instr.opcode in ("async-update", "async-done"):
+                continue  # the wrapped collective was counted at its async-start
             else:
                 for key in ("calls", "to_apply"):
                     for c in _comp_names(_attr(instr.attrs, key)):
                         walk(c, count, path, loop, seen + (comp,))
 
     _cond_names: dict[str, str] = {}
+    _cond_counts: dict[str, int] = {}
     walk(entry, 1, (), None, ())
-    return WireAudit(num_devices=d, ops=tuple(ops), conditionals=conditionals)
+    return WireAudit(
+        num_devices=d,
+        ops=tuple(ops),
+        conditionals=conditionals,
+        conditional_counts={c: _cond_counts[c] for c in conditionals},
+    )

@@ -115,6 +115,19 @@ def _replicated_jvp(primals, tangents, *, axes):
     return _replicated_p.bind(x, axes=axes), _replicated_p.bind(t, axes=axes)
 
 
+def _replicated_transpose(ct, x, *, axes):
+    # The value is one of N bit-identical copies, i.e. their mean: each copy's cotangent is
+    # ct / N. With that, a ring all-reduce followed by this cast differentiates like psum
+    # (the transposed ring sums the N shares back), and a broadcast like its root's value.
+    if type(ct) is ad.Zero:
+        return [ad.Zero(x.aval)]
+    n = 1
+    for name in axes:
+        n *= lax.axis_size(name)
+    ct = as_varying(ct, tuple(axes))
+    return [ct / jnp.asarray(n, ct.dtype)]
+
+
 _replicated_p.def_abstract_eval(_replicated_abstract_eval)
 mlir.register_lowering(_replicated_p, lambda ctx, x, *, axes: [x])
 batching.primitive_batchers[_replicated_p] = lambda args, dims, *, axes: (
@@ -122,6 +135,7 @@ batching.primitive_batchers[_replicated_p] = lambda args, dims, *, axes: (
     dims[0],
 )
 ad.primitive_jvps[_replicated_p] = _replicated_jvp
+ad.primitive_transposes[_replicated_p] = _replicated_transpose
 
 
 def replicated(tree: Any, axis_name: Any) -> Any:
@@ -136,9 +150,8 @@ def replicated(tree: Any, axis_name: Any) -> Any:
     def cast(a):
         a = jnp.asarray(a)
         mat = getattr(jax.typeof(a), "manual_axis_type", None)
-        if mat is None or not set(names) & set(mat.varying):
-            return a
-        return _replicated_p.bind(a, axes=tuple(names))
+        axes = tuple(n for n in names if n in mat.varying) if mat is not None else ()
+        return _replicated_p.bind(a, axes=axes) if axes else a
 
     return jax.tree_util.tree_map(cast, tree)
 

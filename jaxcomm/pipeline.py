@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxcomm._checks import axis_size, check_int
@@ -263,14 +264,32 @@ def gpipe(
     boundary = boundary or fp32_boundary()
 
     def loss_fn(params, inputs, state: BoundaryState, key, seen: bool = False):
+        if isinstance(seen, np.bool_):
+            seen = bool(seen)
         if not isinstance(seen, bool):
-            raise TypeError(f"seen must be a Python bool (static), got {type(seen).__name__}")
+            raise TypeError(
+                f"seen must be a static bool (Python or NumPy), got {type(seen).__name__} "
+                f"{seen!r}; a traced flag cannot choose the payload layout"
+            )
         n = axis_size(axis_name)
         s = lax.axis_index(axis_name)
-        m_total = check_int(
-            "number of microbatches", jax.tree_util.tree_leaves(inputs)[0].shape[0], lo=1
-        )
+        leaves = jax.tree_util.tree_leaves(inputs)
+        if not leaves or any(jnp.ndim(x) == 0 for x in leaves):
+            raise ValueError("inputs must be a non-empty pytree of [M, mb, ...] arrays")
+        m_total = check_int("number of microbatches", leaves[0].shape[0], lo=1)
+        lead = sorted({x.shape[0] for x in leaves})
+        if lead != [m_total]:
+            raise ValueError(
+                f"inputs leaves must share their leading (microbatch) dimension, got {lead}"
+            )
         act = jax.eval_shape(first_fn, params, _take(inputs, 0))
+        want = (m_total, *act.shape)
+        for name in ("prev_in", "prev_out"):
+            got = tuple(getattr(state, name).shape)
+            if got != want:
+                raise ValueError(
+                    f"state.{name} must have shape [M, *activation] = {want}, got {got}"
+                )
         zero_act = jnp.zeros(act.shape, act.dtype)
 
         def tick(carry, t, senders):

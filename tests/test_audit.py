@@ -162,3 +162,85 @@ def test_pack_message_round_trip_and_one_collective_per_hop():
     audit = jaxcomm.wire_audit(_compile(f, jnp.arange(N * 2, dtype=jnp.float32)))
     (op,) = audit.ops
     assert op.rounds == 1 and list(op.sent) == [2 * 4 + 2 * 4 + 3] * N
+
+
+_ASYNC_HLO = """HloModule async_collectives, num_partitions=4
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+%wrapped_rs (p: f32[8]) -> f32[2] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %rs = f32[2]{0} reduce-scatter(f32[8]{0} %p), replica_groups={{0,1,2,3}}, \
+dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (x: f32[8], y: s32[6]) -> f32[2] {
+  %x = f32[8]{0} parameter(0)
+  %y = s32[6]{0} parameter(1)
+  %start = ((f32[8]{0}), f32[2]{0}, s32[]) async-start(f32[8]{0} %x), calls=%wrapped_rs
+  %update = ((f32[8]{0}), f32[2]{0}, s32[]) async-update(%start), calls=%wrapped_rs
+  %done = f32[2]{0} async-done(%update), calls=%wrapped_rs
+  %cps = (f32[8]{0}, s32[6]{0}, f32[8]{0}, s32[6]{0}) collective-permute-start(f32[8]{0} %x, \
+s32[6]{0} %y), source_target_pairs={{0,1},{1,2}}
+  %cpd = (f32[8]{0}, s32[6]{0}) collective-permute-done(%cps)
+  %a2a = f32[8]{0} all-to-all-start(f32[8]{0} %x), replica_groups={{0,1,2,3}}, dimensions={0}
+  ROOT %r = f32[2]{0} copy(%done)
+}
+"""
+
+
+def test_async_forms_count_once_and_combined_permutes_count_every_operand():
+    """An ``async-start`` wrapping a reduce-scatter counts once (its update and done move
+    nothing); a combined permute sends all its operands; ``-start`` forms of reduce-scatter
+    and all-to-all are known collectives."""
+    audit = jaxcomm.wire_audit(_ASYNC_HLO)
+    kinds = sorted(op.kind for op in audit.ops)
+    assert kinds == ["all-to-all", "collective-permute", "reduce-scatter"]
+    sent = audit.sent_bytes()
+    rs = 3 * 8  # (N - 1) * result bytes (f32[2])
+    a2a = 3 * 32 // 4  # (N - 1) / N * operand bytes
+    permute = 32 + 24  # f32[8] and s32[6] to the next device, from devices 0 and 1 only
+    np.testing.assert_array_equal(
+        sent, [rs + a2a + permute, rs + a2a + permute, rs + a2a, rs + a2a]
+    )
+    # The in-place slice form of collective-permute is refused rather than miscounted.
+    sliced = _ASYNC_HLO.replace(
+        "source_target_pairs={{0,1},{1,2}}",
+        "source_target_pairs={{0,1},{1,2}}, slice_sizes={{4}}",
+    )
+    with pytest.raises(ValueError, match="slice form"):
+        jaxcomm.wire_audit(sliced)
+
+
+def test_conditional_inside_a_loop_takes_branch_counts():
+    """A ``lax.cond`` with a collective inside a 10-step scan: the program alone cannot tell
+    how many steps took it, so the caller says (here 3 of 10), and bad counts are errors."""
+
+    def f(x):
+        def body(c, t):
+            c = lax.cond(
+                t % 4 == 0,
+                lambda v: lax.ppermute(v, "data", RING),
+                lambda v: v * 2.0,
+                c,
+            )
+            return c, None
+
+        return lax.scan(body, x, jnp.arange(10))[0]
+
+    audit = jaxcomm.wire_audit(_compile(f, jnp.ones(N * 3, jnp.float32)))
+    (cond,) = audit.conditionals
+    assert audit.conditional_counts[cond] == 10
+    (op,) = audit.ops
+    taken = op.branches[0][1]
+    sent = audit.sent_bytes({cond: {taken: 3, 1 - taken: 7}})
+    np.testing.assert_array_equal(sent, np.full(N, 3 * 12))
+    np.testing.assert_array_equal(audit.sent_bytes({cond: taken}), np.full(N, 10 * 12))
+    with pytest.raises(ValueError, match="runs 10 times"):
+        audit.sent_bytes({cond: {taken: 3, 1 - taken: 6}})
+    with pytest.raises(ValueError, match="executions must be an int"):
+        audit.sent_bytes({cond: {taken: -1, 1 - taken: 11}})

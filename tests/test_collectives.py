@@ -146,3 +146,43 @@ def test_rings_on_other_sizes(n):
         out = np.asarray(jax.jit(f)(xs))
         for row in out:
             np.testing.assert_allclose(row, np.asarray(x).sum(0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["ring", "tree", "gather", "broadcast"])
+def test_gradients_through_replicated_results_match_lax(mesh8, op):
+    """Replicated outputs (``out_specs=P()``, ``check_vma=True``) differentiate like the
+    XLA collective they replace: a ring/tree all-reduce like ``psum``, the ring all-gather
+    like a gather built from ``psum``, a broadcast like its root's value. A transpose that
+    forgot the 1/N share of each bit-identical copy would scale them by 8."""
+    x = jax.random.normal(jax.random.key(0), (8, 5))
+    w = jax.random.normal(jax.random.key(1), (40,))
+
+    def ours(v):
+        if op == "ring":
+            return jnp.tile(jaxcomm.ring_all_reduce(v, "data"), 8)
+        if op == "tree":
+            return jnp.tile(jaxcomm.tree_all_reduce(v, "data"), 8)
+        if op == "gather":
+            return jaxcomm.collectives.ring_all_gather(v, "data").reshape(-1)
+        return jnp.tile(jaxcomm.broadcast(v, 3, "data"), 8)
+
+    def reference(v):
+        i = jax.lax.axis_index("data")
+        if op in ("ring", "tree"):
+            return jnp.tile(jax.lax.psum(v, "data"), 8)
+        if op == "gather":
+            placed = jnp.zeros((8, *v.shape), v.dtype).at[i].set(v)
+            return jax.lax.psum(placed, "data").reshape(-1)
+        return jnp.tile(jax.lax.psum(jnp.where(i == 3, v, 0.0), "data"), 8)
+
+    def grad_of(collective):
+        def loss(x):
+            return jnp.sum(jnp.sin(collective(x[0] * x[0])) * w)
+
+        f = jax.shard_map(loss, mesh=mesh8, in_specs=P("data"), out_specs=P(), check_vma=True)
+        with jax.set_mesh(mesh8):
+            return np.asarray(jax.jit(jax.grad(f))(jax.device_put(x, P("data"))))
+
+    want = grad_of(reference)
+    assert np.abs(want).max() > 0.1
+    np.testing.assert_allclose(grad_of(ours), want, rtol=1e-5, atol=1e-6)

@@ -8,6 +8,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from jaxcomm.aqsgd import fp32_encode
 from jaxcomm.collectives import psum_wire
 from jaxcomm.pipeline import Boundary, BoundaryState, pipeline_ticks
 from models import GPTConfig, build_task
@@ -234,7 +235,31 @@ def test_training_aqsgd_tracks_fp32_where_directq_drifts():
     assert dq2 > 5 * fp32
 
 
-def test_seen_must_be_a_static_bool():
+def test_seen_must_be_static_and_state_must_fit():
     _, tokens, params = _setup()
-    with pytest.raises(TypeError, match="seen must be a Python bool"):
-        _run(2, params, tokens, boundary=jaxcomm.aqsgd_boundary(2, 8), seen=np.True_)
+    aq = jaxcomm.aqsgd_boundary(2, 8)
+    # A NumPy bool is as static as a Python one: the same program, the same bytes.
+    first = _run(2, params, tokens, boundary=aq, seen=np.False_)
+    assert _p2p_sent(first[3], 2) == _p2p_sent(_run(2, params, tokens, boundary=aq)[3], 2)
+    with pytest.raises(TypeError, match="seen must be a static bool.*got int"):
+        _run(2, params, tokens, boundary=aq, seen=1)
+    wrong = np.zeros((2, M, MB, T, W + 1), np.float32)
+    with pytest.raises(ValueError, match=r"state.prev_in must have shape .*\(3, 2, 16, 32\)"):
+        _run(2, params, tokens, boundary=aq, state=BoundaryState(wrong, wrong))
+
+
+def test_forward_rounding_noise_differs_at_every_stage_and_microbatch():
+    """Each transfer draws its own key: a boundary that stores its key's uniforms as the new
+    message shows no two (stage, microbatch) pairs sharing noise (a per-row or per-column
+    key reused across the schedule would)."""
+    _, tokens, params = _setup()
+
+    def encode(a, prev, key, seen):
+        return fp32_encode(a), jax.random.uniform(key, a.shape)
+
+    noisy = Boundary(encode, jaxcomm.pipeline.fp32_boundary().decode)
+    _, _, st, _ = _run(4, params, tokens, boundary=noisy)
+    draws = st.prev_out[:3].reshape(3 * M, -1)  # stages that send, every microbatch
+    assert np.unique(draws[:, :8], axis=0).shape[0] == 3 * M
+    corr = np.corrcoef(draws)
+    assert np.abs(corr[~np.eye(3 * M, dtype=bool)]).max() < 0.2  # 1,024 draws: sd 0.03

@@ -2,6 +2,7 @@
 both sides agree, and resume (buffers included) is bit-exact."""
 
 import json
+import time
 
 import jax
 import numpy as np
@@ -48,8 +49,8 @@ def test_fp32_pipeline_trains_like_data_parallel(tmp_path):
 
 
 def _audited(trainer, seen):
-    """The compiled step's traffic per device."""
-    return jaxcomm.wire_audit(trainer._compiled[seen]).traffic()
+    """The step's traffic per device, read from its compiled programs."""
+    return trainer.step_audit(seen)
 
 
 def test_aqsgd_pipeline_revisits_samples_and_logs_what_runs(tmp_path):
@@ -80,6 +81,18 @@ def test_aqsgd_pipeline_revisits_samples_and_logs_what_runs(tmp_path):
     for buf in trainer.buffers:
         buf.flush()
     assert all(buf.seen(np.arange(32)).all() for buf in trainer.buffers)
+    # Only stage 0's embedding and the last stage's head are used, averaged and updated: the
+    # other copies keep their initial values, and the programs that average the used ones
+    # run on those stages' devices only.
+    first = PipelineTrainer(_cfg(tmp_path / "fresh", stages=4, workers=2, global_batch=16))
+    for name, owner in (("embed", 0), ("head", 3)):
+        now, init = trainer.params[name], first.params[name]
+        for a, b in zip(jax.tree.leaves(now), jax.tree.leaves(init), strict=True):
+            a, b = np.asarray(a), np.asarray(b)
+            unused = [s for s in range(4) if s != owner]
+            np.testing.assert_array_equal(a[:, unused], b[:, unused])
+            assert not np.array_equal(a[:, owner], b[:, owner])
+        assert jaxcomm.wire_audit(trainer._owned_compiled[name]).num_devices == 2
     # Both sides of every boundary consumed the same messages in the last step.
     st = jax.device_get(trainer._last_state)
     for b in range(3):
@@ -91,6 +104,29 @@ def test_aqsgd_pipeline_revisits_samples_and_logs_what_runs(tmp_path):
     assert all(r["buffer_writeback_s"] > 0 for r in rows)
     summary = json.loads((cfg.run_dir / "summary.json").read_text())
     assert summary["buffer_bytes"] == 3 * trainer.buffers[0].nbytes >= 3 * 32 * 16 * 32 * 4
+
+
+def test_slow_prefetch_is_exposed_and_not_compute(tmp_path):
+    """A buffer prefetch that outlasts the step it overlaps is charged to
+    ``buffer_exposed_s``, and the step's ``compute_s`` stops where the devices did."""
+    cfg = _cfg(tmp_path, boundary="aqsgd", fw_bits=2, train_samples=32, steps=4)
+    trainer = PipelineTrainer(cfg)
+    prepare = trainer._prepare
+
+    def slow(position):
+        prep = prepare(position)
+        if position > 0:  # the prefetches (step 0 is prepared before the loop)
+            time.sleep(0.5)
+            prep = prep._replace(seconds=prep.seconds + 0.5)
+        return prep
+
+    trainer._prepare = slow
+    trainer.run()
+    rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r in rows[:3]:  # steps 0-2 each overlap the prefetch of the next one
+        assert r["buffer_prefetch_s"] >= 0.5
+        assert r["compute_s"] < 0.5 and r["buffer_exposed_s"] > 0.5 - r["compute_s"] - 0.05
+    assert rows[3]["buffer_prefetch_s"] == 0.0  # nothing left to prefetch
 
 
 def test_non_aqsgd_boundaries_keep_no_buffers(tmp_path):
@@ -161,6 +197,9 @@ def test_aqsgd_pipeline_resume_bit_exact(tmp_path):
     # The restored buffers live in buffer_dir again, and the ones they replaced are closed.
     assert [str(b.path) for b in resumed.buffers] == [str(tmp_path / "bufs" / "boundary0")]
     assert all(b.closed for b in replaced)
+    # A new run must not pick up the buffers another run left in buffer_dir.
+    with pytest.raises(ValueError, match="already holds message buffers"):
+        PipelineTrainer(_cfg(tmp_path / "c", buffer_dir=str(tmp_path / "bufs"), **kw)).run()
     for a, b in zip(
         jax.tree_util.tree_leaves(full.worker_params()),
         jax.tree_util.tree_leaves(resumed.worker_params()),

@@ -1,25 +1,29 @@
 """Pipeline-parallel (and data-parallel) GPT training with AQ-SGD message buffers.
 
-The mesh is ``workers x stages`` (axes ``data`` and ``stage``). Every per-device state leaf
-has two leading axes ``[D, S, ...]``: stage ``s`` holds its blocks (and copies of the
-embedding and head, used only by the first and last stage). Each step:
+The mesh is ``workers x stages`` (axes ``data`` and ``stage``). Every parameter leaf has
+two leading axes ``[D, S, ...]``: stage ``s`` holds its blocks, and the layout keeps a slot
+for the embedding and head on every stage, although only stage 0's embedding and the last
+stage's head are used, updated and averaged (the other slots keep their initial values and
+cost memory, never bytes). Each step:
 
 1. the jitted step runs the GPipe pipeline (:func:`jaxcomm.gpipe`) with the configured
-   boundary codec, then the configured aggregator averages each stage's gradients over
+   boundary codec, then the configured aggregator averages each stage's block gradients over
    ``data`` (dense or error-compensated quantized) and the optimizer applies them;
-2. while it runs, the next step's batch and the previous messages of its samples are read
+2. two small programs on the stage-0 and last-stage devices only (``data``-axis sub-meshes
+   whose arrays share the step's buffers, no copy) average and apply the embedding's and the
+   head's gradients with the same aggregator and optimizer, so no other stage sends their
+   bytes; the optimizer state is ``{"blocks", "embed", "head"}`` accordingly;
+3. while they run, the next step's batch and the previous messages of its samples are read
    from the :class:`jaxcomm.MessageBuffer` of every boundary and copied to the devices;
-3. the step's new messages are written back (asynchronously).
+4. the step's new messages are written back (asynchronously).
 
 There are two compiled steps: while any sample of a step is on its first visit, AQ-SGD
 sends float32 (and resets the buffer rows); once all were seen, it sends deltas. The host
 knows which from the buffers' ``seen`` flags, so the payloads are exactly the wire.
 
-The embedding and head copies of the stages that do not use them get zero gradients, and are
-still averaged over ``data`` with the rest (their bytes are logged): skipping them needs the
-averaging inside a ``lax.cond`` on the stage index, and XLA's CPU runtime requires every
-device of a program to join every collective, so a collective that only some stages run
-deadlocks there.
+Separate programs, rather than the averaging inside a ``lax.cond`` on the stage index: XLA's
+CPU runtime requires every device of a program to join every collective, so a collective
+that only some stages run deadlocks there.
 
 Communication is each device's logged traffic: the pipeline's point-to-point messages (one
 round per tick that carries any) plus the aggregator's collectives, added without overlap:
@@ -28,11 +32,13 @@ an upper bound.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 import shutil
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -44,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm.collectives import psum_wire
-from jaxcomm.network import log_wire
+from jaxcomm.network import empty_log, find_logs, log_wire
 from jaxcomm.pipeline import BoundaryState
 from models import GPTConfig
 from train.config import Config
@@ -55,6 +61,7 @@ from train.trainer import AXIS, Trainer, _all_finite
 __all__ = ["PipelineTrainer"]
 
 STAGE = "stage"
+OWNED = ("embed", "head")  # parameters used by one stage only: stage 0 and the last
 
 
 class _Prepared(NamedTuple):
@@ -66,6 +73,12 @@ class _Prepared(NamedTuple):
     state: BoundaryState
     seen: bool
     seconds: float  # host time spent preparing it (reads waited on, copies issued)
+
+
+def _ready_at(tree: Any) -> float:
+    """Wait for ``tree``'s arrays and return the time they were ready (``perf_counter``)."""
+    jax.block_until_ready(tree)
+    return time.perf_counter()
 
 
 def _sq(tree: Any) -> Any:
@@ -105,6 +118,52 @@ class PipelineTrainer(Trainer):
         self.sharded = NamedSharding(self.mesh, P(AXIS, STAGE))
         self.by_data = NamedSharding(self.mesh, P(AXIS))
         self.replicated = NamedSharding(self.mesh, P())
+        self.sub_mesh = {
+            name: jax.sharding.Mesh(
+                self.mesh.devices[:, self._owner(name)], (AXIS,), self.mesh.axis_types[:1]
+            )
+            for name in OWNED
+        }
+
+    def _owner(self, name: str) -> int:
+        """The stage that uses parameter group ``name`` (``embed``: 0, ``head``: the last)."""
+        return 0 if name == "embed" else self.stages - 1
+
+    def _owned_view(self, tree: Any, name: str) -> Any:
+        """``[D, S, ...]`` arrays as ``[D, 1, ...]`` arrays on ``name``'s owner sub-mesh,
+        made of the owner stage's shards (the same device buffers, nothing copied)."""
+        devices = list(self.mesh.devices[:, self._owner(name)])
+        sharding = NamedSharding(self.sub_mesh[name], P(AXIS))
+
+        def one(a):
+            shards = {sh.device: sh.data for sh in a.addressable_shards}
+            return jax.make_array_from_single_device_arrays(
+                (a.shape[0], 1, *a.shape[2:]), sharding, [shards[d] for d in devices]
+            )
+
+        return jax.tree_util.tree_map(one, tree)
+
+    def _merged(self, full: Any, owned: Any) -> Any:
+        """``full`` (``[D, S, ...]``) with its owner-stage shards replaced by ``owned``'s."""
+
+        def one(a, b):
+            new = {sh.device: sh.data for sh in b.addressable_shards}
+            arrays = [new.get(sh.device, sh.data) for sh in a.addressable_shards]
+            return jax.make_array_from_single_device_arrays(a.shape, a.sharding, arrays)
+
+        return jax.tree_util.tree_map(one, full, owned)
+
+    def _place(self, log: Any, name: str) -> Any:
+        """A ``[D, 1, ...]`` log of ``name``'s sub-mesh as a ``[D, S, ...]`` host log."""
+        s = self._owner(name)
+
+        def one(a):
+            a = np.asarray(a)
+            out = np.zeros((a.shape[0], self.stages, *a.shape[2:]), a.dtype)
+            out[:, s] = a[:, 0]
+            return out
+
+        return jax.tree_util.tree_map(one, log)
 
     def _init_state(self) -> tuple[Any, Any]:
         self._setup_mesh()
@@ -119,16 +178,27 @@ class PipelineTrainer(Trainer):
             ),
             staged,
         )
-        init = jax.shard_map(
-            lambda p: _ex(self.tx.init(_sq(p))),
-            mesh=self.mesh,
-            in_specs=P(AXIS, STAGE),
-            out_specs=P(AXIS, STAGE),
-            check_vma=False,
-        )
-        opt_state = jax.jit(init)(stacked)
+
+        def init(mesh, spec, tree):
+            f = jax.shard_map(
+                lambda p: _ex(self.tx.init(_sq(p))),
+                mesh=mesh,
+                in_specs=spec,
+                out_specs=spec,
+                check_vma=False,
+            )
+            return jax.jit(f)(tree)
+
+        opt_state = {"blocks": init(self.mesh, P(AXIS, STAGE), stacked["blocks"])}
+        for name in OWNED:
+            view = self._owned_view(stacked[name], name)
+            opt_state[name] = init(self.sub_mesh[name], P(AXIS), view)
         act = (self.gpt_cfg.seq_len, self.gpt_cfg.width)
         # Only AQ-SGD needs previous messages; the other boundaries ignore them.
+        count = self.stages - 1 if cfg.boundary == "aqsgd" else 0
+        paths = [f"{cfg.buffer_dir}/boundary{b}" for b in range(count)] if cfg.buffer_dir else []
+        # Buffers found on disk belong to an earlier run: only a resume may keep them.
+        self._stale = [p for p in paths if Path(p).exists() and any(Path(p).iterdir())]
         self.buffers = [
             jaxcomm.MessageBuffer(
                 len(self.train_data),
@@ -136,12 +206,15 @@ class PipelineTrainer(Trainer):
                 storage_bits=cfg.buffer_bits or None,
                 path=(f"{cfg.buffer_dir}/boundary{b}" if cfg.buffer_dir else None),
             )
-            for b in range(self.stages - 1 if cfg.boundary == "aqsgd" else 0)
+            for b in range(count)
         ]
         self._io: dict[str, float] = {}
+        self._waiter = concurrent.futures.ThreadPoolExecutor(1, "jaxcomm-step-wait")
         self._zero_state: BoundaryState | None = None
         self._next: _Prepared | None = None
         self._compiled: dict[bool, Any] = {}
+        self._owned_compiled: dict[str, Any] = {}
+        self._owned_step = {name: self._build_owned_step(name) for name in OWNED}
         self._last_ids: np.ndarray | None = None
         self._last_state: Any = None
         return stacked, opt_state
@@ -153,47 +226,67 @@ class PipelineTrainer(Trainer):
         loss_fn = gpt_pipeline_loss(self.gpt_cfg, boundary=boundary)
         tx = self.tx
 
-        def per_device(params, opt_state, batch, bstate, key, seen):
-            p, s, b, st = _sq(params), _sq(opt_state), _sq(batch), _sq(bstate)
+        def per_device(blocks, owned, opt_state, batch, bstate, key, seen):
+            p = {"blocks": _sq(blocks), **_sq(owned)}
+            s, b, st = _sq(opt_state), _sq(batch), _sq(bstate)
             k = jax.random.fold_in(key, jax.lax.axis_index(AXIS))
             grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
             (loss, (st, log)), grads = grad_fn(p, b, st, k, seen)
-            # Every stage updates (and averages over data) its copies of the embedding and
-            # head too, although only stage 0 uses the embedding and the last stage the head:
-            # see the class docstring.
-            updates, new_s = tx.update(grads, s, p)
-            p = optax.apply_updates(p, updates)
-            ok = _all_finite((loss, grads, p)).astype(jnp.int32)
+            # Only the blocks are averaged and updated here; the embedding's and head's
+            # gradients go to the programs of their own stages (see the module docstring).
+            updates, new_s = tx.update(grads["blocks"], s, p["blocks"])
+            new_blocks = optax.apply_updates(p["blocks"], updates)
+            ok = _all_finite((loss, grads, new_blocks)).astype(jnp.int32)
             finite = jax.lax.pmin(ok, (AXIS, STAGE))
             metrics = {"loss": jax.lax.pmean(loss, AXIS)}
             # The two scalar reductions above cross the wire too.
             index = jax.lax.axis_index((AXIS, STAGE))
             log = log_wire(log, psum_wire(ok, self.cfg.workers * self.stages), index)
             log = log_wire(log, psum_wire(loss, self.cfg.workers), index)
-            return _ex(p), _ex(new_s), metrics, finite, _ex(st), _ex(log)
+            owned_grads = {name: grads[name] for name in OWNED}
+            return (_ex(new_blocks), _ex(new_s), _ex(owned_grads), metrics, finite) + (
+                _ex(st),
+                _ex(log),
+            )
 
         def build(seen: bool) -> Callable:
+            sharded = P(AXIS, STAGE)
             step = jax.shard_map(
                 functools.partial(per_device, seen=seen),
                 mesh=self.mesh,
-                in_specs=(P(AXIS, STAGE), P(AXIS, STAGE), P(AXIS), P(AXIS, STAGE), P()),
-                out_specs=(
-                    P(AXIS, STAGE),
-                    P(AXIS, STAGE),
-                    P(),
-                    P(),
-                    P(AXIS, STAGE),
-                    P(AXIS, STAGE),
-                ),
+                in_specs=(sharded, sharded, sharded, P(AXIS), sharded, P()),
+                out_specs=(sharded, sharded, sharded, P(), P(), sharded, sharded),
                 check_vma=False,
             )
-            return jax.jit(step, donate_argnums=(0, 1))
+            return jax.jit(step, donate_argnums=(0, 2))
 
         return (
             {False: build(False), True: build(True)}
             if boundary.uses_buffer
             else {False: build(False)}
         )
+
+    def _build_owned_step(self, name: str) -> Callable:
+        """Average and apply ``name``'s gradients over ``data`` on its owner stage's devices:
+        ``(params, opt_state, grads) -> (params, opt_state, finite, log)``, ``[D, 1, ...]``."""
+        tx, d = self.tx, self.cfg.workers
+
+        def per_device(params, opt_state, grads):
+            p, s, g = _sq(params), _sq(opt_state), _sq(grads)
+            updates, s = tx.update(g, s, p)
+            p = optax.apply_updates(p, updates)
+            ok = _all_finite(p).astype(jnp.int32)
+            log = log_wire(empty_log(), psum_wire(ok, d), jax.lax.axis_index(AXIS))
+            return _ex(p), _ex(s), jax.lax.pmin(ok, AXIS), _ex(log)
+
+        step = jax.shard_map(
+            per_device,
+            mesh=self.sub_mesh[name],
+            in_specs=(P(AXIS), P(AXIS), P(AXIS)),
+            out_specs=(P(AXIS), P(AXIS), P(), P(AXIS)),
+            check_vma=False,
+        )
+        return jax.jit(step)
 
     def _build_eval(self) -> Callable:
         loss_fn = gpt_pipeline_loss(self.gpt_cfg)
@@ -254,6 +347,12 @@ class PipelineTrainer(Trainer):
         return _Prepared(position, ids, batch, state, seen, time.perf_counter() - t0)
 
     def _compile(self) -> dict[bool, Any]:
+        if self._stale:
+            raise ValueError(
+                f"buffer_dir={self.cfg.buffer_dir!r} already holds message buffers "
+                f"({', '.join(self._stale)}) and this run does not resume a checkpoint that "
+                "owns them; empty it, choose another buffer_dir, or pass --resume"
+            )
         self._next = self._prepare(self.loader.position)
         self._compiled: dict[bool, Any] = {}
         return self._compiled
@@ -263,9 +362,21 @@ class PipelineTrainer(Trainer):
         if prep.seen not in self._compiled:
             self._compiled[prep.seen] = (
                 self._train_step[prep.seen]
-                .lower(self.params, self.opt_state, prep.batch, prep.state, jax.random.key(0))
+                .lower(
+                    self.params["blocks"],
+                    {name: self.params[name] for name in OWNED},
+                    self.opt_state["blocks"],
+                    prep.batch,
+                    prep.state,
+                    jax.random.key(0),
+                )
                 .compile()
             )
+        for name in OWNED:  # gradients have the parameters' shapes and shardings
+            if name not in self._owned_compiled:
+                view = self._owned_view(self.params[name], name)
+                lowered = self._owned_step[name].lower(view, self.opt_state[name], view)
+                self._owned_compiled[name] = lowered.compile()
         return self._compiled[prep.seen]
 
     def _step_once(self, compiled: Any) -> tuple:
@@ -277,28 +388,50 @@ class PipelineTrainer(Trainer):
         program = self._program(cur)
         key = jax.random.fold_in(jax.random.key(self.cfg.seed), cur.position)
         t0 = time.perf_counter()
-        params, opt_state, metrics, finite, new_state, log = program(
-            self.params, self.opt_state, cur.batch, cur.state, key
+        owned = {name: self.params[name] for name in OWNED}
+        blocks, opt_blocks, owned_grads, metrics, finite, new_state, log = program(
+            self.params["blocks"], owned, self.opt_state["blocks"], cur.batch, cur.state, key
         )
+        params, opt_state, finites, logs = (
+            {"blocks": blocks},
+            {"blocks": opt_blocks},
+            [finite],
+            [log],
+        )
+        for name in OWNED:
+            args = (
+                self._owned_view(owned[name], name),
+                self.opt_state[name],
+                self._owned_view(owned_grads[name], name),
+            )
+            new_p, opt_state[name], ok, sub_log = self._owned_compiled[name](*args)
+            params[name] = self._merged(owned[name], new_p)
+            finites.append(ok)
+            logs.append(sub_log)
         # Step t + 1's batch, buffer reads and host-to-device copies go out while step t
         # runs, unless they would read rows step t is about to write (an epoch boundary):
         # then they are prepared after its writes, and the time is exposed.
+        # Stamp the moment the devices finish from a waiting thread, so that neither the
+        # step time nor the exposed buffer time depends on how long the prefetch took.
+        done = self._waiter.submit(_ready_at, (params, opt_state, new_state, finites))
         self._next = None
         nxt = cur.position + 1
         if self.step + 1 < self.cfg.steps and not (
             self.buffers and np.intersect1d(self.loader.batch_ids(nxt), cur.ids).size
         ):
             self._next = self._prepare(nxt)
-        prefetch_s = time.perf_counter() - t0
-        jax.block_until_ready((params, opt_state, new_state))
-        compute_s = time.perf_counter() - t0
+        prefetch_end = time.perf_counter()
+        device_end = done.result()
+        compute_s = device_end - t0
         if self._next is not None:
             self._io["buffer_prefetch_s"] = self._next.seconds
-            # Host work past the device's end is on the critical path.
-            self._io["buffer_exposed_s"] += max(0.0, prefetch_s - compute_s)
+            # Host work past the devices' end is on the critical path.
+            self._io["buffer_exposed_s"] += max(0.0, prefetch_end - device_end)
         self.loader.position = nxt
         self._last_ids, self._last_state = cur.ids, new_state
-        return params, opt_state, metrics, finite, compute_s, [log]
+        finite = min(int(f) for f in finites)
+        logs[1:] = [self._place(sub, name) for sub, name in zip(logs[1:], OWNED, strict=True)]
+        return params, opt_state, metrics, finite, compute_s, logs
 
     def _after_step(self) -> None:
         """Write the step's new messages back (asynchronously; a later read of the same ids
@@ -310,6 +443,29 @@ class PipelineTrainer(Trainer):
             for b, buf in enumerate(self.buffers):
                 buf.write_async(self._last_ids, prev_out[:, b].reshape(-1, t, w))
             self._io["buffer_writeback_s"] = time.perf_counter() - t0
+
+    def _state_logs(self) -> list[Any]:
+        """The aggregator logs in the optimizer state, each as ``[D, S, ...]`` per device."""
+        logs = find_logs(self.opt_state["blocks"])
+        for name in OWNED:
+            logs += [self._place(log, name) for log in find_logs(self.opt_state[name])]
+        return logs
+
+    def step_audit(self, seen: bool = False) -> Any:
+        """Per-device traffic of one step read from its compiled programs by
+        :func:`jaxcomm.wire_audit`: the pipeline step of boundary mode ``seen`` plus the
+        embedding's and head's programs on their stages. Device ``d * S + s`` is data replica
+        ``d``, stage ``s`` (the order of the logs). Programs compile on first use, so run a
+        step of that mode first."""
+        main = jaxcomm.wire_audit(self._compiled[seen]).traffic()
+        sent, rounds, path = main.sent.copy(), main.rounds.copy(), main.path_bytes.copy()
+        for name in OWNED:
+            sub = jaxcomm.wire_audit(self._owned_compiled[name]).traffic()
+            idx = np.arange(self.cfg.workers) * self.stages + self._owner(name)
+            sent[idx] += sub.sent
+            rounds[idx] += sub.rounds
+            path[idx] += sub.path_bytes
+        return jaxcomm.Traffic(sent=sent, rounds=rounds, path_bytes=path)
 
     def _step_extras(self) -> dict[str, float]:
         """Message-buffer host time, in seconds: ``buffer_prefetch_s`` preparing the next
@@ -375,6 +531,7 @@ class PipelineTrainer(Trainer):
             path = f"{self.cfg.buffer_dir}/boundary{b}" if self.cfg.buffer_dir else None
             restored.append(jaxcomm.MessageBuffer.restore(root / f"boundary{b}", path))
         self.buffers = restored
+        self._stale = []
         self._next = None
         return True
 

@@ -290,6 +290,10 @@ class Trainer:
         jax.block_until_ready((params, opt_state))
         return params, opt_state, metrics, finite, time.perf_counter() - t0, []
 
+    def _state_logs(self) -> list[CommLog]:
+        """Hook: the traffic logs kept in the optimizer state (per-worker leading axes)."""
+        return find_logs(self.opt_state)
+
     def _after_step(self) -> None:
         """Hook run once a step's state is accepted (before metrics and checkpoints)."""
 
@@ -341,7 +345,7 @@ class Trainer:
                 self._after_step()
                 # Every collective of the step (e.g. pipeline p2p and data-parallel all-reduce),
                 # per device; the busiest device's bytes and time are reported.
-                traffic = step_traffic(find_logs(self.opt_state) + list(extra))
+                traffic = step_traffic(self._state_logs() + list(extra))
                 self.last_traffic = traffic
                 network = self.schedule.at(self.step - 1)
                 comm_s = float(traffic.times(network).max())
