@@ -17,7 +17,7 @@ second from the measured step time of this machine and the modelled time of the 
 messages at 1 ms latency and 10 Gbps .. 100 Mbps, both without overlap (compute + comm, a
 lower bound) and with full overlap (max of the two, the paper's model).
 
-    python benchmarks/aqsgd_experiments.py              # ~30 min on 2 CPU cores
+    python benchmarks/aqsgd_experiments.py              # ~45 min on 2 CPU cores
     python benchmarks/aqsgd_experiments.py --steps 40   # quicker, noisier
     python benchmarks/aqsgd_experiments.py --from-runs  # rebuild tables and plots only
 
@@ -168,8 +168,13 @@ def analyse(res: dict) -> dict:
     """Loss figures, bytes, buffer I/O and modelled throughput per bandwidth."""
     rows, n = res["rows"], res["workers"]
     tail = rows[-max(1, len(rows) // 10) :]
-    compute = statistics.median(r["compute_s"] for r in rows)
     later = rows[len(rows) // 2 :]  # after the first epochs, when samples are revisited
+    # The step's critical path on the host side: device time, the buffer work the devices
+    # waited for, and the write-back that runs before the next step is dispatched.
+    compute = statistics.median(
+        r["compute_s"] + r.get("buffer_exposed_s", 0.0) + r.get("buffer_writeback_s", 0.0)
+        for r in later
+    )
     out = {
         "method": res["label"],
         "stages": res["stages"],
@@ -294,11 +299,13 @@ def _write_table(path: Path, table: list[dict], meta: dict) -> None:
             "",
             f"## Modelled throughput, {title} (sequences / s)",
             "",
-            f"{note}, 1 ms latency. The step time is this machine's CPU time for all devices "
-            "of the mesh sharing 2 cores, so compute dominates; the comm columns alone are "
-            "hardware independent.",
+            f"{note}, 1 ms latency, medians over the second half. The step time is this "
+            "machine's CPU time for all devices of the mesh sharing 2 cores plus, for AQ-SGD, "
+            "the buffer time left on the critical path (exposed reads and the write-back), "
+            "so compute dominates and varies by up to 20% between runs that do the same "
+            "work; the comm columns alone are hardware independent.",
             "",
-            "| method | data x stages | compute s | "
+            "| method | data x stages | step s | "
             + " | ".join(f"@{b}" for b in BANDWIDTHS)
             + " | comm s @100Mbps | speed-up @100Mbps |",
             "|---|---|---|" + "---|" * len(BANDWIDTHS) + "---|---|",

@@ -142,28 +142,33 @@ class Traffic:
     path_bytes: np.ndarray
 
 
-@dataclasses.dataclass(frozen=True)
-class WireAudit:
-    """The collectives of a compiled program (see :func:`wire_audit`).
+class _Branches:
+    """Resolution of the conditionals a program's costs sit in (``branches=`` arguments).
 
-    Attributes:
-      num_devices: devices (SPMD partitions) the program runs on; device ``d`` is mesh
-        position ``d`` in row-major order.
-      ops: every collective found.
-      conditionals: ``{conditional name: JAX op name}`` of the conditionals that hold
-        collectives (keys for ``branches=``).
-      conditional_counts: ``{conditional name: executions per run}`` (the trip counts of the
-        loops around it; 1 outside loops).
+    Subclasses have ``num_devices``, ``conditionals`` and ``conditional_counts``.
     """
 
     num_devices: int
-    ops: tuple[CollectiveOp, ...]
     conditionals: dict[str, str]
-    conditional_counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    conditional_counts: dict[str, int]
+    conditional_branches: dict[str, int]
+
+    def _matches(self, key: str) -> bool:
+        """Whether ``key`` names one of this program's conditionals (a ``branches=`` key)."""
+        return key in self.conditionals or any(key in op for op in self.conditionals.values())
 
     def _executions(self, name: str, value: Any) -> np.ndarray:
         """``int64[D, B]``: executions of each branch of conditional ``name`` on each device."""
         total = self.conditional_counts.get(name, 1)
+        limit = self.conditional_branches.get(name)
+
+        def check(b: int) -> None:
+            if limit is not None and b >= limit:
+                raise ValueError(
+                    f"branches[{name!r}]: branch {b} does not exist; the conditional has "
+                    f"{limit} branches (0..{limit - 1})"
+                )
+
         if isinstance(value, Mapping):
             counts = {}
             for b, k in value.items():
@@ -173,6 +178,7 @@ class WireAudit:
                     raise ValueError(
                         f"branches[{name!r}][{b}] = {k!r}: executions must be an int >= 0"
                     )
+                check(int(b))
                 counts[int(b)] = int(k)
             if sum(counts.values()) != total:
                 raise ValueError(
@@ -186,11 +192,14 @@ class WireAudit:
         choice = np.broadcast_to(np.asarray(value, np.int64), (self.num_devices,))
         if (choice < 0).any():
             raise ValueError(f"branches[{name!r}] = {value!r}: branch indices must be >= 0")
+        check(int(choice.max()))
         table = np.zeros((self.num_devices, int(choice.max()) + 1), np.int64)
         table[np.arange(self.num_devices), choice] = total
         return table
 
-    def _resolve(self, branches: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
+    def _resolve(
+        self, branches: Mapping[str, Any] | None, fallback: Mapping[str, int] | None = None
+    ) -> dict[str, np.ndarray]:
         branches = dict(branches or {})
         out: dict[str, np.ndarray] = {}
         for key, value in branches.items():
@@ -205,6 +214,9 @@ class WireAudit:
                     f"{len(names)}. Conditionals: {self.conditionals}"
                 )
             out[names[0]] = self._executions(names[0], value)
+        for c, branch in (fallback or {}).items():
+            if c not in out:
+                out[c] = self._executions(c, branch)
         missing = {c: op for c, op in self.conditionals.items() if c not in out}
         if missing:
             raise ValueError(
@@ -212,6 +224,62 @@ class WireAudit:
                 f"alone cannot tell; pass branches={{name: branch index}} for {missing}"
             )
         return out
+
+    def _runs(
+        self,
+        count: int,
+        path: tuple[tuple[str, int], ...],
+        taken: dict[str, np.ndarray],
+        counted: set[str],
+        name: str,
+    ) -> np.ndarray:
+        """``int64[D]``: executions on each device of something run ``count`` times per run
+        of the program inside the conditionals ``path``: its count scaled, per conditional,
+        by the share of that conditional's executions that take its branch."""
+        if sum(c in counted for c, _ in path) > 1:
+            raise ValueError(
+                f"{name} sits in nested conditionals {[c for c, _ in path]}; give branch "
+                "counts for at most one of them"
+            )
+        num = np.full(self.num_devices, count, np.int64)
+        den = 1
+        for cond, branch in path:
+            table = taken[cond]
+            num *= table[:, branch] if branch < table.shape[1] else 0
+            den *= self.conditional_counts.get(cond, 1)
+        if (num % den).any():
+            raise ValueError(
+                f"{name}: the branch counts of {[c for c, _ in path]} do not divide its "
+                f"{count} executions per run evenly; give one branch per device instead"
+            )
+        return num // den
+
+    @staticmethod
+    def _counted(taken: dict[str, np.ndarray]) -> set[str]:
+        """Conditionals given as branch counts (a share per branch rather than one branch)."""
+        return {c for c, table in taken.items() if (table > 0).sum(1).max() > 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class WireAudit(_Branches):
+    """The collectives of a compiled program (see :func:`wire_audit`).
+
+    Attributes:
+      num_devices: devices (SPMD partitions) the program runs on; device ``d`` is mesh
+        position ``d`` in row-major order.
+      ops: every collective found.
+      conditionals: ``{conditional name: JAX op name}`` of the conditionals that hold
+        collectives (keys for ``branches=``).
+      conditional_counts: ``{conditional name: executions per run}`` (the trip counts of the
+        loops around it; 1 outside loops).
+      conditional_branches: ``{conditional name: number of branches}``.
+    """
+
+    num_devices: int
+    ops: tuple[CollectiveOp, ...]
+    conditionals: dict[str, str]
+    conditional_counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    conditional_branches: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def traffic(self, branches: Mapping[str, Any] | None = None) -> Traffic:
         """Per-device bytes sent, rounds and path bytes of one run of the program.
@@ -224,27 +292,13 @@ class WireAudit:
             or a unique part of their op name (a ``jax.named_scope`` shows there).
         """
         taken = self._resolve(branches)
-        # Conditionals given as branch counts (a share per branch rather than one branch).
-        counted = {c for c, table in taken.items() if (table > 0).sum(1).max() > 1}
+        counted = self._counted(taken)
         d = self.num_devices
         sent = np.zeros(d, np.int64)
         rounds = np.zeros(d, np.int64)
         path = np.zeros(d, np.int64)
         for op in self.ops:
-            # Executions of this op: its count scaled, per enclosing conditional, by the share
-            # of that conditional's executions that take the op's branch.
-            if sum(c in counted for c, _ in op.branches) > 1:
-                raise ValueError(
-                    f"{op.name} sits in nested conditionals "
-                    f"{[c for c, _ in op.branches]}; give branch counts for at most one of them"
-                )
-            num = np.full(d, op.count, np.int64)
-            den = 1
-            for cond, branch in op.branches:
-                table = taken[cond]
-                num *= table[:, branch] if branch < table.shape[1] else 0
-                den *= self.conditional_counts.get(cond, 1)
-            runs = num // den
+            runs = self._runs(op.count, op.branches, taken, counted, op.name)
             sent += runs * op.sent
             rounds += runs * op.rounds
             path += runs * op.path_bytes
@@ -265,6 +319,8 @@ class _Instr:
     opcode: str
     operands: list[str]
     attrs: str
+    args: str = ""  # the text between the op's parentheses (e.g. a parameter's number)
+    root: bool = False
 
 
 def _matching(text: str, start: int, open_c: str, close_c: str) -> int:
@@ -296,8 +352,10 @@ def _parse_instr(line: str) -> _Instr | None:
     if om is None:
         return None
     close = _matching(rest, om.end() - 1, "(", ")")
-    operands = re.findall(r"%([\w.\-]+)", rest[om.end() : close - 1])
-    return _Instr(m.group(1), shape, om.group(1), operands, rest[close:])
+    args = rest[om.end() : close - 1]
+    operands = re.findall(r"%([\w.\-]+)", args)
+    root = line.lstrip().startswith("ROOT ")
+    return _Instr(m.group(1), shape, om.group(1), operands, rest[close:], args, root)
 
 
 def _arrays(shape: str) -> list[tuple[int, int]]:
@@ -420,6 +478,81 @@ def _collective(instr: _Instr, shapes: dict[str, str], d: int) -> tuple[np.ndarr
     return sent, rounds
 
 
+def _hlo_text(program: Any) -> str:
+    if isinstance(program, jax.stages.Lowered):
+        program = program.compile()
+    if isinstance(program, jax.stages.Compiled):
+        return program.as_text()
+    if isinstance(program, str):
+        return program
+    raise TypeError(
+        "program must be a jax.stages.Compiled, a jax.stages.Lowered or the text of an "
+        f"optimized HLO module, got {type(program).__name__}"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Visit:
+    """One executed computation: how often it runs, under which branches, in which loop."""
+
+    comp: str
+    count: int
+    branches: tuple[tuple[str, int], ...]
+    loop: str | None  # the enclosing loop without a known trip count, if any
+
+
+def _executed(
+    comps: dict[str, list[_Instr]], entry: str
+) -> tuple[list[_Visit], dict[str, str], dict[str, int], dict[str, int]]:
+    """Every computation the program executes as a sequence of ops (the entry, loop bodies
+    and conditions, conditional branches, called and async-wrapped computations), with its
+    execution count; fused computations and reducers belong to the op that calls them.
+    Also returns the conditionals' op names, execution counts and branch counts."""
+    visits: list[_Visit] = []
+    cond_names: dict[str, str] = {}
+    cond_counts: dict[str, int] = {}
+    cond_branches: dict[str, int] = {}
+
+    def walk(comp: str, count: int, path: tuple, loop: str | None, seen: tuple) -> None:
+        if comp in seen:
+            return
+        visits.append(_Visit(comp, count, path, loop))
+        seen = seen + (comp,)
+        for instr in comps.get(comp, []):
+            if instr.opcode == "while":
+                m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', instr.attrs)
+                body = _comp_names(_attr(instr.attrs, "body"))
+                cond = _comp_names(_attr(instr.attrs, "condition"))
+                if m:
+                    trips = int(m.group(1))
+                    for c in body:
+                        walk(c, count * trips, path, loop, seen)
+                    for c in cond:
+                        walk(c, count * (trips + 1), path, loop, seen)
+                else:
+                    label = f"{instr.name} ({_op_name(instr.attrs)!r})"
+                    for c in body + cond:
+                        walk(c, count, path, loop or label, seen)
+            elif instr.opcode == "conditional":
+                names = _comp_names(_attr(instr.attrs, "branch_computations"))
+                if not names:  # true_computation / false_computation form: index 0 is true
+                    names = _comp_names(_attr(instr.attrs, "true_computation")) + _comp_names(
+                        _attr(instr.attrs, "false_computation")
+                    )
+                cond_names[instr.name] = _op_name(instr.attrs)
+                cond_counts[instr.name] = cond_counts.get(instr.name, 0) + count
+                cond_branches[instr.name] = len(names)
+                for b, c in enumerate(names):
+                    walk(c, count, path + ((instr.name, b),), loop, seen)
+            elif instr.opcode in ("call", "async-start"):
+                for c in _comp_names(_attr(instr.attrs, "calls") or _attr(instr.attrs, "to_apply")):
+                    walk(c, count, path, loop, seen)
+            # async-update / async-done: the wrapped computation ran at its async-start.
+
+    walk(entry, 1, (), None, ())
+    return visits, cond_names, cond_counts, cond_branches
+
+
 def wire_audit(program: Any) -> WireAudit:
     """The collectives of a compiled program and the bytes they move, per device.
 
@@ -440,81 +573,299 @@ def wire_audit(program: Any) -> WireAudit:
         audit = jaxcomm.wire_audit(step.lower(params, batch).compile())
         audit.sent_bytes()          # int64[8]: bytes each device sends per step
     """
-    if isinstance(program, jax.stages.Lowered):
-        program = program.compile()
-    if isinstance(program, jax.stages.Compiled):
-        hlo = program.as_text()
-    elif isinstance(program, str):
-        hlo = program
-    else:
-        raise TypeError(
-            "program must be a jax.stages.Compiled, a jax.stages.Lowered or the text of an "
-            f"optimized HLO module, got {type(program).__name__}"
-        )
-    comps, entry, d = _computations(hlo)
+    comps, entry, d = _computations(_hlo_text(program))
     shapes = {i.name: i.shape for instrs in comps.values() for i in instrs}
+    visits, cond_names, cond_counts, cond_branches = _executed(comps, entry)
     ops: list[CollectiveOp] = []
     conditionals: dict[str, str] = {}
-
-    def walk(comp: str, count: int, path: tuple, loop: str | None, seen: tuple) -> None:
-        if comp in seen:
-            return
-        for instr in comps.get(comp, []):
-            if instr.opcode in _COLLECTIVES:
-                if _COLLECTIVES[instr.opcode] is None:
-                    raise ValueError(
-                        f"collective {instr.opcode} ({instr.name}, {_op_name(instr.attrs)!r}) "
-                        "is not counted by the wire audit"
-                    )
-                if loop is not None:
-                    raise ValueError(
-                        f"collective {instr.name} ({_op_name(instr.attrs)!r}) sits in the loop "
-                        f"{loop}, whose trip count XLA could not determine"
-                    )
-                sent, rounds = _collective(instr, shapes, d)
-                kind = _COLLECTIVES[instr.opcode]
-                ops.append(
-                    CollectiveOp(instr.name, kind, _op_name(instr.attrs), count, path, sent, rounds)
+    for visit in visits:
+        for instr in comps.get(visit.comp, []):
+            if instr.opcode not in _COLLECTIVES:
+                continue
+            if _COLLECTIVES[instr.opcode] is None:
+                raise ValueError(
+                    f"collective {instr.opcode} ({instr.name}, {_op_name(instr.attrs)!r}) "
+                    "is not counted by the wire audit"
                 )
-                for cond, _ in path:
-                    conditionals.setdefault(cond, _cond_names[cond])
-            elif instr.opcode == "while":
-                m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', instr.attrs)
-                body = _comp_names(_attr(instr.attrs, "body"))
-                cond = _comp_names(_attr(instr.attrs, "condition"))
-                label = f"{instr.name} ({_op_name(instr.attrs)!r})"
-                if m:
-                    trips = int(m.group(1))
-                    for c in body:
-                        walk(c, count * trips, path, loop, seen + (comp,))
-                    for c in cond:
-                        walk(c, count * (trips + 1), path, loop, seen + (comp,))
-                else:
-                    for c in body + cond:
-                        walk(c, count, path, loop or label, seen + (comp,))
-            elif instr.opcode == "conditional":
-                names = _comp_names(_attr(instr.attrs, "branch_computations"))
-                if not names:  # true_computation / false_computation form: index 0 is true
-                    names = _comp_names(_attr(instr.attrs, "true_computation")) + _comp_names(
-                        _attr(instr.attrs, "false_computation")
-                    )
-                _cond_names[instr.name] = _op_name(instr.attrs)
-                _cond_counts[instr.name] = _cond_counts.get(instr.name, 0) + count
-                for b, c in enumerate(names):
-                    walk(c, count, path + ((instr.name, b),), loop, seen + (comp,))
-            elif instr.opcode in ("async-update", "async-done"):
-                continue  # the wrapped collective was counted at its async-start
-            else:
-                for key in ("calls", "to_apply"):
-                    for c in _comp_names(_attr(instr.attrs, key)):
-                        walk(c, count, path, loop, seen + (comp,))
-
-    _cond_names: dict[str, str] = {}
-    _cond_counts: dict[str, int] = {}
-    walk(entry, 1, (), None, ())
+            if visit.loop is not None:
+                raise ValueError(
+                    f"collective {instr.name} ({_op_name(instr.attrs)!r}) sits in the loop "
+                    f"{visit.loop}, whose trip count XLA could not determine"
+                )
+            sent, rounds = _collective(instr, shapes, d)
+            kind = _COLLECTIVES[instr.opcode]
+            ops.append(
+                CollectiveOp(
+                    instr.name,
+                    kind,
+                    _op_name(instr.attrs),
+                    visit.count,
+                    visit.branches,
+                    sent,
+                    rounds,
+                )
+            )
+            for cond, _ in visit.branches:
+                conditionals.setdefault(cond, cond_names[cond])
     return WireAudit(
         num_devices=d,
         ops=tuple(ops),
         conditionals=conditionals,
-        conditional_counts={c: _cond_counts[c] for c in conditionals},
+        conditional_counts={c: cond_counts[c] for c in conditionals},
+        conditional_branches={c: cond_branches[c] for c in conditionals},
+    )
+
+
+# --------------------------------------------------------------------------- compute cost
+
+_TRANSCENDENTAL = frozenset(
+    "exponential exponential-minus-one log log-plus-one tanh logistic sqrt rsqrt cbrt power "
+    "sine cosine tan atan2 erf erf-inv".split()
+)
+# Ops that compute nothing (data movement, bookkeeping, control flow) and ops whose cost is
+# handled elsewhere (fusions and calls by their computations, collectives by the wire audit).
+_NO_FLOPS = frozenset(
+    "parameter constant tuple get-tuple-element bitcast broadcast reshape transpose copy slice "
+    "dynamic-slice dynamic-update-slice concatenate pad iota convert bitcast-convert gather "
+    "reverse after-all partition-id replica-id rng-get-and-update-state rng-bit-generator "
+    "copy-start copy-done opt-barrier optimization-barrier while conditional call fusion "
+    "async-start async-update async-done domain add-dependency get-dimension-size "
+    "collective-permute-done all-gather-done all-reduce-done send-done recv-done infeed "
+    "outfeed".split()
+) | frozenset(_COLLECTIVES)
+# Top-level ops that touch no memory of their own.
+_NO_MEMORY = frozenset(
+    "parameter constant tuple get-tuple-element bitcast while conditional call after-all "
+    "partition-id replica-id async-update async-done opt-barrier optimization-barrier domain "
+    "add-dependency".split()
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeCost:
+    """Per-device compute of one run of a program (one entry per device, partition order).
+
+    Attributes:
+      flops: ``float64[D]`` floating-point (and integer) operations; a multiply-add is 2.
+      matmul_flops: ``float64[D]`` the part of ``flops`` in dots and convolutions.
+      transcendentals: ``float64[D]`` exp, log, tanh, ... evaluations.
+      hbm_bytes: ``float64[D]`` bytes the top-level ops read and write (a fusion counts its
+        operands and result once; its internals stay in registers and caches).
+    """
+
+    flops: np.ndarray
+    matmul_flops: np.ndarray
+    transcendentals: np.ndarray
+    hbm_bytes: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cost:
+    """Costs of one executed computation per execution."""
+
+    comp: str
+    count: int
+    branches: tuple[tuple[str, int], ...]
+    loop: str | None
+    flops: float
+    matmul_flops: float
+    transcendentals: float
+    hbm_bytes: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramCost(_Branches):
+    """The compute cost of a compiled program (see :func:`program_cost`).
+
+    Attributes:
+      num_devices: devices (SPMD partitions) the program runs on.
+      items: the executed computations with their costs per execution and counts.
+      conditionals: ``{conditional name: JAX op name}`` of every conditional.
+      conditional_counts: ``{conditional name: executions per run}``.
+      conditional_branches: ``{conditional name: number of branches}``.
+      uncounted: custom calls whose flops are unknown (their memory bytes are counted).
+    """
+
+    num_devices: int
+    items: tuple[_Cost, ...]
+    conditionals: dict[str, str]
+    conditional_counts: dict[str, int]
+    conditional_branches: dict[str, int]
+    uncounted: tuple[str, ...]
+
+    def per_device(self, branches: Mapping[str, Any] | None = None) -> ComputeCost:
+        """Per-device totals of one run.
+
+        Args:
+          branches: as :meth:`WireAudit.traffic`. A conditional left out counts its costliest
+            branch (in flops) on every device: an upper bound.
+
+        Raises:
+          ValueError: a computation with costs runs in a loop whose trip count XLA could
+            not determine (named).
+        """
+        for item in self.items:
+            if item.loop is not None and (item.flops or item.hbm_bytes):
+                raise ValueError(
+                    f"computation {item.comp} runs in the loop {item.loop}, whose trip count "
+                    "XLA could not determine, so its cost is unknown"
+                )
+        fallback = {}
+        for cond in self.conditionals:
+            per_branch: dict[int, float] = {}
+            for item in self.items:
+                for c, b in item.branches:
+                    if c == cond:
+                        per_branch[b] = per_branch.get(b, 0.0) + item.count * item.flops
+            fallback[cond] = max(per_branch, key=per_branch.get) if per_branch else 0
+        taken = self._resolve(branches, fallback)
+        counted = self._counted(taken)
+        out = {k: np.zeros(self.num_devices) for k in ComputeCost.__dataclass_fields__}
+        for item in self.items:
+            runs = self._runs(item.count, item.branches, taken, counted, item.comp)
+            for k in out:
+                out[k] += runs * getattr(item, k)
+        return ComputeCost(**out)
+
+
+def _elements(shape: str) -> int:
+    return sum(n for n, _ in _arrays(shape))
+
+
+def _dims(shape: str) -> list[int]:
+    m = _ARRAY_RE.search(shape)
+    return [int(x) for x in m.group(2).split(",") if x] if m else []
+
+
+def _instr_flops(
+    instr: _Instr, shapes: dict[str, str], comps: dict[str, list[_Instr]], uncounted: list[str]
+) -> tuple[float, float, float]:
+    """``(flops, matmul flops, transcendentals)`` of one execution of ``instr``."""
+    op = instr.opcode
+    out = _elements(instr.shape)
+    if op == "fusion":
+        total = [0.0, 0.0, 0.0]
+        for c in _comp_names(_attr(instr.attrs, "calls")):
+            for inner in comps.get(c, []):
+                for i, v in enumerate(_instr_flops(inner, shapes, comps, uncounted)):
+                    total[i] += v
+        return total[0], total[1], total[2]
+    if op == "dot":
+        lhs = _dims(shapes.get(instr.operands[0], ""))
+        contract = [
+            int(x) for x in re.findall(r"\d+", _attr(instr.attrs, "lhs_contracting_dims") or "")
+        ]
+        k = math.prod(lhs[i] for i in contract) if lhs else 1
+        return 2.0 * out * k, 2.0 * out * k, 0.0
+    if op == "convolution":
+        kernel = _dims(shapes.get(instr.operands[1], ""))
+        labels = (_attr(instr.attrs, "dim_labels") or "").split("_")
+        o = labels[1].find("o") if len(labels) > 1 else -1
+        per_out = math.prod(kernel) / (kernel[o] if o >= 0 and kernel else 1)
+        # The kernel's input-feature dimension is already per group.
+        flops = 2.0 * out * per_out
+        return flops, flops, 0.0
+    if op in ("reduce", "reduce-window", "scatter", "select-and-scatter", "sort", "map"):
+        inputs = sum(_elements(shapes.get(o, "")) for o in instr.operands)
+        if op == "reduce-window":
+            window = [int(x) for x in re.findall(r"size=([\dx]+)", instr.attrs)[0].split("x")]
+            return float(out * math.prod(window)), 0.0, 0.0
+        if op == "sort":
+            n = _elements(shapes.get(instr.operands[0], ""))
+            return float(n * max(1.0, math.log2(max(n, 2)))), 0.0, 0.0
+        return float(inputs), 0.0, 0.0
+    if op == "custom-call":
+        uncounted.append(f"{instr.name} ({_attr(instr.attrs, 'custom_call_target')})")
+        return 0.0, 0.0, 0.0
+    if op in _NO_FLOPS:
+        return 0.0, 0.0, 0.0
+    if op in _TRANSCENDENTAL:
+        return 0.0, 0.0, float(out)
+    return float(out), 0.0, 0.0  # elementwise arithmetic, compare, select, ...
+
+
+def _fusion_bytes(instr: _Instr, shapes: dict[str, str], comps: dict[str, list[_Instr]]) -> int:
+    """Bytes a fusion reads and writes: each operand once, except operands that are only
+    sliced (the slices are read) and a buffer updated in place (only the update is written)."""
+    inner = [i for c in _comp_names(_attr(instr.attrs, "calls")) for i in comps.get(c, [])]
+    params = {int(i.args.strip() or 0): i.name for i in inner if i.opcode == "parameter"}
+    users: dict[str, list[_Instr]] = {}
+    for i in inner:
+        for o in i.operands:
+            users.setdefault(o, []).append(i)
+    total = 0
+    for idx, operand in enumerate(instr.operands):
+        size = _nbytes(shapes.get(operand, ""))
+        name = params.get(idx)
+        uses = users.get(name, []) if name else []
+        if uses and all(u.opcode in ("dynamic-slice", "slice", "gather") for u in uses):
+            size = min(size, sum(_nbytes(u.shape) for u in uses))
+        elif uses and all(
+            u.opcode == "dynamic-update-slice" and u.operands[0] == name for u in uses
+        ):
+            size = 0  # the buffer is updated in place: only the update is written
+        total += size
+    root = next((i for i in inner if i.root), None)
+    if (
+        root is not None
+        and root.opcode == "dynamic-update-slice"
+        and root.operands[0] in set(params.values())
+    ):
+        return total + _nbytes(shapes.get(root.operands[1], ""))
+    return total + _nbytes(instr.shape)
+
+
+def _instr_bytes(instr: _Instr, shapes: dict[str, str], comps: dict[str, list[_Instr]]) -> int:
+    """Bytes a top-level op reads and writes."""
+    op = instr.opcode
+    if op in _NO_MEMORY:
+        return 0
+    if op == "fusion":
+        return _fusion_bytes(instr, shapes, comps)
+    if op == "dynamic-update-slice":  # in place
+        return 2 * _nbytes(shapes.get(instr.operands[1], ""))
+    if op in ("dynamic-slice", "slice"):
+        return 2 * _nbytes(instr.shape)
+    return sum(_nbytes(shapes.get(o, "")) for o in instr.operands) + _nbytes(instr.shape)
+
+
+def program_cost(program: Any) -> ProgramCost:
+    """The compute cost of a compiled program, read from its optimized HLO.
+
+    Every executed computation (entry, loop bodies and conditions, conditional branches)
+    is costed once and multiplied by the trip counts of the loops around it, which XLA
+    records on each ``while`` (``known_trip_count``); XLA's own ``cost_analysis()`` counts a
+    loop body once. Flops: ``2 * M * N * K`` per dot (and the analogue per convolution),
+    one per element for elementwise arithmetic, one per input element for reductions,
+    transcendentals apart; data movement costs none. Memory: each top-level op reads its
+    operands and writes its result once (a fusion's internals stay on chip; slices read only
+    the slice; in-place updates write only the update). This is the per-device program of
+    an SPMD computation, so it is what each device runs.
+
+    Args:
+      program: as :func:`wire_audit`; read the same compiled program for both.
+
+    Returns:
+      A :class:`ProgramCost`; ``.per_device(branches)`` gives per-device totals.
+    """
+    comps, entry, d = _computations(_hlo_text(program))
+    shapes = {i.name: i.shape for instrs in comps.values() for i in instrs}
+    visits, cond_names, cond_counts, cond_branches = _executed(comps, entry)
+    items, uncounted = [], []
+    for visit in visits:
+        flops = matmul = trans = mem = 0.0
+        for instr in comps.get(visit.comp, []):
+            f, mm, t = _instr_flops(instr, shapes, comps, uncounted)
+            flops, matmul, trans = flops + f, matmul + mm, trans + t
+            mem += _instr_bytes(instr, shapes, comps)
+        items.append(
+            _Cost(visit.comp, visit.count, visit.branches, visit.loop, flops, matmul, trans, mem)
+        )
+    return ProgramCost(
+        num_devices=d,
+        items=tuple(items),
+        conditionals=cond_names,
+        conditional_counts=cond_counts,
+        conditional_branches=cond_branches,
+        uncounted=tuple(uncounted),
     )

@@ -251,19 +251,21 @@ def gpipe(
       boundary: codec of the stage boundaries (default :func:`fp32_boundary`).
 
     Returns:
-      ``loss_fn(params, inputs, state, key, seen=False) -> (loss, (new_state, log))``:
+      ``loss_fn(params, inputs, state, key, seen=False, backward=True)`` returning
+      ``(loss, (new_state, log))``:
       ``inputs`` is a pytree of ``[M, mb, ...]`` arrays (replicated over stages), ``state`` a
       :class:`BoundaryState`, ``seen`` a static bool (every sample of the step crossed the
       boundaries before; AQ-SGD then sends deltas, see :mod:`jaxcomm.aqsgd`). ``loss`` is
       the mean microbatch loss, the same on every stage; ``log`` a :class:`CommLog` of this
       device's traffic in the step: ``p2p`` messages (forward activations and backward
       gradients, one round per tick that carries any) and the 4-byte ``allreduce`` that
-      shares the loss. Differentiate ``loss`` w.r.t. ``params`` with ``jax.grad`` or
-      ``value_and_grad`` (``has_aux=True``).
+      shares the loss. The backward messages are logged unless ``backward=False`` (a
+      forward-only call, e.g. evaluation, sends none). Differentiate ``loss`` w.r.t.
+      ``params`` with ``jax.grad`` or ``value_and_grad`` (``has_aux=True``).
     """
     boundary = boundary or fp32_boundary()
 
-    def loss_fn(params, inputs, state: BoundaryState, key, seen: bool = False):
+    def loss_fn(params, inputs, state: BoundaryState, key, seen: bool = False, backward=True):
         if isinstance(seen, np.bool_):
             seen = bool(seen)
         if not isinstance(seen, bool):
@@ -273,14 +275,17 @@ def gpipe(
             )
         n = axis_size(axis_name)
         s = lax.axis_index(axis_name)
-        leaves = jax.tree_util.tree_leaves(inputs)
-        if not leaves or any(jnp.ndim(x) == 0 for x in leaves):
-            raise ValueError("inputs must be a non-empty pytree of [M, mb, ...] arrays")
-        m_total = check_int("number of microbatches", leaves[0].shape[0], lo=1)
-        lead = sorted({x.shape[0] for x in leaves})
-        if lead != [m_total]:
+        leaves = jax.tree_util.tree_leaves_with_path(inputs)
+        shapes = {jax.tree_util.keystr(k): tuple(jnp.shape(x)) for k, x in leaves}
+        if not leaves or any(len(v) == 0 for v in shapes.values()):
             raise ValueError(
-                f"inputs leaves must share their leading (microbatch) dimension, got {lead}"
+                f"inputs must be a non-empty pytree of [M, mb, ...] arrays, got shapes {shapes}"
+            )
+        m_total = check_int("number of microbatches", leaves[0][1].shape[0], lo=1)
+        if len({v[0] for v in shapes.values()}) != 1:
+            raise ValueError(
+                "inputs leaves must share their leading (microbatch) dimension M, got shapes "
+                f"{shapes}"
             )
         act = jax.eval_shape(first_fn, params, _take(inputs, 0))
         want = (m_total, *act.shape)
@@ -342,7 +347,8 @@ def gpipe(
 
         fw_msg, bw_msg = _message_bytes(boundary, act, seen)
         log = _p2p_log(empty_log(), runs, fw_msg, [m_total * fw_msg] * (n - 1) + [0], s, m_total)
-        log = _p2p_log(log, runs, bw_msg, [0] + [m_total * bw_msg] * (n - 1), s, m_total)
+        if backward:  # sent only when the loss is differentiated
+            log = _p2p_log(log, runs, bw_msg, [0] + [m_total * bw_msg] * (n - 1), s, m_total)
         log = log_wire(log, psum_wire(local, n), s)
         return loss, (new_state, log)
 

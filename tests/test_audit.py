@@ -237,10 +237,14 @@ def test_conditional_inside_a_loop_takes_branch_counts():
     assert audit.conditional_counts[cond] == 10
     (op,) = audit.ops
     taken = op.branches[0][1]
+    assert taken == 1  # lax.cond lowers to branches (false, true): the permute is branch 1
+    assert audit.conditional_branches[cond] == 2
     sent = audit.sent_bytes({cond: {taken: 3, 1 - taken: 7}})
     np.testing.assert_array_equal(sent, np.full(N, 3 * 12))
     np.testing.assert_array_equal(audit.sent_bytes({cond: taken}), np.full(N, 10 * 12))
     with pytest.raises(ValueError, match="runs 10 times"):
         audit.sent_bytes({cond: {taken: 3, 1 - taken: 6}})
+    with pytest.raises(ValueError, match="branch 2 does not exist; the conditional has 2"):
+        audit.sent_bytes({cond: 2})
     with pytest.raises(ValueError, match="executions must be an int"):
         audit.sent_bytes({cond: {taken: -1, 1 - taken: 11}})

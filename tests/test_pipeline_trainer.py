@@ -93,6 +93,10 @@ def test_aqsgd_pipeline_revisits_samples_and_logs_what_runs(tmp_path):
             np.testing.assert_array_equal(a[:, unused], b[:, unused])
             assert not np.array_equal(a[:, owner], b[:, owner])
         assert jaxcomm.wire_audit(trainer._owned_compiled[name]).num_devices == 2
+        owners = set(trainer.mesh.devices[:, owner].tolist())
+        assert set(trainer.sub_mesh[name].devices.flat) == owners
+        shardings = jax.tree.leaves(trainer._owned_compiled[name].input_shardings[0])
+        assert shardings[0].device_set == owners
     # Both sides of every boundary consumed the same messages in the last step.
     st = jax.device_get(trainer._last_state)
     for b in range(3):
@@ -104,6 +108,40 @@ def test_aqsgd_pipeline_revisits_samples_and_logs_what_runs(tmp_path):
     assert all(r["buffer_writeback_s"] > 0 for r in rows)
     summary = json.loads((cfg.run_dir / "summary.json").read_text())
     assert summary["buffer_bytes"] == 3 * trainer.buffers[0].nbytes >= 3 * 32 * 16 * 32 * 4
+
+
+@pytest.mark.parametrize(
+    "aggregator,args,optimizer,boundary",
+    [
+        ("tree", {}, "adam", "fp32"),
+        ("ec_quantized", {}, "adam", "directq"),
+        ("ssdm", {"lr": 1e-3}, "none", "fp32"),
+    ],
+)
+def test_logged_traffic_equals_the_audit_for_every_aggregator(
+    tmp_path, aggregator, args, optimizer, boundary
+):
+    """With data parallelism, every device's logged bytes, rounds and path bytes equal what
+    the step's compiled programs (pipeline step, embedding's and head's) move."""
+    cfg = _cfg(
+        tmp_path,
+        workers=2,
+        steps=2,
+        aggregator=aggregator,
+        aggregator_args=args,
+        optimizer=optimizer,
+        boundary=boundary,
+        fw_bits=3,
+    )
+    trainer = PipelineTrainer(cfg)
+    traffic = []
+    trainer.run(metrics_cb=lambda row: traffic.append(trainer.last_traffic))
+    audit = trainer.step_audit(False)
+    for t in traffic:
+        np.testing.assert_array_equal(t.sent, audit.sent)
+        np.testing.assert_array_equal(t.rounds.sum(-1), audit.rounds)
+        np.testing.assert_array_equal(t.path_bytes.sum(-1), audit.path_bytes)
+    assert (audit.sent > 0).all()
 
 
 def test_slow_prefetch_is_exposed_and_not_compute(tmp_path):

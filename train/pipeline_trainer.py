@@ -81,6 +81,24 @@ def _ready_at(tree: Any) -> float:
     return time.perf_counter()
 
 
+def _is_keyed(node: Any) -> bool:
+    return hasattr(node, "_replace") and hasattr(node, "key")
+
+
+def _salted(state: Any, salt: Any) -> Any:
+    """``state`` with the PRNG key of every keyed aggregator state folded with ``salt``, so
+    that parameter groups and stages (each its own data-parallel group) draw independent
+    rounding noise from one seed."""
+
+    def fix(node):
+        if not _is_keyed(node):
+            return node
+        key = jax.random.fold_in(jax.random.wrap_key_data(node.key), salt)
+        return node._replace(key=jax.random.key_data(key))
+
+    return jax.tree_util.tree_map(fix, state, is_leaf=_is_keyed)
+
+
 def _sq(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda a: a[0, 0], tree)
 
@@ -179,9 +197,9 @@ class PipelineTrainer(Trainer):
             staged,
         )
 
-        def init(mesh, spec, tree):
+        def init(mesh, spec, tree, salt):
             f = jax.shard_map(
-                lambda p: _ex(self.tx.init(_sq(p))),
+                lambda p: _ex(_salted(self.tx.init(_sq(p)), salt())),
                 mesh=mesh,
                 in_specs=spec,
                 out_specs=spec,
@@ -189,10 +207,12 @@ class PipelineTrainer(Trainer):
             )
             return jax.jit(f)(tree)
 
-        opt_state = {"blocks": init(self.mesh, P(AXIS, STAGE), stacked["blocks"])}
-        for name in OWNED:
+        s = self.stages
+        stage = lambda: jax.lax.axis_index(STAGE)  # noqa: E731
+        opt_state = {"blocks": init(self.mesh, P(AXIS, STAGE), stacked["blocks"], stage)}
+        for i, name in enumerate(OWNED):
             view = self._owned_view(stacked[name], name)
-            opt_state[name] = init(self.sub_mesh[name], P(AXIS), view)
+            opt_state[name] = init(self.sub_mesh[name], P(AXIS), view, lambda i=i: s + i)
         act = (self.gpt_cfg.seq_len, self.gpt_cfg.width)
         # Only AQ-SGD needs previous messages; the other boundaries ignore them.
         count = self.stages - 1 if cfg.boundary == "aqsgd" else 0
@@ -292,7 +312,9 @@ class PipelineTrainer(Trainer):
         loss_fn = gpt_pipeline_loss(self.gpt_cfg)
 
         def per_device(params, batch, bstate):
-            loss, _ = loss_fn(_sq(params), _sq(batch), _sq(bstate), jax.random.key(0))
+            loss, _ = loss_fn(
+                _sq(params), _sq(batch), _sq(bstate), jax.random.key(0), backward=False
+            )
             return {"loss": jax.lax.pmean(loss, AXIS)}
 
         f = jax.shard_map(
@@ -451,16 +473,24 @@ class PipelineTrainer(Trainer):
             logs += [self._place(log, name) for log in find_logs(self.opt_state[name])]
         return logs
 
-    def step_audit(self, seen: bool = False) -> Any:
+    def step_audit(self, seen: bool = False, branches: Any = None) -> Any:
         """Per-device traffic of one step read from its compiled programs by
         :func:`jaxcomm.wire_audit`: the pipeline step of boundary mode ``seen`` plus the
         embedding's and head's programs on their stages. Device ``d * S + s`` is data replica
         ``d``, stage ``s`` (the order of the logs). Programs compile on first use, so run a
-        step of that mode first."""
-        main = jaxcomm.wire_audit(self._compiled[seen]).traffic()
+        step of that mode first. ``branches`` resolves the aggregator's conditionals (e.g.
+        Marsit's full-precision rounds) in every program, as in
+        :meth:`jaxcomm.WireAudit.traffic`; a key that a program lacks is ignored there."""
+
+        def traffic(program):
+            audit = jaxcomm.wire_audit(program)
+            mine = {k: v for k, v in (branches or {}).items() if audit._matches(k)}
+            return audit.traffic(mine)
+
+        main = traffic(self._compiled[seen])
         sent, rounds, path = main.sent.copy(), main.rounds.copy(), main.path_bytes.copy()
         for name in OWNED:
-            sub = jaxcomm.wire_audit(self._owned_compiled[name]).traffic()
+            sub = traffic(self._owned_compiled[name])
             idx = np.arange(self.cfg.workers) * self.stages + self._owner(name)
             sent[idx] += sub.sent
             rounds[idx] += sub.rounds
@@ -501,6 +531,8 @@ class PipelineTrainer(Trainer):
             boundary=self.cfg.boundary,
             fw_bits=self.cfg.fw_bits,
             bw_bits=self.cfg.bw_bits,
+            # Optimizer state per group: blocks on every stage, embed and head on their own.
+            state_layout="blocks+embed+head",
         )
         return fp
 
@@ -526,6 +558,13 @@ class PipelineTrainer(Trainer):
             return False
         root = self.cfg.run_dir / "buffers" / str(self.step)
         restored = []
+        for b in range(len(self.buffers)):
+            snapshot = root / f"boundary{b}"
+            if not snapshot.is_dir():
+                raise FileNotFoundError(
+                    f"checkpoint step {self.step} has no message-buffer snapshot {snapshot}"
+                )
+        # The open buffers are closed only once every snapshot is known to exist.
         for b, old in enumerate(self.buffers):
             old.close()
             path = f"{self.cfg.buffer_dir}/boundary{b}" if self.cfg.buffer_dir else None
