@@ -7,7 +7,15 @@ from jaxcomm.aggregate import (
     ec_quantized_allreduce,
     worker_state,
 )
-from jaxcomm.audit import CollectiveOp, Traffic, WireAudit, wire_audit
+from jaxcomm.audit import (
+    CollectiveOp,
+    ComputeCost,
+    ProgramCost,
+    Traffic,
+    WireAudit,
+    program_cost,
+    wire_audit,
+)
 from jaxcomm.buffer import BufferRead, MessageBuffer
 from jaxcomm.codecs import (
     Quantized,

@@ -1,4 +1,8 @@
-"""Wire audit: the bytes a compiled step's collectives move, read from the program itself.
+"""What a compiled step costs, read from the program itself: wire bytes and compute.
+
+:func:`wire_audit` gives the bytes the collectives move per device; :func:`program_cost`
+gives the flops and memory bytes of the same program (see its docstring). Both multiply
+what runs in a loop by the loop's trip count and resolve conditionals the same way.
 
 :func:`wire_audit` takes a compiled (or lowered) JAX program, reads the collective operations
 of its optimized HLO (``collective-permute``, ``all-gather``, ``all-reduce``,
@@ -45,7 +49,15 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["CollectiveOp", "Traffic", "WireAudit", "wire_audit"]
+__all__ = [
+    "CollectiveOp",
+    "ComputeCost",
+    "ProgramCost",
+    "Traffic",
+    "WireAudit",
+    "program_cost",
+    "wire_audit",
+]
 
 _DTYPE_BITS = {
     "pred": 8,

@@ -1,0 +1,108 @@
+"""Compute cost read from compiled programs: loops by trip count, the GPT step against the
+analytic transformer count, conditionals, memory bytes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jaxcomm
+from train.config import Config
+from train.trainer import Trainer
+
+
+def _matmul_scan(n):
+    def f(x, w):
+        def body(c, _):
+            return jnp.tanh(c @ w), None
+
+        return lax.scan(body, x, None, length=n)[0].sum()
+
+    x, w = jnp.ones((64, 128)), jnp.ones((128, 128))
+    return jax.jit(f).lower(x, w).compile()
+
+
+def test_k_loop_steps_cost_k_times_one():
+    one = jaxcomm.program_cost(_matmul_scan(1)).per_device()
+    ten = jaxcomm.program_cost(_matmul_scan(10)).per_device()
+    assert one.matmul_flops[0] == 2 * 64 * 128 * 128
+    assert ten.matmul_flops[0] == 10 * one.matmul_flops[0]
+    assert ten.transcendentals[0] == 10 * one.transcendentals[0] == 10 * 64 * 128
+    np.testing.assert_allclose(ten.flops, 10 * one.flops, rtol=0.01)
+
+
+def test_gpt_step_matches_the_analytic_count(tmp_path):
+    """Per device: 6 flops per matmul parameter per token, plus attention's two T x T
+    products (4 T W per token and layer forward, three times that with the backward)."""
+    layers, width, seq, batch = 2, 128, 64, 16
+    cfg = Config(
+        name="cost",
+        task="gpt",
+        model={"num_layers": layers, "width": width, "num_heads": 4, "seq_len": seq},
+        workers=8,
+        global_batch=batch,
+        steps=1,
+        progress=False,
+        checkpoint_every=0,
+        out_dir=str(tmp_path),
+    )
+    trainer = Trainer(cfg)
+    cost = jaxcomm.program_cost(trainer._compile()).per_device()
+    leaves = jax.tree_util.tree_flatten_with_path(trainer.worker_params(0))[0]
+    matmul_params = sum(v.size for k, v in leaves if "kernel" in jax.tree_util.keystr(k))
+    tokens = batch // 8 * seq
+    analytic = 6 * matmul_params * tokens + 12 * layers * seq * width * tokens
+    np.testing.assert_allclose(cost.matmul_flops, analytic, rtol=0.10)
+    assert (cost.flops >= cost.matmul_flops).all()
+    # Parameters, gradients and optimizer state are read and written at least once.
+    assert (cost.hbm_bytes > 4 * 3 * matmul_params).all()
+
+
+def test_conditionals_take_the_costliest_branch_unless_told():
+    def f(x, w, p):
+        return lax.cond(p > 0, lambda: (x @ w).sum(), lambda: x.sum())
+
+    x, w = jnp.ones((32, 64)), jnp.ones((64, 64))
+    cost = jaxcomm.program_cost(jax.jit(f).lower(x, w, 1.0).compile())
+    (cond,) = cost.conditionals
+    dot = 2 * 32 * 64 * 64
+    assert cost.per_device().matmul_flops[0] == dot
+    assert cost.per_device({cond: 1}).matmul_flops[0] == dot
+    assert cost.per_device({cond: 0}).matmul_flops[0] == 0
+
+
+def test_unknown_trip_count_is_an_error_naming_the_loop():
+    def f(x, w):
+        return lax.while_loop(lambda c: c.sum() < 1e6, lambda c: jnp.tanh(c @ w) + 1.0, x)
+
+    x, w = jnp.ones((8, 8)), jnp.ones((8, 8))
+    cost = jaxcomm.program_cost(jax.jit(f).lower(x, w).compile())
+    with pytest.raises(ValueError, match=r"runs in the loop .*while.*trip count"):
+        cost.per_device()
+
+
+@pytest.mark.parametrize("n", [10, 100])
+def test_memory_bytes_are_linear_in_scan_length(n):
+    """A scan writing one row of a stacked output per step is charged the row, not the
+    whole stack (an in-place update), so its bytes grow linearly with its length."""
+
+    def f(x):
+        def body(c, _):
+            c = jnp.sin(c) * 2.0
+            return c, c
+
+        return lax.scan(body, x, None, length=n)[1]
+
+    x = jnp.ones((1000,))
+    mem = jaxcomm.program_cost(jax.jit(f).lower(x).compile()).per_device().hbm_bytes[0]
+    row = 4 * 1000
+    assert 2 * n * row <= mem <= 12 * n * row  # a whole-stack copy per step: ~n / 2 rows
+
+
+def test_elementwise_bytes_are_read_plus_write():
+    x = jnp.ones((1 << 20,))
+    cost = jaxcomm.program_cost(jax.jit(lambda x: x * 2.0 + 1.0).lower(x).compile())
+    got = cost.per_device()
+    assert got.hbm_bytes[0] == 2 * 4 * (1 << 20)
+    assert got.flops[0] == 2 * (1 << 20)
