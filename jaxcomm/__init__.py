@@ -43,6 +43,7 @@ from jaxcomm.collectives import (
     split_segments,
     tree_all_reduce,
 )
+from jaxcomm.compute import DEVICES, Device, Roofline, get_device, roofline
 from jaxcomm.marsit import MarsitState, SignReduced, marsit, sign_all_reduce, sign_merge
 from jaxcomm.signsgd import (
     CascadingState,
