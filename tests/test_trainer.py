@@ -165,3 +165,51 @@ def test_nonfinite_step_stops_with_error_and_keeps_checkpoint(tmp_path):
     assert resumed.restore(resumed._manager())
     for leaf in jax.tree_util.tree_leaves(resumed.worker_params()):
         assert np.all(np.isfinite(leaf))
+
+
+def _busy(seconds):
+    end = __import__("time").perf_counter() + seconds
+    while __import__("time").perf_counter() < end:
+        pass
+
+
+def test_named_device_makes_simulated_time_independent_of_the_host(tmp_path):
+    """``compute=v100``: the step time is the roofline of the compiled step, so a second run
+    with the host kept busy reports the same simulated time, step for step."""
+    import multiprocessing
+
+    import jaxcomm
+
+    rows = []
+    for i, busy in enumerate((False, True)):
+        cfg = _cfg(tmp_path / str(i), compute="v100", steps=3, checkpoint_every=0)
+        procs = []
+        if busy:
+            ctx = multiprocessing.get_context("spawn")
+            procs = [ctx.Process(target=_busy, args=(60,)) for _ in range(2)]
+            for p in procs:
+                p.start()
+        try:
+            trainer = Trainer(cfg)
+            trainer.run()
+        finally:
+            for p in procs:
+                p.terminate()
+        lines = (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
+        rows.append([json.loads(x) for x in lines])
+    assert [r["sim_time_s"] for r in rows[0]] == [r["sim_time_s"] for r in rows[1]]
+    cost = jaxcomm.program_cost(trainer._step_program).per_device()
+    want = float(jaxcomm.roofline("v100").seconds(cost).max())
+    assert [r["sim_compute_s"] for r in rows[1]] == [want] * 3
+    assert rows[1][0]["compute_s"] != want  # the host's own time is still recorded
+
+
+def test_compute_config_errors():
+    with pytest.raises(ValueError, match="unknown device 'k80'; known devices: v100, a100"):
+        Config(compute="k80")
+    with pytest.raises(ValueError, match="dtype 'bf16' has no peak on v100"):
+        Config(compute="v100:bf16")
+    with pytest.raises(ValueError, match=r"mfu must be in \(0, 1\], got 2.0"):
+        Config(compute="a100", mfu=2.0)
+    with pytest.raises(ValueError, match="mfu=0.4 needs compute=<device>"):
+        Config(mfu=0.4)

@@ -51,6 +51,12 @@ class Config:
         full_sync_every: 10}`` for ``marsit``).
       network: network schedule, e.g. ``"1ms,1Gbps"`` or ``"0:1ms,10Gbps;100:50ms,1Gbps"``.
       overlap: model communication as hidden behind compute (``max``) instead of added.
+      compute: what a step's compute time is: ``measured`` (this host's time for the
+        step) or a device of :data:`jaxcomm.DEVICES`, optionally with the matrix dtype
+        (``v100``, ``a100:bf16``): the roofline of the compiled step's flops and memory
+        bytes (:func:`jaxcomm.program_cost`), so the simulated time depends on the config
+        alone. ``mfu`` (0: the device's calibrated value, else 0.5) and
+        ``memory_efficiency`` are the roofline's shares of peak.
       eval_every: steps between validation passes (0: only at the end); ``eval_batches``
         batches each.
       checkpoint_every: steps between Orbax checkpoints (0: only at the end);
@@ -86,6 +92,9 @@ class Config:
     aggregator_args: dict = dataclasses.field(default_factory=dict)
     network: str = "1ms,1Gbps"
     overlap: bool = False
+    compute: str = "measured"
+    mfu: float = 0.0
+    memory_efficiency: float = 0.8
     eval_every: int = 0
     eval_batches: int = 4
     checkpoint_every: int = 50
@@ -123,6 +132,10 @@ class Config:
                 f"{', '.join(OPTIMIZING_AGGREGATORS)} apply their own step sizes and need "
                 f"optimizer='none'; {', '.join(GRADIENT_AGGREGATORS)} need an optimizer"
             )
+        if self.compute != "measured":
+            self.roofline()  # a clear error for an unknown device, dtype or share
+        elif self.mfu:
+            raise ValueError(f"mfu={self.mfu!r} needs compute=<device>, got compute='measured'")
         if self.train_samples < 0:
             raise ValueError(f"train_samples must be >= 0, got {self.train_samples}")
         _positive("stages", self.stages)
@@ -153,9 +166,22 @@ class Config:
         """The output folder of this run."""
         return Path(self.out_dir or f"runs/{self.name}")
 
+    def roofline(self) -> Any:
+        """The :class:`jaxcomm.Roofline` of ``compute`` (``None`` when ``measured``)."""
+        return None if self.compute == "measured" else _roofline(self)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict view (for YAML/JSON)."""
         return dataclasses.asdict(self)
+
+
+def _roofline(cfg: Config) -> Any:
+    from jaxcomm.compute import roofline
+
+    device, _, dtype = cfg.compute.partition(":")
+    return roofline(
+        device, dtype=dtype or "fp32", mfu=cfg.mfu or None, efficiency=cfg.memory_efficiency
+    )
 
 
 def _choice(name: str, value: Any, allowed: tuple) -> None:

@@ -408,6 +408,7 @@ class PipelineTrainer(Trainer):
             cur = self._prepare(self.loader.position)
             self._io["buffer_exposed_s"] = cur.seconds
         program = self._program(cur)
+        self._last_seen = cur.seen
         key = jax.random.fold_in(jax.random.key(self.cfg.seed), cur.position)
         t0 = time.perf_counter()
         owned = {name: self.params[name] for name in OWNED}
@@ -496,6 +497,21 @@ class PipelineTrainer(Trainer):
             rounds[idx] += sub.rounds
             path[idx] += sub.path_bytes
         return jaxcomm.Traffic(sent=sent, rounds=rounds, path_bytes=path)
+
+    def _program_key(self) -> Any:
+        """The boundary mode of the last step (one compiled step per mode)."""
+        return self._last_seen
+
+    def _program_seconds(self, key: Any) -> np.ndarray:
+        """Per-device roofline seconds, ``[D * S]``: the pipeline step of mode ``key`` (its
+        ticks run in lockstep, so every stage's program spans the GPipe schedule, bubbles
+        included) plus the embedding's and head's programs on their stages."""
+        model = self.compute_model
+        seconds = model.seconds(jaxcomm.program_cost(self._compiled[key]).per_device())
+        for name in OWNED:
+            sub = model.seconds(jaxcomm.program_cost(self._owned_compiled[name]).per_device())
+            seconds[np.arange(self.cfg.workers) * self.stages + self._owner(name)] += sub
+        return seconds
 
     def _step_extras(self) -> dict[str, float]:
         """Message-buffer host time, in seconds: ``buffer_prefetch_s`` preparing the next

@@ -126,6 +126,8 @@ class Trainer:
         self.sharded = NamedSharding(self.mesh, P(AXIS))
         self.replicated = NamedSharding(self.mesh, P())
         self.clock = SimClock(overlap=cfg.overlap)
+        self.compute_model = cfg.roofline()
+        self._modelled: dict[Any, float] = {}
         self.step = 0
         self.last_traffic: StepTraffic | None = None
         self.params, self.opt_state = self._init_state()
@@ -280,7 +282,25 @@ class Trainer:
     def _compile(self) -> Callable:
         """The train step compiled ahead of time for the loader's batch shapes."""
         batch = self._put_batch(self.train_data.get(self.loader.batch_ids(self.loader.position)))
-        return self._train_step.lower(self.params, self.opt_state, batch).compile()
+        self._step_program = self._train_step.lower(self.params, self.opt_state, batch).compile()
+        return self._step_program
+
+    def _program_key(self) -> Any:
+        """Hook: which compiled step the last step ran (one here)."""
+        return None
+
+    def _program_seconds(self, key: Any) -> np.ndarray:
+        """Hook: per-device roofline seconds of compiled step ``key``."""
+        cost = jaxcomm.program_cost(self._step_program).per_device()
+        return self.compute_model.seconds(cost)
+
+    def modelled_compute_s(self) -> float:
+        """Compute time of the last step on the ``compute`` device: the roofline of its
+        compiled program(s), on the slowest device (a synchronous step waits for it)."""
+        key = self._program_key()
+        if key not in self._modelled:
+            self._modelled[key] = float(np.max(self._program_seconds(key)))
+        return self._modelled[key]
 
     def _step_once(self, compiled: Callable) -> tuple:
         """One step: ``(params, opt_state, metrics, finite, compute_s, extra_logs)``."""
@@ -350,12 +370,14 @@ class Trainer:
                 network = self.schedule.at(self.step - 1)
                 comm_s = float(traffic.times(network).max())
                 sent = int(traffic.sent.max())
-                sim = self.clock.tick(compute_s, comm_s)
+                step_s = compute_s if self.compute_model is None else self.modelled_compute_s()
+                sim = self.clock.tick(step_s, comm_s)
                 last = {
                     "step": self.step,
                     **{k: float(v) for k, v in metrics.items()},
                     "sent_bytes": sent,
                     "compute_s": compute_s,
+                    "sim_compute_s": step_s,
                     "comm_s": comm_s,
                     "sim_time_s": sim,
                     "latency_s": network.latency_s,
@@ -390,6 +412,7 @@ class Trainer:
             "sent_bytes_per_step": last.get("sent_bytes"),
             "sim_time_s": self.clock.now,
             "network": cfg.network,
+            "compute": cfg.compute,
             "wall_s": time.perf_counter() - wall0,
             **self._summary_extras(),
         }
