@@ -56,7 +56,7 @@ from models import GPTConfig
 from train.config import Config
 from train.data import Loader
 from train.pipeline import gpt_pipeline_loss, stage_params, unstage_params
-from train.trainer import AXIS, Trainer, _all_finite
+from train.trainer import AXIS, Trainer, _all_finite, structs
 
 __all__ = ["PipelineTrainer"]
 
@@ -120,14 +120,14 @@ def make_boundary(cfg: Config) -> jaxcomm.Boundary:
 class PipelineTrainer(Trainer):
     """:class:`~train.trainer.Trainer` over a ``data x stage`` mesh with boundary codecs."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, *, abstract: bool = False):
         self.stages = cfg.stages
         if cfg.workers * cfg.stages > jax.device_count():
             raise ValueError(
                 f"workers * stages = {cfg.workers * cfg.stages} devices needed, JAX sees "
                 f"{jax.device_count()}"
             )
-        super().__init__(cfg)
+        super().__init__(cfg, abstract=abstract)
 
     # The data loader shards over data replicas only; stages share a replica's batch.
     def _setup_mesh(self) -> None:
@@ -152,6 +152,13 @@ class PipelineTrainer(Trainer):
         made of the owner stage's shards (the same device buffers, nothing copied)."""
         devices = list(self.mesh.devices[:, self._owner(name)])
         sharding = NamedSharding(self.sub_mesh[name], P(AXIS))
+        if self.abstract:
+            return jax.tree_util.tree_map(
+                lambda a: jax.ShapeDtypeStruct(
+                    (a.shape[0], 1, *a.shape[2:]), a.dtype, sharding=sharding
+                ),
+                tree,
+            )
 
         def one(a):
             shards = {sh.device: sh.data for sh in a.addressable_shards}
@@ -189,13 +196,17 @@ class PipelineTrainer(Trainer):
         self.gpt_cfg: GPTConfig = self.task.module.cfg
         self.micro = cfg.global_batch // (cfg.workers * cfg.microbatches)
         params = self._initial_params()
-        staged = stage_params(params, self.gpt_cfg, self.stages)
-        stacked = jax.tree_util.tree_map(
-            lambda a: jax.device_put(
-                jnp.broadcast_to(a[None], (cfg.workers, *a.shape)), self.sharded
-            ),
-            staged,
-        )
+        if self.abstract:
+            staged = jax.eval_shape(lambda p: stage_params(p, self.gpt_cfg, self.stages), params)
+            stacked = structs(staged, self.sharded, lead=(cfg.workers,))
+        else:
+            staged = stage_params(params, self.gpt_cfg, self.stages)
+            stacked = jax.tree_util.tree_map(
+                lambda a: jax.device_put(
+                    jnp.broadcast_to(a[None], (cfg.workers, *a.shape)), self.sharded
+                ),
+                staged,
+            )
 
         def init(mesh, spec, tree, salt):
             f = jax.shard_map(
@@ -205,6 +216,8 @@ class PipelineTrainer(Trainer):
                 out_specs=spec,
                 check_vma=False,
             )
+            if self.abstract:
+                return structs(jax.eval_shape(jax.jit(f), tree), NamedSharding(mesh, spec))
             return jax.jit(f)(tree)
 
         s = self.stages
@@ -215,7 +228,7 @@ class PipelineTrainer(Trainer):
             opt_state[name] = init(self.sub_mesh[name], P(AXIS), view, lambda i=i: s + i)
         act = (self.gpt_cfg.seq_len, self.gpt_cfg.width)
         # Only AQ-SGD needs previous messages; the other boundaries ignore them.
-        count = self.stages - 1 if cfg.boundary == "aqsgd" else 0
+        count = self.stages - 1 if cfg.boundary == "aqsgd" and not self.abstract else 0
         paths = [f"{cfg.buffer_dir}/boundary{b}" for b in range(count)] if cfg.buffer_dir else []
         # Buffers found on disk belong to an earlier run: only a resume may keep them.
         self._stale = [p for p in paths if Path(p).exists() and any(Path(p).iterdir())]
@@ -368,6 +381,17 @@ class PipelineTrainer(Trainer):
         state = jax.device_put(BoundaryState(prev_in, prev), self.sharded)
         return _Prepared(position, ids, batch, state, seen, time.perf_counter() - t0)
 
+    def _prepare_abstract(self, seen: bool) -> _Prepared:
+        """Shapes of a step's inputs in boundary mode ``seen`` (nothing allocated)."""
+        d, s, m = self.cfg.workers, self.stages, self.cfg.microbatches
+        t, w = self.gpt_cfg.seq_len, self.gpt_cfg.width
+        tokens = jax.ShapeDtypeStruct(
+            (d, 1, m, self.micro, t + 1), jnp.int32, sharding=self.by_data
+        )
+        prev = jax.ShapeDtypeStruct((d, s, m, self.micro, t, w), jnp.float32, sharding=self.sharded)
+        ids = np.arange(d * m * self.micro)
+        return _Prepared(0, ids, {"tokens": tokens}, BoundaryState(prev, prev), seen, 0.0)
+
     def _compile(self) -> dict[bool, Any]:
         if self._stale:
             raise ValueError(
@@ -475,43 +499,30 @@ class PipelineTrainer(Trainer):
         return logs
 
     def step_audit(self, seen: bool = False, branches: Any = None) -> Any:
-        """Per-device traffic of one step read from its compiled programs by
-        :func:`jaxcomm.wire_audit`: the pipeline step of boundary mode ``seen`` plus the
-        embedding's and head's programs on their stages. Device ``d * S + s`` is data replica
-        ``d``, stage ``s`` (the order of the logs). Programs compile on first use, so run a
-        step of that mode first. ``branches`` resolves the aggregator's conditionals (e.g.
-        Marsit's full-precision rounds) in every program, as in
-        :meth:`jaxcomm.WireAudit.traffic`; a key that a program lacks is ignored there."""
-
-        def traffic(program):
-            audit = jaxcomm.wire_audit(program)
-            mine = {k: v for k, v in (branches or {}).items() if audit._matches(k)}
-            return audit.traffic(mine)
-
-        main = traffic(self._compiled[seen])
-        sent, rounds, path = main.sent.copy(), main.rounds.copy(), main.path_bytes.copy()
-        for name in OWNED:
-            sub = traffic(self._owned_compiled[name])
-            idx = np.arange(self.cfg.workers) * self.stages + self._owner(name)
-            sent[idx] += sub.sent
-            rounds[idx] += sub.rounds
-            path[idx] += sub.path_bytes
-        return jaxcomm.Traffic(sent=sent, rounds=rounds, path_bytes=path)
+        """Per-device traffic of a step of boundary mode ``seen``, read from its compiled
+        programs: the pipeline step plus the embedding's and head's programs on their
+        stages (device ``d * S + s`` is data replica ``d``, stage ``s``); see
+        :meth:`Trainer.step_audit`."""
+        return super().step_audit(seen, branches)
 
     def _program_key(self) -> Any:
         """The boundary mode of the last step (one compiled step per mode)."""
         return self._last_seen
 
-    def _program_seconds(self, key: Any) -> np.ndarray:
-        """Per-device roofline seconds, ``[D * S]``: the pipeline step of mode ``key`` (its
-        ticks run in lockstep, so every stage's program spans the GPipe schedule, bubbles
-        included) plus the embedding's and head's programs on their stages."""
-        model = self.compute_model
-        seconds = model.seconds(jaxcomm.program_cost(self._compiled[key]).per_device())
+    def step_programs(self, key: Any = False) -> list[tuple[Any, np.ndarray]]:
+        """The pipeline step of boundary mode ``key`` (every device; its ticks run in
+        lockstep, so each stage's program spans the GPipe schedule, bubbles included) and
+        the embedding's and head's programs with the devices of their stages. Compiled on
+        first use."""
+        if key not in self._compiled:
+            if not self.abstract:
+                raise ValueError(f"no step with boundary mode seen={key} has been compiled yet")
+            self._program(self._prepare_abstract(key))
+        out = [(self._compiled[key], np.arange(self.cfg.workers * self.stages))]
         for name in OWNED:
-            sub = model.seconds(jaxcomm.program_cost(self._owned_compiled[name]).per_device())
-            seconds[np.arange(self.cfg.workers) * self.stages + self._owner(name)] += sub
-        return seconds
+            index = np.arange(self.cfg.workers) * self.stages + self._owner(name)
+            out.append((self._owned_compiled[name], index))
+        return out
 
     def _step_extras(self) -> dict[str, float]:
         """Message-buffer host time, in seconds: ``buffer_prefetch_s`` preparing the next

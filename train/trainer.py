@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from jaxcomm.collectives import psum_wire
 from jaxcomm.network import (
     KINDS,
     CommLog,
@@ -40,7 +41,9 @@ from jaxcomm.network import (
     NetworkSchedule,
     SimClock,
     as_bytes,
+    empty_log,
     find_logs,
+    log_wire,
 )
 from models import build_task
 from train.config import DENSE_AGGREGATORS, Config
@@ -88,6 +91,14 @@ def make_aggregator(cfg: Config) -> optax.GradientTransformation:
         raise ValueError(f"aggregator_args {args!r} do not fit {cfg.aggregator!r}: {e}") from e
 
 
+def structs(tree: Any, sharding: Any, lead: tuple[int, ...] = ()) -> Any:
+    """``tree``'s arrays (or shapes) as ``jax.ShapeDtypeStruct`` with ``sharding``, with
+    ``lead`` axes prepended."""
+    return jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct((*lead, *a.shape), a.dtype, sharding=sharding), tree
+    )
+
+
 def _squeeze(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda a: a[0], tree)
 
@@ -104,7 +115,10 @@ def _all_finite(tree: Any) -> jax.Array:
 class Trainer:
     """Builds the mesh, model, data, optimizer and step of one :class:`Config`, and runs it."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, *, abstract: bool = False):
+        """``abstract=True`` builds shapes only (no parameters, optimizer state or buffers
+        are allocated): enough to compile the step and cost it (``train.estimate``)."""
+        self.abstract = abstract
         if cfg.workers > jax.device_count():
             raise ValueError(
                 f"workers={cfg.workers} needs that many devices, but JAX sees "
@@ -140,24 +154,32 @@ class Trainer:
         """The model's parameters before step 1: ``cfg.init_params`` if set, else random."""
         sample = self.train_data.get(np.arange(min(2, len(self.train_data))))
         # The rbg generator compiles far faster than threefry for many parameter shapes.
-        params = self.task.init(jax.random.key(self.cfg.seed, impl="rbg"), sample)
+        key = jax.random.key(self.cfg.seed, impl="rbg")
+        if self.abstract:
+            return jax.eval_shape(lambda k: self.task.init(k, sample), key)
+        params = self.task.init(key, sample)
         if self.cfg.init_params:
             params = load_model_params(self.cfg.init_params, params)
         return params
 
     def _init_state(self) -> tuple[Any, Any]:
         params = self._initial_params()
+        init = jax.jit(
+            jax.shard_map(
+                lambda p: _expand(self.tx.init(_squeeze(p))),
+                mesh=self.mesh,
+                in_specs=P(AXIS),
+                out_specs=P(AXIS),
+            )
+        )
+        if self.abstract:
+            stacked = structs(params, self.sharded, lead=(self.n,))
+            return stacked, structs(jax.eval_shape(init, stacked), self.sharded)
         stacked = jax.tree_util.tree_map(
             lambda a: jax.device_put(jnp.broadcast_to(a, (self.n, *a.shape)), self.sharded),
             params,
         )
-        init = jax.shard_map(
-            lambda p: _expand(self.tx.init(_squeeze(p))),
-            mesh=self.mesh,
-            in_specs=P(AXIS),
-            out_specs=P(AXIS),
-        )
-        return stacked, jax.jit(init)(stacked)
+        return stacked, init(stacked)
 
     def _build_step(self) -> Callable:
         task, tx = self.task, self.tx
@@ -168,16 +190,20 @@ class Trainer:
             (loss, metrics), grads = jax.value_and_grad(task.loss, has_aux=True)(p, b)
             updates, s = tx.update(grads, s, p)
             p = optax.apply_updates(p, updates)
-            finite = _all_finite((loss, grads, p))
+            ok = _all_finite((loss, grads, p)).astype(jnp.int32)
+            # The two scalar reductions cross the wire too: log them.
+            index = jax.lax.axis_index(AXIS)
+            log = log_wire(empty_log(), psum_wire(metrics, self.n), index)
+            log = log_wire(log, psum_wire(ok, self.n), index)
             metrics = jax.lax.pmean(metrics, AXIS)
-            finite = jax.lax.pmin(finite.astype(jnp.int32), AXIS)
-            return _expand(p), _expand(s), metrics, finite
+            finite = jax.lax.pmin(ok, AXIS)
+            return _expand(p), _expand(s), metrics, finite, _expand(log)
 
         step = jax.shard_map(
             per_worker,
             mesh=self.mesh,
             in_specs=(P(AXIS), P(AXIS), P(AXIS)),
-            out_specs=(P(AXIS), P(AXIS), P(), P()),
+            out_specs=(P(AXIS), P(AXIS), P(), P(), P(AXIS)),
         )
         return jax.jit(step, donate_argnums=(0, 1))
 
@@ -282,6 +308,8 @@ class Trainer:
     def _compile(self) -> Callable:
         """The train step compiled ahead of time for the loader's batch shapes."""
         batch = self._put_batch(self.train_data.get(self.loader.batch_ids(self.loader.position)))
+        if self.abstract:
+            batch = structs(batch, self.sharded)
         self._step_program = self._train_step.lower(self.params, self.opt_state, batch).compile()
         return self._step_program
 
@@ -289,10 +317,46 @@ class Trainer:
         """Hook: which compiled step the last step ran (one here)."""
         return None
 
+    def step_programs(self, key: Any = None) -> list[tuple[Any, np.ndarray]]:
+        """The compiled programs of one step, each with the mesh index (row-major) of each
+        of its devices: here the one data-parallel step. Compiled on first use."""
+        if getattr(self, "_step_program", None) is None:
+            self._compile()
+        return [(self._step_program, np.arange(self.n))]
+
+    def _per_device(self, key: Any, of: Callable[[Any], np.ndarray]) -> np.ndarray:
+        """``of(program)`` (one value per program device) summed per mesh device over the
+        step's programs: ``[devices]`` in mesh (row-major) order."""
+        total = np.zeros(self.mesh.devices.size, np.float64)
+        for program, index in self.step_programs(key):
+            total[index] += np.asarray(of(program), np.float64)
+        return total
+
+    def step_audit(self, key: Any = None, branches: Any = None) -> jaxcomm.Traffic:
+        """Per-device traffic of one step read from its compiled programs by
+        :func:`jaxcomm.wire_audit` (device order as the logs). ``branches`` resolves the
+        aggregator's conditionals (e.g. Marsit's full-precision rounds) as in
+        :meth:`jaxcomm.WireAudit.traffic`; a key that a program lacks is ignored there."""
+        audits = {}
+
+        def part(field):
+            def of(program):
+                if id(program) not in audits:
+                    audit = jaxcomm.wire_audit(program)
+                    mine = {k: v for k, v in (branches or {}).items() if audit._matches(k)}
+                    audits[id(program)] = audit.traffic(mine)
+                return getattr(audits[id(program)], field)
+
+            return self._per_device(key, of).astype(np.int64)
+
+        return jaxcomm.Traffic(
+            sent=part("sent"), rounds=part("rounds"), path_bytes=part("path_bytes")
+        )
+
     def _program_seconds(self, key: Any) -> np.ndarray:
-        """Hook: per-device roofline seconds of compiled step ``key``."""
-        cost = jaxcomm.program_cost(self._step_program).per_device()
-        return self.compute_model.seconds(cost)
+        """Per-device roofline seconds of a step's programs."""
+        model = self.compute_model
+        return self._per_device(key, lambda p: model.seconds(jaxcomm.program_cost(p).per_device()))
 
     def modelled_compute_s(self) -> float:
         """Compute time of the last step on the ``compute`` device: the roofline of its
@@ -306,9 +370,9 @@ class Trainer:
         """One step: ``(params, opt_state, metrics, finite, compute_s, extra_logs)``."""
         batch = self._put_batch(self.loader.next())
         t0 = time.perf_counter()
-        params, opt_state, metrics, finite = compiled(self.params, self.opt_state, batch)
+        params, opt_state, metrics, finite, log = compiled(self.params, self.opt_state, batch)
         jax.block_until_ready((params, opt_state))
-        return params, opt_state, metrics, finite, time.perf_counter() - t0, []
+        return params, opt_state, metrics, finite, time.perf_counter() - t0, [log]
 
     def _state_logs(self) -> list[CommLog]:
         """Hook: the traffic logs kept in the optimizer state (per-worker leading axes)."""

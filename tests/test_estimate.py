@@ -1,0 +1,101 @@
+"""train.estimate: a step costed from shapes alone equals what a real run of it logs."""
+
+import json
+
+import numpy as np
+import pytest
+
+import jaxcomm
+from train.config import Config
+from train.estimate import estimate, main
+from train.pipeline_trainer import PipelineTrainer
+from train.trainer import Trainer
+
+MODEL = {"num_layers": 2, "width": 32, "num_heads": 2, "seq_len": 16}
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(
+        name="est",
+        task="gpt",
+        model=MODEL,
+        workers=8,
+        global_batch=16,
+        steps=2,
+        checkpoint_every=0,
+        progress=False,
+        compute="a100",
+        network="2ms,100Mbps",
+        out_dir=str(tmp_path / "run"),
+    )
+    base.update(kw)
+    return Config(**base)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {
+            "workers": 2,
+            "stages": 4,
+            "boundary": "aqsgd",
+            "fw_bits": 2,
+            "train_samples": 32,
+            "model": {**MODEL, "num_layers": 4},
+        },
+    ],
+)
+def test_estimate_equals_what_a_run_logs(tmp_path, extra):
+    cfg = _cfg(tmp_path, steps=3 if extra else 2, **extra)
+    est = estimate(cfg)
+    trainer = (PipelineTrainer if cfg.stages > 1 else Trainer)(cfg)
+    rows = []
+    trainer.run(metrics_cb=rows.append)
+    steady = rows[-1]
+    if cfg.stages > 1:  # 32 samples, 16 per step: steps 1-2 first visits, step 3 deltas
+        first = rows[0]
+        assert est["first_epoch"]["sent_bytes_per_device"] == first["sent_bytes"]
+        assert est["first_epoch"]["comm_s"] == pytest.approx(first["comm_s"], rel=1e-9)
+        assert est["first_epoch"]["compute_s"] == pytest.approx(first["sim_compute_s"], rel=1e-9)
+        assert est["sent_bytes_per_device"] < first["sent_bytes"]
+    assert est["sent_bytes_per_device"] == steady["sent_bytes"]
+    assert est["comm_s"] == pytest.approx(steady["comm_s"], rel=1e-9)
+    assert est["compute_s"] == pytest.approx(steady["sim_compute_s"], rel=1e-9)
+    assert est["step_s"] == pytest.approx(est["compute_s"] + est["comm_s"])
+    assert est["samples_per_s"] == pytest.approx(16 / est["step_s"])
+    assert est["flops_per_device"] > 0
+
+
+def test_cli_writes_json_and_names_what_it_cannot_cost(tmp_path, capsys):
+    out = tmp_path / "e.json"
+    args = ["--set", "model.num_layers=1", "--set", "model.width=32", "--set", "model.seq_len=16"]
+    assert main([*args, "--set", "compute=h100", "--json", str(out)]) == 0
+    est = json.loads(out.read_text())
+    for key in ("step_s", "compute_s", "comm_s", "samples_per_s", "flops_per_device"):
+        assert np.isfinite(est[key]) and est[key] > 0
+    assert est["sent_bytes_per_device"] > 0
+    assert "samples_per_s" in capsys.readouterr().out
+    assert main(args) == 1  # compute=measured cannot be estimated
+    assert "needs compute=<device>" in capsys.readouterr().err
+    marsit = [*args, "--set", "compute=v100", "--set", "aggregator=marsit"]
+    marsit += ["--set", "optimizer=none", "--set", "aggregator_args={local_lr: 0.1, "]
+    marsit[-1] += "global_lr: 0.01, full_sync_every: 5}"
+    assert main(marsit) == 1
+    assert "cannot cost the step's communication" in capsys.readouterr().err
+
+
+def test_shipped_gpt2xl_config_is_the_papers_setting():
+    from train.config import load_config
+
+    cfg = load_config("configs/aqsgd_gpt2xl.yaml", [])
+    assert (cfg.stages, cfg.workers, cfg.microbatches, cfg.global_batch) == (8, 1, 32, 32)
+    assert cfg.model == {
+        "num_layers": 48,
+        "width": 1600,
+        "num_heads": 25,
+        "seq_len": 1024,
+        "vocab_size": 50257,
+    }
+    assert (cfg.boundary, cfg.bw_bits) == ("fp32", 0)
+    assert jaxcomm.get_device(cfg.compute).name == "v100"

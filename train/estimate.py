@@ -1,0 +1,156 @@
+"""Step time on a named device without running: ``python -m train.estimate --config C``.
+
+The step is compiled from abstract shapes (no parameters, optimizer state or message buffers
+are allocated), its compute cost read with :func:`jaxcomm.program_cost` and its wire bytes
+with :func:`jaxcomm.wire_audit`, and the config's ``compute`` device and ``network`` turn
+them into seconds: per device, ``compute = roofline(flops, memory bytes)`` and ``comm =
+rounds * latency + path bytes / bandwidth``; the step takes ``compute + comm`` on the slowest
+device (``max`` of the two with ``overlap: true``). A pipeline's step program runs its GPipe
+ticks in lockstep, bubbles included, so its cost is the schedule's. For AQ-SGD the steady
+state (every sample seen, deltas cross) and the first epoch (float32) are reported apart.
+
+    python -m train.estimate --config configs/aqsgd_gpt2xl.yaml --set compute=v100 \\
+        --set network=1ms,10Gbps [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m train.estimate", description=__doc__)
+    p.add_argument("--config", help="YAML experiment config (default: built-in defaults)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set compute=a100:bf16 (repeatable)",
+    )
+    p.add_argument("--json", dest="json_path", help="also write the estimate to this file")
+    return p
+
+
+def _mode(trainer: Any, key: Any, network: Any, overlap: bool, batch: int) -> dict[str, Any]:
+    """The estimate of one compiled step (``key`` picks the boundary mode)."""
+    import numpy as np
+
+    import jaxcomm
+
+    model = trainer.compute_model
+    costs = {}
+
+    def cost(program):
+        if id(program) not in costs:
+            costs[id(program)] = jaxcomm.program_cost(program).per_device()
+        return costs[id(program)]
+
+    compute = trainer._per_device(key, lambda p: model.seconds(cost(p)))
+    flops = trainer._per_device(key, lambda p: cost(p).flops)
+    hbm = trainer._per_device(key, lambda p: cost(p).hbm_bytes)
+    try:
+        traffic = trainer.step_audit(key)
+    except ValueError as e:
+        raise ValueError(f"cannot cost the step's communication: {e}") from e
+    comm = traffic.rounds * network.latency_s + traffic.path_bytes * 8.0 / network.bandwidth_bps
+    compute_s, comm_s = float(compute.max()), float(comm.max())
+    step_s = max(compute_s, comm_s) if overlap else compute_s + comm_s
+    return {
+        "step_s": step_s,
+        "compute_s": compute_s,
+        "comm_s": comm_s,
+        "samples_per_s": batch / step_s,
+        "flops_per_device": float(flops.max()),
+        "hbm_bytes_per_device": float(hbm.max()),
+        "sent_bytes_per_device": int(np.max(traffic.sent)),
+        "rounds_per_device": int(np.max(traffic.rounds)),
+    }
+
+
+def estimate(cfg: Any) -> dict[str, Any]:
+    """Estimate one step of ``cfg`` (a :class:`train.config.Config` whose ``compute`` names
+    a device). Returns the figures of the steady state at the top level and, for AQ-SGD,
+    those of the first epoch under ``first_epoch``."""
+    from jaxcomm.network import NetworkSchedule
+    from train.pipeline_trainer import PipelineTrainer
+    from train.trainer import Trainer
+
+    if cfg.compute == "measured":
+        raise ValueError(
+            "train.estimate needs compute=<device> (one of the devices in jaxcomm.DEVICES, "
+            "e.g. --set compute=v100); compute='measured' can only be measured by running"
+        )
+    t0 = time.perf_counter()
+    cls = PipelineTrainer if cfg.stages > 1 else Trainer
+    trainer = cls(cfg, abstract=True)
+    network = NetworkSchedule.parse(cfg.network).at(0)
+    # Compiled steps: one data-parallel step; a pipeline step per boundary mode (AQ-SGD's
+    # deltas once every sample was seen, float32 in the first epoch).
+    aqsgd = cfg.stages > 1 and cfg.boundary == "aqsgd"
+    steady = None if cfg.stages == 1 else aqsgd
+    out: dict[str, Any] = {
+        "config": cfg.name,
+        "compute": cfg.compute,
+        "mfu": trainer.compute_model.mfu,
+        "memory_efficiency": trainer.compute_model.efficiency,
+        "network": cfg.network,
+        "overlap": cfg.overlap,
+        "devices": int(trainer.mesh.devices.size),
+        "global_batch": cfg.global_batch,
+        **_mode(trainer, steady, network, cfg.overlap, cfg.global_batch),
+    }
+    if aqsgd:
+        out["first_epoch"] = _mode(trainer, False, network, cfg.overlap, cfg.global_batch)
+    out["estimate_wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def _format(est: dict[str, Any]) -> str:
+    lines = ["", "== estimate =="]
+    flat = {k: v for k, v in est.items() if not isinstance(v, dict)}
+    for k, v in est.get("first_epoch", {}).items():
+        flat[f"first_epoch.{k}"] = v
+    width = max(len(k) for k in flat)
+    for key, value in flat.items():
+        if isinstance(value, float):
+            value = f"{value:.4g}"
+        elif isinstance(value, int) and not isinstance(value, bool):
+            value = f"{value:,}"
+        lines.append(f"{key:>{width}}: {value}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, estimate one step, print (and optionally write) the figures."""
+    args = _parser().parse_args(argv)
+    from train.config import load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    flag = f"--xla_force_host_platform_device_count={cfg.workers * cfg.stages}"
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    try:
+        est = estimate(cfg)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(_format(est))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(est, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
