@@ -213,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="rebuild the tables and plots from the run folders of an earlier run, no training",
     )
+    p.add_argument(
+        "--only",
+        default="",
+        help="comma-separated run folders (e.g. aq-sgd-fw2-bw4_d1_s4) to re-run, keeping the "
+        "other runs and the pre-trained model of an earlier run; then rebuild the tables",
+    )
     args = p.parse_args(argv)
     for name in ("steps", "samples"):
         if getattr(args, name) < 1:
@@ -231,9 +237,20 @@ def main(argv: list[str] | None = None) -> int:
         meta = json.loads((out / "results.json").read_text())["meta"]
         meta["rebuilt"] = "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])])
         return _finish(out, results, table, meta)
-    init = pretrain(args, out) if args.pretrain_steps else ""
+    only = {x for x in args.only.split(",") if x}
+    folders = {f"{_slug(t[0])}_d{t[5]}_s{t[4]}" for t in todo}
+    if only - folders:
+        p.error(f"--only: unknown runs {sorted(only - folders)}; runs: {sorted(folders)}")
+    kept = out / "runs" / "pretrain" / "params.msgpack"
+    if only and args.pretrain_steps and not kept.exists():
+        p.error(f"--only needs the pre-trained model of an earlier run at {kept}")
+    init = str(kept) if only and args.pretrain_steps else ""
+    init = init or (pretrain(args, out) if args.pretrain_steps else "")
     results = []
     for label, boundary, fw, bw, stages, workers, agg in tqdm(todo, desc="aqsgd", unit="run"):
+        if only and f"{_slug(label)}_d{workers}_s{stages}" not in only:
+            results.append(load_run(label, stages, workers, out))
+            continue
         results.append(run_one(label, boundary, fw, bw, stages, workers, agg, args, out, init))
     table = [analyse(r) for r in results]
     meta = run_meta(
@@ -244,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         pretrain_steps=args.pretrain_steps,
         lr=args.lr,
     )
+    if only:  # the other runs come from the full command, these from this one
+        meta["rerun"] = meta["command"]
+        meta["rerun_only"] = sorted(only)
+        meta["command"] = "python benchmarks/aqsgd_experiments.py"
     return _finish(out, results, table, meta)
 
 
@@ -267,6 +288,11 @@ def _write_table(path: Path, table: list[dict], meta: dict) -> None:
         "",
         f"Command: `{meta['command']}`"
         + (f" (tables rebuilt from its runs by `{meta['rebuilt']}`)" if "rebuilt" in meta else "")
+        + (
+            f" ({', '.join(meta['rerun_only'])} re-run on the same date by `{meta['rerun']}`)"
+            if "rerun" in meta
+            else ""
+        )
         + "  ",
         f"Machine: {meta['machine']}, JAX {meta['jax']} ({meta['backend']}), {meta['date']}; "
         f"wall {meta['wall_s']} s. GPT 8 layers x 128 wide, seq 64, batch {BATCH} in 4 "

@@ -26,6 +26,7 @@ import decimal
 import math
 import operator
 import re
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -39,6 +40,7 @@ __all__ = [
     "Network",
     "NetworkSchedule",
     "SimClock",
+    "Stragglers",
     "Wire",
     "as_bytes",
     "as_words",
@@ -738,3 +740,98 @@ class SimClock:
         self.now = now
         if "overlap" in state:
             self.overlap = bool(state["overlap"])
+
+
+# ---------------------------------------------------------------------------------- Stragglers
+
+
+@dataclasses.dataclass(frozen=True)
+class Stragglers:
+    """Deterministic stragglers and latency jitter for the simulated clock.
+
+    Every draw is a function of ``(seed, step)`` alone (a NumPy generator seeded with that
+    pair), so the same seed gives the same times in any run and on any host, and a resumed
+    run continues the same sequence.
+
+    Attributes:
+      seed: seeds every draw.
+      compute_sigma: per step, worker ``w``'s compute time is multiplied by
+        ``exp(sigma * z)``, ``z ~ N(0, 1)`` (0: no noise).
+      slow: fixed multipliers for chosen workers, e.g. ``{3: 2.0}`` (worker 3 always takes
+        twice as long); applied on top of the noise.
+      latency_jitter: each message's latency is ``latency * (1 + jitter * e)``, ``e ~ Exp(1)``
+        (0: none). A round of a synchronous collective ends with its slowest message.
+    """
+
+    seed: int = 0
+    compute_sigma: float = 0.0
+    slow: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    latency_jitter: float = 0.0
+
+    def __post_init__(self) -> None:
+        _int("seed", self.seed, 0)
+        for name in ("compute_sigma", "latency_jitter"):
+            if _finite(name, getattr(self, name), ">= 0") < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for w, m in dict(self.slow).items():
+            _int("slow worker", w, 0)
+            if _finite(f"slow[{w}]", m, "> 0") <= 0:
+                raise ValueError(f"slow[{w}] must be a multiplier > 0, got {m!r}")
+
+    def _rng(self, *key: int) -> np.random.Generator:
+        return np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, *key])))
+
+    def compute_factors(self, step: int, n: int) -> np.ndarray:
+        """``float64[n]``: each worker's compute multiplier at ``step``."""
+        step, n = _int("step", step, 0), _int("n", n, 1)
+        bad = [w for w in self.slow if w >= n]
+        if bad:
+            raise ValueError(f"slow workers {bad} do not exist among n={n} workers")
+        z = self._rng(0, step).standard_normal(n) if self.compute_sigma else np.zeros(n)
+        factors = np.exp(self.compute_sigma * z)
+        for w, m in self.slow.items():
+            factors[w] *= m
+        return factors
+
+    def round_latency(self, step: int, rounds: int, n: int, network: Network) -> float:
+        """Seconds of latency of ``rounds`` synchronous rounds among ``n`` workers at
+        ``step``: per round, the slowest of the ``n`` messages."""
+        step, rounds, n = _int("step", step, 0), _int("rounds", rounds, 0), _int("n", n, 1)
+        if not self.latency_jitter or not rounds:
+            return rounds * network.latency_s
+        extra = self._rng(1, step).exponential(size=(rounds, n)).max(axis=1)
+        return float(network.latency_s * (rounds + self.latency_jitter * extra.sum()))
+
+    def step_seconds(
+        self,
+        step: int,
+        workers: int,
+        compute_s: Any,
+        rounds: int,
+        path_bytes: float,
+        network: Network,
+        *,
+        overlap: bool = False,
+    ) -> tuple[float, float, float]:
+        """``(step, compute, comm)`` seconds of a synchronous step.
+
+        Args:
+          step: the step index (0-based), keying the draws.
+          workers: the workers ``n`` that synchronise.
+          compute_s: each worker's compute seconds before noise, ``float[n]`` or one value
+            for all.
+          rounds: message rounds of the step's collectives (on the busiest worker).
+          path_bytes: bytes along those rounds.
+          network: latency and bandwidth.
+          overlap: hide communication behind compute (``max``) instead of adding it.
+
+        The collectives start when the slowest worker is done, so ``compute`` is the largest
+        noisy compute time; ``comm`` is :meth:`round_latency` plus ``path_bytes * beta``.
+        """
+        n = _int("workers", workers, 1)
+        base = np.asarray(compute_s, np.float64)
+        if base.shape not in ((), (n,)) or (base < 0).any() or not np.isfinite(base).all():
+            raise ValueError(f"compute_s must be one or {n} finite seconds >= 0, got {compute_s!r}")
+        compute = float((np.broadcast_to(base, (n,)) * self.compute_factors(step, n)).max())
+        comm = self.round_latency(step, rounds, n, network) + float(path_bytes) * network.beta
+        return (max(compute, comm) if overlap else compute + comm), compute, comm

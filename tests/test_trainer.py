@@ -213,3 +213,24 @@ def test_compute_config_errors():
         Config(compute="a100", mfu=2.0)
     with pytest.raises(ValueError, match="mfu=0.4 needs compute=<device>"):
         Config(mfu=0.4)
+
+
+def test_stragglers_slow_the_simulated_step_as_configured(tmp_path):
+    """With ``compute=v100``, worker 3 at twice the time makes every step's compute twice
+    the roofline's (the collectives wait for it); the clock adds exactly that."""
+    plain = Trainer(_cfg(tmp_path / "a", compute="v100", steps=2, checkpoint_every=0))
+    plain.run()
+    slow = _cfg(
+        tmp_path / "b", compute="v100", steps=2, checkpoint_every=0, stragglers={"slow": {3: 2.0}}
+    )
+    Trainer(slow).run()
+    a = [json.loads(x) for x in (plain.cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (slow.run_dir / "metrics.jsonl").read_text().splitlines()]
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["sim_compute_s"] == pytest.approx(2 * ra["sim_compute_s"])
+        assert rb["comm_s"] == pytest.approx(ra["comm_s"])
+    assert b[-1]["sim_time_s"] == pytest.approx(a[-1]["sim_time_s"] + a[0]["sim_compute_s"] * 2)
+    with pytest.raises(ValueError, match=r"stragglers.slow: workers \[8\] do not exist among 8"):
+        _cfg(tmp_path, stragglers={"slow": {8: 2.0}})
+    with pytest.raises(ValueError, match=r"stragglers: unknown keys \['sigma'\]"):
+        _cfg(tmp_path, stragglers={"sigma": 0.1})

@@ -57,6 +57,10 @@ class Config:
         bytes (:func:`jaxcomm.program_cost`), so the simulated time depends on the config
         alone. ``mfu`` (0: the device's calibrated value, else 0.5) and
         ``memory_efficiency`` are the roofline's shares of peak.
+      stragglers: deterministic stragglers and latency jitter in the simulated clock, the
+        keyword arguments of :class:`jaxcomm.network.Stragglers` (``seed``,
+        ``compute_sigma``, ``slow: {worker: multiplier}``, ``latency_jitter``); ``{}`` for
+        none. The slowest device's compute decides when the step's collectives start.
       eval_every: steps between validation passes (0: only at the end); ``eval_batches``
         batches each.
       checkpoint_every: steps between Orbax checkpoints (0: only at the end);
@@ -95,6 +99,7 @@ class Config:
     compute: str = "measured"
     mfu: float = 0.0
     memory_efficiency: float = 0.8
+    stragglers: dict = dataclasses.field(default_factory=dict)
     eval_every: int = 0
     eval_batches: int = 4
     checkpoint_every: int = 50
@@ -136,6 +141,7 @@ class Config:
             self.roofline()  # a clear error for an unknown device, dtype or share
         elif self.mfu:
             raise ValueError(f"mfu={self.mfu!r} needs compute=<device>, got compute='measured'")
+        self.straggler_model()  # a clear error for bad straggler settings
         if self.train_samples < 0:
             raise ValueError(f"train_samples must be >= 0, got {self.train_samples}")
         _positive("stages", self.stages)
@@ -169,6 +175,23 @@ class Config:
     def roofline(self) -> Any:
         """The :class:`jaxcomm.Roofline` of ``compute`` (``None`` when ``measured``)."""
         return None if self.compute == "measured" else _roofline(self)
+
+    def straggler_model(self) -> Any:
+        """The :class:`jaxcomm.network.Stragglers` of ``stragglers`` (``None`` when empty)."""
+        if not self.stragglers:
+            return None
+        from jaxcomm.network import Stragglers
+
+        known = {f.name for f in dataclasses.fields(Stragglers)}
+        unknown = sorted(set(self.stragglers) - known)
+        if unknown:
+            raise ValueError(f"stragglers: unknown keys {unknown}; known: {sorted(known)}")
+        model = Stragglers(**self.stragglers)
+        workers = self.workers * self.stages
+        bad = [w for w in model.slow if w >= workers]
+        if bad:
+            raise ValueError(f"stragglers.slow: workers {bad} do not exist among {workers}")
+        return model
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict view (for YAML/JSON)."""

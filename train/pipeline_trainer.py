@@ -439,12 +439,23 @@ class PipelineTrainer(Trainer):
         blocks, opt_blocks, owned_grads, metrics, finite, new_state, log = program(
             self.params["blocks"], owned, self.opt_state["blocks"], cur.batch, cur.state, key
         )
-        params, opt_state, finites, logs = (
-            {"blocks": blocks},
-            {"blocks": opt_blocks},
-            [finite],
-            [log],
-        )
+        # Stamp the moment the devices finish from a waiting thread, so that neither the
+        # step time nor the exposed buffer time depends on how long the prefetch took.
+        main_done = self._waiter.submit(_ready_at, (blocks, opt_blocks, owned_grads, new_state))
+        # Step t + 1's batch, buffer reads and host-to-device copies go out while step t
+        # runs, unless they would read rows step t is about to write (an epoch boundary):
+        # then they are prepared after its writes, and the time is exposed. This comes
+        # before the embedding's and head's programs, whose dispatch can wait for the step
+        # (their collectives need its devices).
+        self._next = None
+        nxt = cur.position + 1
+        if self.step + 1 < self.cfg.steps and not (
+            self.buffers and np.intersect1d(self.loader.batch_ids(nxt), cur.ids).size
+        ):
+            self._next = self._prepare(nxt)
+        prefetch_end = time.perf_counter()
+        params, opt_state = {"blocks": blocks}, {"blocks": opt_blocks}
+        finites, logs = [finite], [log]
         for name in OWNED:
             args = (
                 self._owned_view(owned[name], name),
@@ -455,25 +466,13 @@ class PipelineTrainer(Trainer):
             params[name] = self._merged(owned[name], new_p)
             finites.append(ok)
             logs.append(sub_log)
-        # Step t + 1's batch, buffer reads and host-to-device copies go out while step t
-        # runs, unless they would read rows step t is about to write (an epoch boundary):
-        # then they are prepared after its writes, and the time is exposed.
-        # Stamp the moment the devices finish from a waiting thread, so that neither the
-        # step time nor the exposed buffer time depends on how long the prefetch took.
-        done = self._waiter.submit(_ready_at, (params, opt_state, new_state, finites))
-        self._next = None
-        nxt = cur.position + 1
-        if self.step + 1 < self.cfg.steps and not (
-            self.buffers and np.intersect1d(self.loader.batch_ids(nxt), cur.ids).size
-        ):
-            self._next = self._prepare(nxt)
-        prefetch_end = time.perf_counter()
-        device_end = done.result()
+        done = self._waiter.submit(_ready_at, (params, opt_state, finites))
+        main_end, device_end = main_done.result(), done.result()
         compute_s = device_end - t0
         if self._next is not None:
             self._io["buffer_prefetch_s"] = self._next.seconds
-            # Host work past the devices' end is on the critical path.
-            self._io["buffer_exposed_s"] += max(0.0, prefetch_end - device_end)
+            # Host work past the step program's end is on the critical path.
+            self._io["buffer_exposed_s"] += max(0.0, prefetch_end - main_end)
         self.loader.position = nxt
         self._last_ids, self._last_state = cur.ids, new_state
         finite = min(int(f) for f in finites)

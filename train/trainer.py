@@ -141,7 +141,8 @@ class Trainer:
         self.replicated = NamedSharding(self.mesh, P())
         self.clock = SimClock(overlap=cfg.overlap)
         self.compute_model = cfg.roofline()
-        self._modelled: dict[Any, float] = {}
+        self.stragglers = cfg.straggler_model()
+        self._modelled: dict[Any, np.ndarray] = {}
         self.step = 0
         self.last_traffic: StepTraffic | None = None
         self.params, self.opt_state = self._init_state()
@@ -361,9 +362,12 @@ class Trainer:
     def modelled_compute_s(self) -> float:
         """Compute time of the last step on the ``compute`` device: the roofline of its
         compiled program(s), on the slowest device (a synchronous step waits for it)."""
+        return float(np.max(self._modelled_per_device()))
+
+    def _modelled_per_device(self) -> np.ndarray:
         key = self._program_key()
         if key not in self._modelled:
-            self._modelled[key] = float(np.max(self._program_seconds(key)))
+            self._modelled[key] = self._program_seconds(key)
         return self._modelled[key]
 
     def _step_once(self, compiled: Callable) -> tuple:
@@ -435,6 +439,17 @@ class Trainer:
                 comm_s = float(traffic.times(network).max())
                 sent = int(traffic.sent.max())
                 step_s = compute_s if self.compute_model is None else self.modelled_compute_s()
+                if self.stragglers is not None:
+                    per = compute_s if self.compute_model is None else self._modelled_per_device()
+                    busiest = int(np.argmax(traffic.times(network)))
+                    _, step_s, comm_s = self.stragglers.step_seconds(
+                        self.step - 1,
+                        self.mesh.devices.size,
+                        per,
+                        int(traffic.rounds[busiest].sum()),
+                        float(traffic.path_bytes[busiest].sum()),
+                        network,
+                    )
                 sim = self.clock.tick(step_s, comm_s)
                 last = {
                     "step": self.step,
