@@ -262,3 +262,30 @@ def test_param_count_is_the_models(tmp_path):
     task = build_task("gpt", **MODEL)
     params = task.init(jax.random.key(0, impl="rbg"), trainer.train_data.get(np.arange(2)))
     assert trainer.num_params() == param_count(params)
+
+
+def test_aggregator_keys_differ_per_stage_and_group(tmp_path):
+    """SSDM draws stochastic signs from a key in its state: every stage's blocks, the
+    embedding and the head get their own, while data replicas of one group share it."""
+    cfg = _cfg(
+        tmp_path,
+        stages=4,
+        workers=2,
+        global_batch=16,
+        aggregator="ssdm",
+        aggregator_args={"lr": 1e-3},
+        optimizer="none",
+    )
+    trainer = PipelineTrainer(cfg)
+    keys = []
+    for group in ("blocks", "embed", "head"):
+        (key,) = [
+            np.asarray(leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(trainer.opt_state[group])[0]
+            if "key" in jax.tree_util.keystr(path)
+        ]
+        keys += list(key.reshape(2, -1, key.shape[-1]).transpose(1, 0, 2))  # per stage
+    for k in keys:  # [replicas, words]
+        np.testing.assert_array_equal(k[0], k[1])
+    distinct = {tuple(k[0]) for k in keys}
+    assert len(distinct) == len(keys) == 4 + 1 + 1

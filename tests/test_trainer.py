@@ -52,11 +52,14 @@ def test_mlp_loss_goes_down_and_files_written(tmp_path):
     assert summary["valid_accuracy"] > 0.5
     assert (cfg.run_dir / "loss.png").stat().st_size > 1000
     # Modelled time of a ring all-reduce of the fused fp32 gradient over 2 ms / 100 Mbps:
-    # 14 rounds, each carrying one ceil(d / 8)-element float32 segment.
+    # 14 rounds, each carrying one ceil(d / 8)-element float32 segment; then the metrics
+    # (loss and accuracy) and the finite flag, two more 14-round all-reduces of 4-byte
+    # scalars (one 4-byte segment per scalar and round).
     d = summary["params"]
-    expect = 2 * 7 * 2e-3 + 2 * 7 * (-(-d // 8)) * 4 * 8 / 100e6
+    sent = 2 * 7 * (-(-d // 8)) * 4 + 2 * 7 * 4 * 3
+    expect = 3 * 2 * 7 * 2e-3 + sent * 8 / 100e6
     assert rows[0]["comm_s"] == pytest.approx(expect, rel=1e-6)
-    assert rows[0]["sent_bytes"] == 2 * 7 * (-(-d // 8)) * 4
+    assert rows[0]["sent_bytes"] == sent
     from jaxcomm import Network
     from train.trainer import wire_time
 

@@ -21,6 +21,11 @@ There are two compiled steps: while any sample of a step is on its first visit, 
 sends float32 (and resets the buffer rows); once all were seen, it sends deltas. The host
 knows which from the buffers' ``seen`` flags, so the payloads are exactly the wire.
 
+Aggregators that scale by statistics of the whole gradient (EC-quantized buckets, SSDM's and
+EF-signSGD's norms) compute them per group here: the blocks of a stage, the embedding, the
+head. Each group's aggregator state draws its own random keys (folded with the stage and the
+group), so no two groups share rounding noise.
+
 Separate programs, rather than the averaging inside a ``lax.cond`` on the stage index: XLA's
 CPU runtime requires every device of a program to join every collective, so a collective
 that only some stages run deadlocks there.
@@ -468,7 +473,9 @@ class PipelineTrainer(Trainer):
             logs.append(sub_log)
         done = self._waiter.submit(_ready_at, (params, opt_state, finites))
         main_end, device_end = main_done.result(), done.result()
-        compute_s = device_end - t0
+        # Device time: the step program, then the embedding's and head's programs, which
+        # start once both it and the prefetch (dispatched before them) are done.
+        compute_s = (main_end - t0) + (device_end - max(main_end, prefetch_end))
         if self._next is not None:
             self._io["buffer_prefetch_s"] = self._next.seconds
             # Host work past the step program's end is on the critical path.
