@@ -590,8 +590,8 @@ class MessageBuffer:
 
         Validation and (``storage_bits``) encoding run now, on the calling thread, and raise
         there; ``values`` is copied, so the caller may reuse it at once. The tensorstore writes
-        are issued now; a worker thread waits for them to commit, then writes the ``seen``
-        flags. Reads of these ids issued later wait for this write.
+        go to one worker thread that issues them in order, waits for them to commit, then
+        writes the ``seen`` flags. Reads of these ids issued later wait for this write.
 
         Args:
           ids: ``int[k]`` unique sample ids in ``[0, num_samples)``.
@@ -610,21 +610,28 @@ class MessageBuffer:
             return _done_future()
         data = self._encode(values)
         with self._lock:
-            writes = [
-                self._arrays[name]
-                .oindex[ids]
-                .write(arr, can_reference_source_data_indefinitely=True)
-                for name, arr in data.items()
-            ]
-            future = self._executor.submit(self._commit, ids, writes)
+            future = self._executor.submit(self._commit, ids, data)
             self._prune()
             self._pending.append((ids, future))
         return future
 
-    def _commit(self, ids: np.ndarray, writes: list[ts.WriteFutures]) -> None:
-        """Worker: wait for the data writes, then set ``seen`` (flags never precede data)."""
+    def _commit(self, ids: np.ndarray, data: dict[str, np.ndarray]) -> None:
+        """Worker: write the data, wait for it to commit, then set ``seen`` (flags never
+        precede data). One worker thread runs the writes in the order they were issued:
+        tensorstore does not order concurrent non-transactional writes to one region, so two
+        writes of the same ids in flight at once could otherwise land in either order."""
+        self._write_data(ids, data)
+        self._write_seen(ids)
+
+    def _write_data(self, ids: np.ndarray, data: dict[str, np.ndarray]) -> None:
+        writes = [
+            self._arrays[name].oindex[ids].write(arr, can_reference_source_data_indefinitely=True)
+            for name, arr in data.items()
+        ]
         for w in writes:
             w.commit.result()
+
+    def _write_seen(self, ids: np.ndarray) -> None:
         self._arrays["seen"].oindex[ids].write(True).result()
 
     def write(self, ids: Any, values: Any) -> None:

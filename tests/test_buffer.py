@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -115,7 +116,7 @@ def test_read_after_write_async_sees_latest():
     buf = MessageBuffer(N, SHAPE, storage_bits=8)
     ids = np.arange(10)
     last = None
-    for _ in range(5):
+    for _ in range(40):  # tensorstore alone would not order these writes
         last = _values(rng, 10)
         buf.write_async(ids, last)  # never waited on: reads of these ids must wait
     ref = MessageBuffer(N, SHAPE, storage_bits=8)
@@ -128,19 +129,21 @@ def test_reads_wait_for_slow_pending_writes_of_their_ids(monkeypatch):
     rng = np.random.default_rng(12)
     buf = MessageBuffer(N, SHAPE)
     commit = buf._commit
+    release = threading.Event()
 
-    def slow_commit(ids, writes):  # a slow disk: the commit lands 0.3 s later
-        time.sleep(0.3)
-        commit(ids, writes)
+    def slow_commit(ids, data):  # a slow disk: the commit lands when the test says so
+        release.wait(10)
+        commit(ids, data)
 
     monkeypatch.setattr(buf, "_commit", slow_commit)
     vals = _values(rng, 3)
     fut = buf.write_async([5, 6, 7], vals)
-    # Other ids do not wait for it.
+    # Other ids do not wait for it (a read that did would block until the 10 s timeout).
     t = time.perf_counter()
     assert not buf.seen([1, 2]).any()
-    assert time.perf_counter() - t < 0.25 and not fut.done()
+    assert not fut.done() and time.perf_counter() - t < 5
     # These ids do: flags and values are the new ones.
+    release.set()
     assert buf.seen([7, 1]).tolist() == [True, False]
     assert fut.done()
     np.testing.assert_array_equal(buf.read([5, 6, 7]), vals)
@@ -389,12 +392,10 @@ def test_snapshot_survives_later_writes_and_a_crash_mid_write(tmp_path, monkeypa
 
     # ... and a "crash" in the middle of a write: the data lands, then the writer dies
     # before the seen flags are committed.
-    def crash(ids, writes):
-        for w in writes:
-            w.commit.result()
+    def crash(ids):
         raise RuntimeError("simulated crash mid-write")
 
-    monkeypatch.setattr(live, "_commit", crash)
+    monkeypatch.setattr(live, "_write_seen", crash)
     fut = live.write_async(np.arange(0, 5), _values(rng, 5))
     with pytest.raises(RuntimeError, match="simulated crash"):
         fut.result()

@@ -78,6 +78,12 @@ def estimate(cfg: Any) -> dict[str, Any]:
     """Estimate one step of ``cfg`` (a :class:`train.config.Config` whose ``compute`` names
     a device). Returns the figures of the steady state at the top level and, for AQ-SGD,
     those of the first epoch under ``first_epoch``."""
+    return estimates(cfg, [cfg.network])[0]
+
+
+def estimates(cfg: Any, networks: list[str]) -> list[dict[str, Any]]:
+    """:func:`estimate` of ``cfg`` under each network of ``networks`` (e.g. ``"1ms,1Gbps"``),
+    compiling the step once."""
     from jaxcomm.network import NetworkSchedule
     from train.pipeline_trainer import PipelineTrainer
     from train.trainer import Trainer
@@ -90,26 +96,29 @@ def estimate(cfg: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
     cls = PipelineTrainer if cfg.stages > 1 else Trainer
     trainer = cls(cfg, abstract=True)
-    network = NetworkSchedule.parse(cfg.network).at(0)
     # Compiled steps: one data-parallel step; a pipeline step per boundary mode (AQ-SGD's
     # deltas once every sample was seen, float32 in the first epoch).
     aqsgd = cfg.stages > 1 and cfg.boundary == "aqsgd"
     steady = None if cfg.stages == 1 else aqsgd
-    out: dict[str, Any] = {
-        "config": cfg.name,
-        "compute": cfg.compute,
-        "mfu": trainer.compute_model.mfu,
-        "memory_efficiency": trainer.compute_model.efficiency,
-        "network": cfg.network,
-        "overlap": cfg.overlap,
-        "devices": int(trainer.mesh.devices.size),
-        "global_batch": cfg.global_batch,
-        **_mode(trainer, steady, network, cfg.overlap, cfg.global_batch),
-    }
-    if aqsgd:
-        out["first_epoch"] = _mode(trainer, False, network, cfg.overlap, cfg.global_batch)
-    out["estimate_wall_s"] = time.perf_counter() - t0
-    return out
+    results = []
+    for spec in networks:
+        network = NetworkSchedule.parse(spec).at(0)
+        out: dict[str, Any] = {
+            "config": cfg.name,
+            "compute": cfg.compute,
+            "mfu": trainer.compute_model.mfu,
+            "memory_efficiency": trainer.compute_model.efficiency,
+            "network": spec,
+            "overlap": cfg.overlap,
+            "devices": int(trainer.mesh.devices.size),
+            "global_batch": cfg.global_batch,
+            **_mode(trainer, steady, network, cfg.overlap, cfg.global_batch),
+        }
+        if aqsgd:
+            out["first_epoch"] = _mode(trainer, False, network, cfg.overlap, cfg.global_batch)
+        out["estimate_wall_s"] = time.perf_counter() - t0
+        results.append(out)
+    return results
 
 
 def _format(est: dict[str, Any]) -> str:
