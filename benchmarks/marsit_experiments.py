@@ -12,8 +12,10 @@ too), and writes to ``--out``:
   (the paper's Fig. 3b sweep over K), ``workers.png`` (the paper's Table 1: cascading vs
   Marsit vs PSGD at 3 and 8 workers).
 
-Simulated time = measured step time on this machine + the alpha-beta time of the bytes the
-step actually sent (recomputed per network from each step's wire record).
+Simulated time = the step's compute on a V100 (``--compute``: the roofline of its compiled
+program, ``compute: v100``; ``measured`` takes this machine's step time instead) + the
+alpha-beta time of the bytes the step actually sent (recomputed per network from each
+step's wire record).
 
     python benchmarks/marsit_experiments.py            # full sweep, ~15 min on 2 CPU cores
     python benchmarks/marsit_experiments.py --quick    # 1 step size per method, fewer steps
@@ -45,6 +47,7 @@ from train.trainer import Trainer, wire_time  # noqa: E402
 
 NETWORKS = {"1ms,1Gbps": Network(1e-3, 1e9), "1ms,10Gbps": Network(1e-3, 10e9)}
 PER_WORKER_BATCH = 8
+COMPUTE = ["v100"]  # set from --compute
 DENSE_LRS = (0.3, 0.1, 0.03)
 SIGN_LRS = (0.01, 0.003, 0.001)
 # SSDM and cascading scale signs by an l2 norm: high variance, smaller steps.
@@ -156,6 +159,7 @@ def run_one(v: dict, lr: float, steps: int, out: Path, seed: int) -> dict:
         aggregator=v["aggregator"],
         aggregator_args=v["args"](lr),
         network="1ms,1Gbps",
+        compute=COMPUTE[0],
         eval_every=10,
         eval_batches=5,
         checkpoint_every=0,
@@ -200,7 +204,7 @@ def analyse(v: dict, res: dict, target: float) -> dict:
         t, comm, hit, comm_hit = 0.0, 0.0, None, None
         for r in rows:
             step_comm = wire_time(r["wire"], net)
-            t += r["compute_s"] + step_comm
+            t += r["sim_compute_s"] + step_comm
             comm += step_comm
             if hit is None and r.get("valid_accuracy", 0.0) >= target:
                 hit, comm_hit = t, comm
@@ -218,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="one step size per method")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/marsit")
+    p.add_argument(
+        "--compute", default="v100", help="device of the simulated compute, or 'measured'"
+    )
     args = p.parse_args(argv)
+    COMPUTE[0] = args.compute
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -239,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         table.append(row)
         curves[f"{v['name']} n={v['workers']}"] = best["rows"]
     bar.close()
-    meta = run_meta(argv, t0, steps=args.steps, target_accuracy=args.target)
+    meta = run_meta(argv, t0, steps=args.steps, target_accuracy=args.target, compute=args.compute)
     (out / "results.json").write_text(json.dumps({"meta": meta, "table": table}, indent=2))
     _write_table(out / "table.md", table, meta, args.target)
     _plots(out, table, curves)
@@ -260,10 +268,11 @@ def _write_table(path: Path, table: list[dict], meta: dict, target: float) -> No
         f"Machine: {meta['machine']}, JAX {meta['jax']} ({meta['backend']}), "
         f"{meta['date']}, {meta['steps']} steps, wall {meta['wall_s']} s.  ",
         "Each row is the best step size of its grid. Bits/element: bytes each worker sent "
-        "relative to a dense fp32 ring all-reduce, times 32. Simulated time: measured step "
-        "time on this machine (2 shared CPU cores running all 8 workers, so noisy) plus the "
-        "modelled time of the bytes actually sent; 'comm' columns count only the modelled "
-        "communication (deterministic given the bytes).",
+        "relative to a dense fp32 ring all-reduce, times 32. Simulated time: each step's "
+        f"compute on `{meta['compute']}` (the roofline of the compiled step; `measured`: "
+        "this machine's step time, 2 shared CPU cores running all 8 workers, so noisy) plus "
+        "the modelled time of the bytes actually sent; 'comm' columns count only the "
+        "modelled communication (deterministic given the bytes).",
         "",
         f"| method | workers | lr | valid acc | train loss | MB sent/worker | bits/elem "
         f"| time to {t} @1Gbps (s) | time to {t} @10Gbps (s) "
@@ -295,7 +304,7 @@ def _plots(out: Path, table: list[dict], curves: dict) -> None:
         a.plot([r["step"] for r in ev], [r["valid_accuracy"] for r in ev], label=label)
         t, ts = 0.0, []
         for r in rows:
-            t += r["compute_s"] + wire_time(r["wire"], NETWORKS["1ms,1Gbps"])
+            t += r["sim_compute_s"] + wire_time(r["wire"], NETWORKS["1ms,1Gbps"])
             if "valid_accuracy" in r:
                 ts.append(t)
         b.plot(ts, [r["valid_accuracy"] for r in ev], label=label)

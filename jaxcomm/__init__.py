@@ -73,6 +73,7 @@ from jaxcomm.network import (
     Network,
     NetworkSchedule,
     SimClock,
+    Stragglers,
     Wire,
     as_bytes,
     choose_collective,
@@ -86,11 +87,15 @@ from jaxcomm.network import (
     merge_logs,
 )
 from jaxcomm.pipeline import (
+    TICK_SCOPE,
     Boundary,
     BoundaryState,
+    GPipeTimeline,
     aqsgd_boundary,
+    boundary_message_bytes,
     directq_boundary,
     fp32_boundary,
     gpipe,
+    gpipe_timeline,
     pipeline_ticks,
 )

@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -683,6 +683,10 @@ class _Cost:
     matmul_flops: float
     transcendentals: float
     hbm_bytes: float
+    # Per op of the computation: its JAX op name and ``[flops, matmul, transcendentals,
+    # bytes]``, for costs restricted to a part of the program (``per_device(select=...)``).
+    op_names: tuple[str, ...] = ()
+    op_costs: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -705,12 +709,22 @@ class ProgramCost(_Branches):
     conditional_branches: dict[str, int]
     uncounted: tuple[str, ...]
 
-    def per_device(self, branches: Mapping[str, Any] | None = None) -> ComputeCost:
+    def per_device(
+        self,
+        branches: Mapping[str, Any] | None = None,
+        *,
+        select: Callable[[str], bool] | None = None,
+    ) -> ComputeCost:
         """Per-device totals of one run.
 
         Args:
           branches: as :meth:`WireAudit.traffic`. A conditional left out counts its costliest
             branch (in flops) on every device: an upper bound.
+          select: count only the ops whose JAX op name (the HLO metadata ``op_name``, e.g.
+            ``"jit(step)/transpose(jvp(gpipe_tick))/dot_general"``; a fusion carries its
+            root op's) makes ``select(name)`` true, e.g. the ops under a
+            ``jax.named_scope``. The costliest branch of an unresolved conditional is
+            chosen on the whole program, not on the selected part.
 
         Raises:
           ValueError: a computation with costs runs in a loop whose trip count XLA could
@@ -735,8 +749,13 @@ class ProgramCost(_Branches):
         out = {k: np.zeros(self.num_devices) for k in ComputeCost.__dataclass_fields__}
         for item in self.items:
             runs = self._runs(item.count, item.branches, taken, counted, item.comp)
-            for k in out:
-                out[k] += runs * getattr(item, k)
+            if select is None:
+                values = [getattr(item, k) for k in out]
+            else:
+                keep = np.array([bool(select(n)) for n in item.op_names], bool)
+                values = item.op_costs[keep].sum(0) if keep.any() else np.zeros(4)
+            for k, v in zip(out, values, strict=True):
+                out[k] += runs * v
         return ComputeCost(**out)
 
 
@@ -865,13 +884,28 @@ def program_cost(program: Any) -> ProgramCost:
     visits, cond_names, cond_counts, cond_branches = _executed(comps, entry)
     items, uncounted = [], []
     for visit in visits:
-        flops = matmul = trans = mem = 0.0
+        names, rows = [], []
         for instr in comps.get(visit.comp, []):
             f, mm, t = _instr_flops(instr, shapes, comps, uncounted)
-            flops, matmul, trans = flops + f, matmul + mm, trans + t
-            mem += _instr_bytes(instr, shapes, comps)
+            mem = _instr_bytes(instr, shapes, comps)
+            if f or t or mem:
+                names.append(_op_name(instr.attrs))
+                rows.append((f, mm, t, mem))
+        costs = np.asarray(rows, np.float64).reshape(-1, 4)
+        flops, matmul, trans, mem = (float(x) for x in costs.sum(0))
         items.append(
-            _Cost(visit.comp, visit.count, visit.branches, visit.loop, flops, matmul, trans, mem)
+            _Cost(
+                visit.comp,
+                visit.count,
+                visit.branches,
+                visit.loop,
+                flops,
+                matmul,
+                trans,
+                mem,
+                tuple(names),
+                costs,
+            )
         )
     return ProgramCost(
         num_devices=d,

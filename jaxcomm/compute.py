@@ -97,6 +97,16 @@ DEVICES: dict[str, Device] = {
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM): FP32 67, TF32 989, BF16/FP16 "
         "1,979, FP8 3,958 TFLOPS with sparsity, half that dense; HBM3 3.35 TB/s",
     ),
+    "t4": Device(
+        name="t4",
+        description="NVIDIA T4 (16 GB GDDR6, 70 W)",
+        matrix_flops={"fp32": 8.1 * T, "fp16": 65.0 * T},
+        vector_flops=8.1 * T,
+        memory_bandwidth=320e9,
+        calibrated_mfu={},
+        source="NVIDIA T4 Tensor Core GPU datasheet: FP32 8.1 TFLOPS, mixed FP16/FP32 65 "
+        "TFLOPS; GDDR6 320 GB/s",
+    ),
 }
 
 

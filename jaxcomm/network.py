@@ -728,6 +728,14 @@ class SimClock:
         self.now += max(c, m) if self.overlap else c + m
         return self.now
 
+    def advance(self, seconds: float) -> float:
+        """Advance by one step of ``seconds`` (>= 0) modelled elsewhere; return ``now``."""
+        s = _finite("seconds", seconds, ">= 0")
+        if s < 0:
+            raise ValueError(f"seconds must be >= 0, got {seconds!r}")
+        self.now += s
+        return self.now
+
     def state(self) -> dict[str, Any]:
         """Checkpointable state: ``{"now": seconds, "overlap": bool}``."""
         return {"now": self.now, "overlap": self.overlap}

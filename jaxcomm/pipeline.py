@@ -61,9 +61,15 @@ __all__ = [
     "aqsgd_boundary",
     "directq_boundary",
     "fp32_boundary",
+    "GPipeTimeline",
+    "boundary_message_bytes",
     "gpipe",
+    "gpipe_timeline",
     "pipeline_ticks",
+    "TICK_SCOPE",
 ]
+
+TICK_SCOPE = "gpipe_tick"  # jax.named_scope of a tick's ops (its backward: transpose(...))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,8 +209,12 @@ def _make_transfer(boundary: Boundary, axis_name: Any, senders: tuple[int, ...],
     return transfer
 
 
-def _message_bytes(boundary: Boundary, act: jax.ShapeDtypeStruct, seen: bool) -> tuple[int, int]:
-    """Bytes of one forward and one backward message, read from the payloads' shapes."""
+def boundary_message_bytes(
+    boundary: Boundary, act: jax.ShapeDtypeStruct, seen: bool
+) -> tuple[int, int]:
+    """Bytes of one forward and one backward message of ``boundary`` for an activation of
+    shape ``act`` (one microbatch), read from the payloads' shapes: ``(forward, backward)``.
+    ``seen`` is the boundary mode (AQ-SGD sends deltas once every sample was seen)."""
     key = jax.random.key(0)
     fw = jax.eval_shape(lambda a: boundary.encode(a, a, key, seen)[0], act)
     if boundary.bw_bits is None:
@@ -298,6 +308,10 @@ def gpipe(
         zero_act = jnp.zeros(act.shape, act.dtype)
 
         def tick(carry, t, senders):
+            with jax.named_scope(TICK_SCOPE):
+                return tick_body(carry, t, senders)
+
+        def tick_body(carry, t, senders):
             h_recv, st, total = carry
             m = t - s
             mi = jnp.clip(m, 0, m_total - 1)
@@ -345,7 +359,7 @@ def gpipe(
         shared = lax.psum(lax.stop_gradient(local), axis_name)
         loss = shared + (local - lax.stop_gradient(local))
 
-        fw_msg, bw_msg = _message_bytes(boundary, act, seen)
+        fw_msg, bw_msg = boundary_message_bytes(boundary, act, seen)
         log = _p2p_log(empty_log(), runs, fw_msg, [m_total * fw_msg] * (n - 1) + [0], s, m_total)
         if backward:  # sent only when the loss is differentiated
             log = _p2p_log(log, runs, bw_msg, [0] + [m_total * bw_msg] * (n - 1), s, m_total)
@@ -353,3 +367,99 @@ def gpipe(
         return loss, (new_state, log)
 
     return loss_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class GPipeTimeline:
+    """Event times of one GPipe step (see :func:`gpipe_timeline`), in seconds.
+
+    Attributes:
+      seconds: the step: when the last backward ends.
+      forward: ``float64[S, M, 2]`` start and end of stage ``s``'s forward of microbatch
+        ``m``.
+      backward: ``float64[S, M, 2]`` the same for the backward.
+    """
+
+    seconds: float
+    forward: np.ndarray
+    backward: np.ndarray
+
+
+def gpipe_timeline(
+    stages: int,
+    microbatches: int,
+    forward_s: Any,
+    backward_s: Any,
+    forward_transfer_s: Any = 0.0,
+    backward_transfer_s: Any = 0.0,
+    *,
+    overlap: bool = False,
+) -> GPipeTimeline:
+    """Seconds of one GPipe step (all forwards, then all backwards), event by event.
+
+    Stage ``s`` runs the forward of microbatches ``0 .. M-1`` in order, each once it holds
+    the microbatch's input (stage 0 always does; stage ``s > 0`` once stage ``s - 1``'s
+    message arrived) and its previous microbatch is done, then sends the output to
+    ``s + 1``. A boundary carries one message at a time, so a message also waits for the
+    one before it. The backward starts on each stage after its last forward (GPipe's
+    flush) and runs the microbatches ``M-1 .. 0`` from the last stage to the first the same
+    way, each gradient sent to ``s - 1``. With ``overlap=False`` a stage does not compute
+    while it sends (a send blocks it until delivered); with ``overlap=True`` sends proceed
+    beside the next compute. Without overlap and with equal stages this is the lockstep
+    schedule of :func:`gpipe`: ``(M + S - 1) (f + b) + (M + S - 2) (t_f + t_b)``.
+
+    Args:
+      stages: ``S >= 1``.
+      microbatches: ``M >= 1``.
+      forward_s, backward_s: one microbatch's compute seconds on each stage: a number or
+        ``[S]``.
+      forward_transfer_s, backward_transfer_s: seconds of one message over boundary
+        ``s -> s + 1`` (forward) and ``s + 1 -> s`` (backward): a number or ``[S - 1]``.
+      overlap: whether a stage computes while its messages are on the wire.
+
+    Returns:
+      A :class:`GPipeTimeline`.
+    """
+    n = check_int("stages", stages, lo=1)
+    m = check_int("microbatches", microbatches, lo=1)
+
+    def seconds(name, value, size):
+        a = np.asarray(value, np.float64)
+        if a.ndim == 0:
+            a = np.full(size, float(a))
+        if a.shape != (size,) or not np.isfinite(a).all() or (a < 0).any():
+            raise ValueError(
+                f"{name} must be one number or {size} finite seconds >= 0, got {value!r}"
+            )
+        return a
+
+    f = seconds("forward_s", forward_s, n)
+    b = seconds("backward_s", backward_s, n)
+    tf = seconds("forward_transfer_s", forward_transfer_s, n - 1)
+    tb = seconds("backward_transfer_s", backward_transfer_s, n - 1)
+
+    def sweep(order, compute, transfer, ready, mbs):
+        # order: stages in the direction of travel; transfer[i]: link order[i] -> order[i+1].
+        # Returns the events and when each stage is free again (its sends delivered, if it
+        # may not compute beside them).
+        out, done = np.zeros((n, m, 2)), np.zeros(n)
+        arrive = np.zeros(m)
+        for i, s in enumerate(order):
+            free = ready[s]
+            link = -np.inf  # when the outgoing link is free
+            sends = i + 1 < len(order)
+            nxt = np.zeros(m)
+            for j in mbs:
+                start = max(free, arrive[j] if i else 0.0)
+                free = start + compute[s]
+                out[s, j] = start, free
+                if sends:
+                    link = nxt[j] = max(free, link) + transfer[i]
+                    if not overlap:
+                        free = link
+            arrive, done[s] = nxt, free
+        return out, done
+
+    fwd, ready = sweep(list(range(n)), f, tf, np.zeros(n), range(m))
+    bwd, _ = sweep(list(range(n - 1, -1, -1)), b, tb[::-1], ready, range(m - 1, -1, -1))
+    return GPipeTimeline(float(bwd[:, :, 1].max()), fwd, bwd)

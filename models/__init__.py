@@ -82,7 +82,10 @@ def _build_gpt(**kwargs: Any) -> nn.Module:
 _REGISTRY: dict[str, tuple[Callable[..., nn.Module], tuple[str, ...]]] = {
     "gpt": (_build_gpt, tuple(f.name for f in dataclasses.fields(GPTConfig))),
     "mlp": (MLP, ("features", "num_classes")),
-    "cnn": (ResNet, ("channels", "blocks_per_stage", "num_classes")),
+    "cnn": (
+        ResNet,
+        ("channels", "blocks_per_stage", "num_classes", "bottleneck", "imagenet_stem"),
+    ),
 }
 
 TASK_NAMES: tuple[str, ...] = tuple(_REGISTRY)

@@ -341,3 +341,18 @@ def test_shard_splits_leading_axis_in_order():
         shard(batch, 5)
     with pytest.raises(ValueError, match=r"num_shards must be an integer >= 1, got 0"):
         shard(batch, 0)
+
+
+def test_synthetic_imagenet_is_deterministic_and_imagenet_shaped():
+    from train.data import SyntheticImages
+
+    train = get_dataset("synthetic_imagenet", "train")
+    assert len(train) == 1_281_167 and len(get_dataset("synthetic_imagenet", "valid")) == 50_000
+    a = train.get(np.array([0, 7]))
+    b = SyntheticImages("train").get(np.array([7]))
+    assert a["image"].shape == (2, 224, 224, 3) and a["image"].dtype == np.float32
+    np.testing.assert_array_equal(a["image"][1], b["image"][0])
+    assert 0 <= a["label"].min() and a["label"].max() < 1000
+    assert not np.array_equal(a["image"][0], a["image"][1])
+    with pytest.raises(ValueError):
+        train.get(np.array([len(train)]))

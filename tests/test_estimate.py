@@ -83,6 +83,16 @@ def test_cli_writes_json_and_names_what_it_cannot_cost(tmp_path, capsys):
     marsit[-1] += "global_lr: 0.01, full_sync_every: 5}"
     assert main(marsit) == 1
     assert "cannot cost the step's communication" in capsys.readouterr().err
+    # Marsit's rounds costed apart: the one-bit round sends 1/32 of the full one's bytes.
+    sent = []
+    for branch in (0, 1):
+        assert main([*marsit, "--branch", f"cond={branch}", "--json", str(out)]) == 0
+        est = json.loads(out.read_text())
+        assert est["branches"] == {"cond": branch}
+        sent.append(est["sent_bytes_per_device"])
+    assert 20 * sent[0] < sent[1] < 40 * sent[0]
+    assert main([*marsit, "--branch", "cond"]) == 2
+    assert "NAME=INDEX" in capsys.readouterr().err
 
 
 def test_shipped_gpt2xl_config_is_the_papers_setting():
@@ -99,3 +109,20 @@ def test_shipped_gpt2xl_config_is_the_papers_setting():
     }
     assert (cfg.boundary, cfg.bw_bits) == ("fp32", 0)
     assert jaxcomm.get_device(cfg.compute).name == "v100"
+
+
+def test_marsit_resnet50_config_is_the_papers_setting():
+    import jax
+    import jax.numpy as jnp
+
+    from models import build_task, param_count
+    from train.config import load_config
+
+    cfg = load_config("configs/marsit_resnet50.yaml", [])
+    assert (cfg.workers, cfg.global_batch, cfg.compute) == (64, 6144, "t4")
+    assert cfg.aggregator_args["full_sync_every"] == 100
+    task = build_task(cfg.task, **cfg.model)
+    shapes = jax.eval_shape(
+        lambda k: task.init(k, {"image": jnp.zeros((1, 224, 224, 3))}), jax.random.key(0)
+    )
+    assert 25.4e6 < param_count(shapes) < 25.7e6  # ResNet-50: 25.6M

@@ -166,6 +166,24 @@ def test_resnet_shapes_groups_and_no_batch_stats():
     assert inter["stage2_block0"]["__call__"][0].shape == (3, 2, 2, 24)
 
 
+def test_bottleneck_resnet_with_imagenet_stem():
+    model = ResNet(channels=(4, 8), blocks_per_stage=(1, 2), bottleneck=True, imagenet_stem=True)
+    x = jnp.ones((2, 32, 32, 3), jnp.float32)
+    variables = jax.jit(model.init)(_key(0), x)
+    params = variables["params"]
+    assert params["stem"]["conv"]["kernel"].shape == (7, 7, 3, 4)
+    assert params["stage0_block0"]["conv_3"]["kernel"].shape == (1, 1, 4, 16)  # 4x expansion
+    assert "proj" in params["stage0_block0"] and "proj" not in params["stage1_block1"]
+    _, state = model.apply(variables, x, capture_intermediates=True)
+    inter = state["intermediates"]
+    assert inter["stem"]["__call__"][0].shape == (2, 8, 8, 4)  # 7x7/2 conv, 3x3/2 pool
+    assert inter["stage1_block1"]["__call__"][0].shape == (2, 4, 4, 32)
+    with pytest.raises(ValueError, match="one count per stage"):
+        ResNet(channels=(4, 8), blocks_per_stage=(1, 2, 3))
+    with pytest.raises(ValueError, match="bottleneck must be a bool"):
+        ResNet(bottleneck=1)
+
+
 def test_layer_groups_numeric_order():
     gpt = GPT(GPTConfig(**{**SMALL, "num_layers": 12, "width": 8, "num_heads": 2}))
     shapes = jax.eval_shape(lambda: gpt.init(_key(0), jnp.zeros((1, 4), jnp.int32))["params"])

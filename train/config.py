@@ -17,7 +17,7 @@ import yaml
 __all__ = ["Config", "load_config", "apply_overrides"]
 
 TASKS = ("gpt", "mlp", "cnn")
-DATASETS = {"gpt": ("shakespeare",), "mlp": ("digits",), "cnn": ("digits",)}
+DATASETS = {"gpt": ("shakespeare",), "mlp": ("digits",), "cnn": ("digits", "synthetic_imagenet")}
 OPTIMIZERS = ("none", "sgd", "momentum", "adam", "adamw")
 DENSE_AGGREGATORS = ("psum", "ring", "tree")
 # Gradient aggregators followed by an optimizer.
@@ -35,7 +35,9 @@ class Config:
       name: run name; ``out_dir`` defaults to ``runs/<name>``.
       task: model family, one of ``gpt``, ``mlp``, ``cnn``.
       model: keyword arguments of the model (e.g. ``num_layers``, ``width`` for ``gpt``).
-      dataset: ``shakespeare`` (byte-level text, for ``gpt``) or ``digits`` (8x8 images).
+      dataset: ``shakespeare`` (byte-level text, for ``gpt``), ``digits`` (8x8 images) or
+        ``synthetic_imagenet`` (random 224x224x3 images, 1000 classes, for ``cnn``: costing
+        at ImageNet's shapes).
       workers: data-parallel workers (devices on the ``data`` mesh axis).
       global_batch: samples per step over all workers (a multiple of ``workers``).
       steps: optimizer steps to run (the final step count, also when resuming).

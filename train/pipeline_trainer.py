@@ -31,8 +31,9 @@ CPU runtime requires every device of a program to join every collective, so a co
 that only some stages run deadlocks there.
 
 Communication is each device's logged traffic: the pipeline's point-to-point messages (one
-round per tick that carries any) plus the aggregator's collectives, added without overlap:
-an upper bound.
+round per tick that carries any) plus the aggregator's collectives. With a ``compute``
+device the simulated step follows GPipe's timeline (:meth:`PipelineTrainer.simulate_step`);
+with ``compute: measured`` the measured step and the communication are added (or overlapped).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from jax.sharding import PartitionSpec as P
 import jaxcomm
 from jaxcomm.collectives import psum_wire
 from jaxcomm.network import empty_log, find_logs, log_wire
-from jaxcomm.pipeline import BoundaryState
+from jaxcomm.pipeline import TICK_SCOPE, BoundaryState
 from models import GPTConfig
 from train.config import Config
 from train.data import Loader
@@ -67,6 +68,7 @@ __all__ = ["PipelineTrainer"]
 
 STAGE = "stage"
 OWNED = ("embed", "head")  # parameters used by one stage only: stage 0 and the last
+_COST_FIELDS = ("flops", "matmul_flops", "transcendentals", "hbm_bytes")
 
 
 class _Prepared(NamedTuple):
@@ -132,6 +134,7 @@ class PipelineTrainer(Trainer):
                 f"workers * stages = {cfg.workers * cfg.stages} devices needed, JAX sees "
                 f"{jax.device_count()}"
             )
+        self._ticks: dict[Any, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         super().__init__(cfg, abstract=abstract)
 
     # The data loader shards over data replicas only; stages share a replica's batch.
@@ -529,6 +532,129 @@ class PipelineTrainer(Trainer):
             index = np.arange(self.cfg.workers) * self.stages + self._owner(name)
             out.append((self._owned_compiled[name], index))
         return out
+
+    def simulate_step(
+        self,
+        key: Any,
+        traffic: jaxcomm.Traffic,
+        network: Any,
+        step: int,
+        *,
+        measured_s: float | None = None,
+        overlap: bool | None = None,
+        branches: Any = None,
+    ) -> tuple[float, float, float]:
+        """Simulated seconds of one step, ``(step, compute, comm)``, on GPipe's timeline.
+
+        With a ``compute`` device, each data replica's pipeline runs
+        :func:`jaxcomm.gpipe_timeline`: stage ``s`` spends ``f_s`` and ``b_s`` per
+        microbatch (its program's ops under :data:`jaxcomm.TICK_SCOPE`, forward and
+        transposed, on the roofline, divided by the ``M + S - 1`` ticks the program runs)
+        and each message takes ``latency + bytes / bandwidth``; the rest of the stage's
+        compute (optimizer, embedding and head updates) follows it, and the data-parallel
+        collectives (the traffic beyond the pipeline's messages) are added after it, with
+        or without ``overlap`` (they share the links with the pipeline's messages, which
+        with ``overlap`` proceed beside the compute). Stragglers scale each device's
+        compute and jitter the messages' latency. ``compute`` is the slowest device's
+        modelled compute, ``comm`` the busiest device's communication. With ``compute:
+        measured`` the host's step time has no per-tick breakdown, so the step is costed as
+        in :meth:`Trainer.simulate_step`.
+        """
+        if branches:
+            raise ValueError(
+                "branches: the pipeline step's conditionals (embedding, head) are costed "
+                f"by their costliest branch; got {branches!r}"
+            )
+        if self.compute_model is None:
+            return super().simulate_step(
+                key, traffic, network, step, measured_s=measured_s, overlap=overlap
+            )
+        overlap = self.cfg.overlap if overlap is None else bool(overlap)
+        cfg, n_stages = self.cfg, self.stages
+        devices = cfg.workers * n_stages
+        f, b, rest = self._tick_seconds(key)
+        ticks = cfg.microbatches + n_stages - 1
+        fw_msg, bw_msg = self._message_bytes(key)
+        factors = np.ones(devices)
+        p2p_rounds = 2 * (ticks - 1)
+        latency = network.latency_s
+        if self.stragglers is not None:
+            factors = self.stragglers.compute_factors(step, devices)
+            latency = self.stragglers.round_latency(step, p2p_rounds, n_stages, network) / max(
+                p2p_rounds, 1
+            )
+        tau_f = latency + fw_msg * network.beta
+        tau_b = latency + bw_msg * network.beta
+        pipes = []
+        for r in range(cfg.workers):
+            idx = r * n_stages + np.arange(n_stages)
+            line = jaxcomm.gpipe_timeline(
+                n_stages,
+                cfg.microbatches,
+                f[idx] * factors[idx],
+                b[idx] * factors[idx],
+                tau_f,
+                tau_b,
+                overlap=overlap,
+            )
+            pipes.append(line.seconds + float(np.max(rest[idx] * factors[idx])))
+        rounds = traffic.rounds - p2p_rounds
+        path = traffic.path_bytes - (ticks - 1) * (fw_msg + bw_msg)
+        if (rounds < 0).any() or (path < 0).any():
+            raise ValueError(
+                "the step's traffic holds fewer rounds or bytes than its pipeline messages: "
+                f"rounds {traffic.rounds.tolist()}, path bytes {traffic.path_bytes.tolist()}"
+            )
+        busiest = int(np.argmax(rounds * network.latency_s + path * network.beta))
+        if self.stragglers is not None:
+            lat = self.stragglers.round_latency(step, int(rounds[busiest]), cfg.workers, network)
+        else:
+            lat = int(rounds[busiest]) * network.latency_s
+        other = lat + float(path[busiest]) * network.beta
+        pipe = max(pipes)
+        # The data-parallel collectives follow the backward, after the pipeline's own
+        # messages on the same links; ``overlap`` hides messages behind compute, not behind
+        # other messages.
+        seconds = pipe + other
+        compute = float(np.max((ticks * (f + b) + rest) * factors))
+        comm = p2p_rounds * latency + (ticks - 1) * (fw_msg + bw_msg) * network.beta + other
+        return seconds, compute, comm
+
+    def _message_bytes(self, key: Any) -> tuple[int, int]:
+        """Bytes of one forward and one backward boundary message in boundary mode ``key``."""
+        g = self.gpt_cfg
+        mb = self.cfg.global_batch // (self.cfg.workers * self.cfg.microbatches)
+        act = jax.ShapeDtypeStruct((mb, g.seq_len, g.width), jnp.float32)
+        return jaxcomm.boundary_message_bytes(make_boundary(self.cfg), act, bool(key))
+
+    def _tick_seconds(self, key: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per device (mesh order), roofline seconds of one forward tick, one backward tick
+        and the rest of the step (its programs' other ops, the embedding's and head's
+        programs). The pipeline program's roofline is divided among its forward ticks,
+        backward ticks and other ops in proportion to each part's own roofline, so the
+        parts add up to the program's roofline (:meth:`modelled_compute_s`)."""
+        if key in self._ticks:
+            return self._ticks[key]
+        model, n = self.compute_model, self.mesh.devices.size
+        ticks = self.cfg.microbatches + self.stages - 1
+        f, b, rest = np.zeros(n), np.zeros(n), np.zeros(n)
+        main, *owned = self.step_programs(key)
+        cost = jaxcomm.program_cost(main[0])
+        total = cost.per_device()
+        fw = cost.per_device(select=lambda op: TICK_SCOPE in op and "transpose(" not in op)
+        bw = cost.per_device(select=lambda op: TICK_SCOPE in op and "transpose(" in op)
+        other = jaxcomm.ComputeCost(
+            **{k: getattr(total, k) - getattr(fw, k) - getattr(bw, k) for k in _COST_FIELDS}
+        )
+        parts = np.stack([model.seconds(c) for c in (fw, bw, other)])
+        scale = np.asarray(model.seconds(total)) / np.maximum(parts.sum(0), 1e-300)
+        f[main[1]] += parts[0] * scale / ticks
+        b[main[1]] += parts[1] * scale / ticks
+        rest[main[1]] += parts[2] * scale
+        for program, index in owned:
+            rest[index] += model.seconds(jaxcomm.program_cost(program).per_device())
+        self._ticks[key] = (f, b, rest)
+        return self._ticks[key]
 
     def _step_extras(self) -> dict[str, float]:
         """Message-buffer host time, in seconds: ``buffer_prefetch_s`` preparing the next

@@ -139,7 +139,7 @@ class Trainer:
         self.tx = optax.chain(make_aggregator(cfg), make_optimizer(cfg))
         self.sharded = NamedSharding(self.mesh, P(AXIS))
         self.replicated = NamedSharding(self.mesh, P())
-        self.clock = SimClock(overlap=cfg.overlap)
+        self.clock = SimClock(overlap=self.cfg.overlap)
         self.compute_model = cfg.roofline()
         self.stragglers = cfg.straggler_model()
         self._modelled: dict[Any, np.ndarray] = {}
@@ -354,18 +354,72 @@ class Trainer:
             sent=part("sent"), rounds=part("rounds"), path_bytes=part("path_bytes")
         )
 
-    def _program_seconds(self, key: Any) -> np.ndarray:
-        """Per-device roofline seconds of a step's programs."""
+    def _program_seconds(self, key: Any, branches: Any = None) -> np.ndarray:
+        """Per-device roofline seconds of a step's programs (``branches`` as in
+        :meth:`step_audit`)."""
         model = self.compute_model
-        return self._per_device(key, lambda p: model.seconds(jaxcomm.program_cost(p).per_device()))
+
+        def seconds(program):
+            cost = jaxcomm.program_cost(program)
+            mine = {k: v for k, v in (branches or {}).items() if cost._matches(k)}
+            return model.seconds(cost.per_device(mine))
+
+        return self._per_device(key, seconds)
 
     def modelled_compute_s(self) -> float:
         """Compute time of the last step on the ``compute`` device: the roofline of its
         compiled program(s), on the slowest device (a synchronous step waits for it)."""
         return float(np.max(self._modelled_per_device()))
 
-    def _modelled_per_device(self) -> np.ndarray:
-        key = self._program_key()
+    def simulate_step(
+        self,
+        key: Any,
+        traffic: jaxcomm.Traffic,
+        network: Network,
+        step: int,
+        *,
+        measured_s: float | None = None,
+        overlap: bool | None = None,
+        branches: Any = None,
+    ) -> tuple[float, float, float]:
+        """Simulated seconds of one step: ``(step, compute, comm)``.
+
+        Compute is the roofline of the step's programs of kind ``key`` on the ``compute``
+        device, per device (``measured_s``, the host's measured step, when ``compute`` is
+        ``measured``); communication is ``traffic`` (per-device totals) over ``network``.
+        The step waits for the slowest device and adds communication (``max`` of the two
+        with ``overlap``); stragglers (drawn for ``step``, 0-based) scale each device's
+        compute and jitter the latency of each round. ``compute`` and ``comm`` are the
+        slowest device's compute and the busiest device's communication. ``overlap``
+        overrides the config's; ``branches`` resolves the programs' conditionals for the
+        compute as in :meth:`step_audit` (unresolved ones count their costliest branch).
+        """
+        overlap = self.cfg.overlap if overlap is None else bool(overlap)
+        if self.compute_model is None:
+            if measured_s is None:
+                raise ValueError("compute='measured' needs the measured step (measured_s)")
+            per: Any = measured_s
+        else:
+            per = self._modelled_per_device(key, branches)
+        times = traffic.rounds * network.latency_s + traffic.path_bytes * network.beta
+        if self.stragglers is None:
+            compute, comm = float(np.max(per)), float(np.max(times))
+            return (max(compute, comm) if overlap else compute + comm), compute, comm
+        busiest = int(np.argmax(times))
+        return self.stragglers.step_seconds(
+            step,
+            self.mesh.devices.size,
+            per,
+            int(traffic.rounds[busiest]),
+            float(traffic.path_bytes[busiest]),
+            network,
+            overlap=overlap,
+        )
+
+    def _modelled_per_device(self, key: Any = None, branches: Any = None) -> np.ndarray:
+        key = self._program_key() if key is None else key
+        if branches:
+            return self._program_seconds(key, branches)
         if key not in self._modelled:
             self._modelled[key] = self._program_seconds(key)
         return self._modelled[key]
@@ -436,21 +490,16 @@ class Trainer:
                 traffic = step_traffic(self._state_logs() + list(extra))
                 self.last_traffic = traffic
                 network = self.schedule.at(self.step - 1)
-                comm_s = float(traffic.times(network).max())
                 sent = int(traffic.sent.max())
-                step_s = compute_s if self.compute_model is None else self.modelled_compute_s()
-                if self.stragglers is not None:
-                    per = compute_s if self.compute_model is None else self._modelled_per_device()
-                    busiest = int(np.argmax(traffic.times(network)))
-                    _, step_s, comm_s = self.stragglers.step_seconds(
-                        self.step - 1,
-                        self.mesh.devices.size,
-                        per,
-                        int(traffic.rounds[busiest].sum()),
-                        float(traffic.path_bytes[busiest].sum()),
-                        network,
-                    )
-                sim = self.clock.tick(step_s, comm_s)
+                total = jaxcomm.Traffic(
+                    sent=traffic.sent,
+                    rounds=traffic.rounds.sum(1),
+                    path_bytes=traffic.path_bytes.sum(1),
+                )
+                seconds, step_s, comm_s = self.simulate_step(
+                    self._program_key(), total, network, self.step - 1, measured_s=compute_s
+                )
+                sim = self.clock.advance(seconds)
                 last = {
                     "step": self.step,
                     **{k: float(v) for k, v in metrics.items()},
@@ -458,6 +507,7 @@ class Trainer:
                     "compute_s": compute_s,
                     "sim_compute_s": step_s,
                     "comm_s": comm_s,
+                    "sim_step_s": seconds,
                     "sim_time_s": sim,
                     "latency_s": network.latency_s,
                     "bandwidth_bps": network.bandwidth_bps,

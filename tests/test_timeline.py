@@ -1,0 +1,139 @@
+"""GPipe's timeline: hand-computed schedules, closed forms, and the pipeline trainer's step."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxcomm
+from jaxcomm.network import Network
+from train.config import Config
+from train.pipeline_trainer import PipelineTrainer
+
+
+def test_two_stages_two_microbatches_by_hand():
+    # Stage 0: f=1, b=2; stage 1: f=2, b=4; forward message 3 s, backward 1 s.
+    # With overlap (sends beside compute):
+    #   forward  s0: m0 0-1, m1 1-2; link: m0 1-4, m1 4-7
+    #            s1: m0 4-6, m1 7-9
+    #   backward s1: m1 9-13, m0 13-17; link: m1 13-14, m0 17-18
+    #            s0: m1 14-16, m0 18-20                                  -> 20 s
+    line = jaxcomm.gpipe_timeline(2, 2, [1, 2], [2, 4], 3, 1, overlap=True)
+    assert line.seconds == 20
+    np.testing.assert_array_equal(line.forward[0], [[0, 1], [1, 2]])
+    np.testing.assert_array_equal(line.forward[1], [[4, 6], [7, 9]])
+    np.testing.assert_array_equal(line.backward[1], [[13, 17], [9, 13]])
+    np.testing.assert_array_equal(line.backward[0], [[18, 20], [14, 16]])
+    # Without overlap a send blocks its stage until delivered:
+    #   forward  s0: m0 0-1 (send 1-4), m1 4-5 (send 5-8); s1: m0 4-6, m1 8-10
+    #   backward s1: m1 10-14 (send 14-15), m0 15-19 (send 19-20)
+    #            s0: m1 15-17, m0 20-22                                  -> 22 s
+    line = jaxcomm.gpipe_timeline(2, 2, [1, 2], [2, 4], 3, 1)
+    assert line.seconds == 22
+    np.testing.assert_array_equal(line.forward[0], [[0, 1], [4, 5]])
+    np.testing.assert_array_equal(line.backward[0], [[20, 22], [15, 17]])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    stages=st.integers(1, 6),
+    micro=st.integers(1, 9),
+    f=st.floats(0.0, 2.0),
+    b=st.floats(0.0, 4.0),
+    tf=st.floats(0.0, 3.0),
+    tb=st.floats(0.0, 3.0),
+)
+def test_equal_stages_follow_the_closed_forms(stages, micro, f, b, tf, tb):
+    if stages == 1:
+        tf = tb = 0.0
+    lockstep = (micro + stages - 1) * (f + b) + (micro + stages - 2) * (tf + tb)
+    got = jaxcomm.gpipe_timeline(stages, micro, f, b, tf, tb).seconds
+    assert got == pytest.approx(lockstep, rel=1e-9, abs=1e-9)
+    # With overlap the slower of compute and link sets the pace after the first message.
+    fill = (stages - 1) * (f + tf + b + tb) + f + b
+    steady = (micro - 1) * (max(f, tf) + max(b, tb))
+    got = jaxcomm.gpipe_timeline(stages, micro, f, b, tf, tb, overlap=True).seconds
+    assert got == pytest.approx(fill + steady, rel=1e-9, abs=1e-9)
+
+
+def test_the_slowest_stage_sets_the_pace():
+    fast = jaxcomm.gpipe_timeline(4, 16, [1, 1, 1, 1], [2, 2, 2, 2]).seconds
+    slow = jaxcomm.gpipe_timeline(4, 16, [1, 1, 3, 1], [2, 2, 2, 2]).seconds
+    assert slow >= fast + 15 * 2  # 16 microbatches through a stage 2 s slower each
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="forward_s must be one number or 3"):
+        jaxcomm.gpipe_timeline(3, 2, [1, 2], 1)
+    with pytest.raises(ValueError, match="backward_transfer_s"):
+        jaxcomm.gpipe_timeline(3, 2, 1, 1, 0, -1)
+    with pytest.raises(ValueError, match="microbatches"):
+        jaxcomm.gpipe_timeline(3, 0, 1, 1)
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    cfg = Config(
+        name="tl",
+        task="gpt",
+        model={"num_layers": 4, "width": 64, "num_heads": 2, "seq_len": 32},
+        workers=2,
+        stages=4,
+        microbatches=4,
+        global_batch=16,
+        boundary="directq",
+        fw_bits=2,
+        bw_bits=4,
+        compute="v100",
+        progress=False,
+        checkpoint_every=0,
+        out_dir=str(tmp_path_factory.mktemp("tl")),
+    )
+    return PipelineTrainer(cfg, abstract=True)
+
+
+def test_trainer_step_is_the_hand_computed_gpipe_schedule(trainer):
+    cfg = trainer.cfg
+    s, m = cfg.stages, cfg.microbatches
+    ticks = m + s - 1
+    f, b, rest = trainer._tick_seconds(False)
+    # The parts add up to the programs' roofline, and the ticks are forward and backward.
+    np.testing.assert_allclose(ticks * (f + b) + rest, trainer._modelled_per_device(False))
+    assert (f > 0).all() and (b > 0).all()
+    assert 1.5 < b[0] / f[0] < 3.5  # a backward costs about two forwards
+    # Every matmul of the step is in a tick (the optimizer has none).
+    cost = jaxcomm.program_cost(trainer.step_programs(False)[0][0])
+    in_ticks = cost.per_device(select=lambda op: jaxcomm.TICK_SCOPE in op).matmul_flops
+    np.testing.assert_allclose(in_ticks, cost.per_device().matmul_flops, rtol=1e-3)
+    np.testing.assert_allclose(f, f[0])  # equal stages (the cost model is per program)
+    network = Network(latency_s=2e-3, bandwidth_bps=1e8)
+    traffic = trainer.step_audit(False)
+    fw_msg, bw_msg = jaxcomm.boundary_message_bytes(
+        jaxcomm.directq_boundary(2, 4),
+        __import__("jax").ShapeDtypeStruct((2, 32, 64), np.float32),
+        False,
+    )
+    tf = 2e-3 + fw_msg * 8 / 1e8
+    tb = 2e-3 + bw_msg * 8 / 1e8
+    # The data-parallel part: what the busiest device sends beyond the pipeline messages.
+    rounds = traffic.rounds - 2 * (ticks - 1)
+    path = traffic.path_bytes - (ticks - 1) * (fw_msg + bw_msg)
+    dp = np.max(rounds * 2e-3 + path * 8 / 1e8)
+    assert dp > 0  # the blocks' all-reduce over the two replicas
+    f0, b0, r0 = f[0], b[0], rest.max()
+    by_hand = ticks * (f0 + b0) + (ticks - 1) * (tf + tb) + r0 + dp
+    step, compute, comm = trainer.simulate_step(False, traffic, network, 0, overlap=False)
+    assert step == pytest.approx(by_hand, rel=1e-9)
+    assert step == pytest.approx(compute + comm, rel=1e-9)
+    # With overlap the messages hide behind compute (or it behind them); the data-parallel
+    # all-reduce still follows on the same links.
+    by_hand = (
+        (s - 1) * (f0 + tf + b0 + tb) + f0 + b0 + (m - 1) * (max(f0, tf) + max(b0, tb)) + r0 + dp
+    )
+    step, _, _ = trainer.simulate_step(False, traffic, network, 0, overlap=True)
+    assert step == pytest.approx(by_hand, rel=1e-9)
+    # A slow link makes overlap matter: the transfers hide the compute, not the reverse.
+    slow = Network(latency_s=2e-3, bandwidth_bps=1e6)
+    with_overlap, _, _ = trainer.simulate_step(False, traffic, slow, 0, overlap=True)
+    without, compute, comm = trainer.simulate_step(False, traffic, slow, 0, overlap=False)
+    assert max(compute, comm) <= with_overlap < without
