@@ -202,7 +202,9 @@ def test_digits_and_get_dataset_bad_arguments():
         DigitsDataset(valid_fraction=1.5)
     with pytest.raises(ValueError, match=r"seed must be an integer >= 0, got -1"):
         DigitsDataset(seed=-1)
-    with pytest.raises(ValueError, match=r"name must be one of \('shakespeare', 'digits'\)"):
+    with pytest.raises(
+        ValueError, match=r"name must be one of \('shakespeare', 'digits', 'synthetic_imagenet'\)"
+    ):
         get_dataset("x", "train")
     assert isinstance(get_dataset("digits", "valid"), DigitsDataset)
     ds = get_dataset("shakespeare", "train", seq_len=16)
