@@ -759,6 +759,20 @@ class ProgramCost(_Branches):
         return ComputeCost(**out)
 
 
+def _instr_op_name(instr: _Instr, comps: dict[str, list[_Instr]]) -> str:
+    """The JAX op name of ``instr``; a fusion without one (the CPU backend's library
+    fusions) takes the first one inside it."""
+    name = _op_name(instr.attrs)
+    if name or instr.opcode != "fusion":
+        return name
+    for c in _comp_names(_attr(instr.attrs, "calls")):
+        for inner in comps.get(c, []):
+            name = _instr_op_name(inner, comps)
+            if name:
+                return name
+    return ""
+
+
 def _elements(shape: str) -> int:
     return sum(n for n, _ in _arrays(shape))
 
@@ -793,8 +807,13 @@ def _instr_flops(
         labels = (_attr(instr.attrs, "dim_labels") or "").split("_")
         o = labels[1].find("o") if len(labels) > 1 else -1
         per_out = math.prod(kernel) / (kernel[o] if o >= 0 and kernel else 1)
-        # The kernel's input-feature dimension is already per group.
+        # The kernel's input-feature dimension is already per group. A transposed (input
+        # gradient) convolution dilates its input with zeros (``lhs_dilate``); products
+        # with those zeros are not work, so the count is divided by the dilation.
         flops = 2.0 * out * per_out
+        m = re.search(r"lhs_dilate=([\dx]+)", instr.attrs)
+        if m:
+            flops /= math.prod(int(x) for x in m.group(1).split("x"))
         return flops, flops, 0.0
     if op in ("reduce", "reduce-window", "scatter", "select-and-scatter", "sort", "map"):
         inputs = sum(_elements(shapes.get(o, "")) for o in instr.operands)
@@ -815,26 +834,57 @@ def _instr_flops(
     return float(out), 0.0, 0.0  # elementwise arithmetic, compare, select, ...
 
 
+_PASS_THROUGH = frozenset(
+    "bitcast reshape convert copy negate abs exp log tanh logistic sqrt rsqrt add subtract "
+    "multiply divide maximum minimum select compare and or xor not sign floor ceil "
+    "round-nearest-even round-nearest-afz clamp power".split()
+)
+
+
 def _fusion_bytes(instr: _Instr, shapes: dict[str, str], comps: dict[str, list[_Instr]]) -> int:
-    """Bytes a fusion reads and writes: each operand once, except operands that are only
-    sliced (the slices are read) and a buffer updated in place (only the update is written)."""
+    """Bytes a fusion reads and writes: each operand once, except operands of which only
+    slices are used (directly, or through elementwise ops and reshapes that keep the element
+    count: the slices' elements are read) and a buffer updated in place (only the update is
+    written)."""
     inner = [i for c in _comp_names(_attr(instr.attrs, "calls")) for i in comps.get(c, [])]
     params = {int(i.args.strip() or 0): i.name for i in inner if i.opcode == "parameter"}
     users: dict[str, list[_Instr]] = {}
     for i in inner:
         for o in i.operands:
             users.setdefault(o, []).append(i)
+    inner_shapes = {i.name: i.shape for i in inner}
+    needed: dict[str, float] = {}
+
+    def elements_needed(name: str, total: int) -> float:
+        # Elements of value ``name`` (``total`` of them) that the fusion's outputs depend on.
+        if name in needed:
+            return needed[name]
+        needed[name] = total  # cycles cannot occur; this only guards repeated visits
+        count = 0.0
+        uses = users.get(name, [])
+        for u in uses:
+            if u.opcode in ("dynamic-slice", "slice", "gather"):
+                # A slice reads its elements, or fewer when only slices of it are used.
+                count += elements_needed(u.name, _elements(u.shape))
+            elif u.opcode in _PASS_THROUGH and _elements(u.shape) == total:
+                count += elements_needed(u.name, total)
+            else:
+                count = total
+                break
+        needed[name] = min(float(total), count) if uses else float(total)
+        return needed[name]
+
     total = 0
     for idx, operand in enumerate(instr.operands):
         size = _nbytes(shapes.get(operand, ""))
         name = params.get(idx)
         uses = users.get(name, []) if name else []
-        if uses and all(u.opcode in ("dynamic-slice", "slice", "gather") for u in uses):
-            size = min(size, sum(_nbytes(u.shape) for u in uses))
-        elif uses and all(
-            u.opcode == "dynamic-update-slice" and u.operands[0] == name for u in uses
-        ):
+        if uses and all(u.opcode == "dynamic-update-slice" and u.operands[0] == name for u in uses):
             size = 0  # the buffer is updated in place: only the update is written
+        elif uses:
+            n = _elements(inner_shapes.get(name, "") or shapes.get(operand, ""))
+            if n:
+                size = int(size * elements_needed(name, n) / n)
         total += size
     root = next((i for i in inner if i.root), None)
     if (
@@ -889,7 +939,7 @@ def program_cost(program: Any) -> ProgramCost:
             f, mm, t = _instr_flops(instr, shapes, comps, uncounted)
             mem = _instr_bytes(instr, shapes, comps)
             if f or t or mem:
-                names.append(_op_name(instr.attrs))
+                names.append(_instr_op_name(instr, comps))
                 rows.append((f, mm, t, mem))
         costs = np.asarray(rows, np.float64).reshape(-1, 4)
         flops, matmul, trans, mem = (float(x) for x in costs.sum(0))

@@ -801,13 +801,18 @@ class Stragglers:
             factors[w] *= m
         return factors
 
-    def round_latency(self, step: int, rounds: int, n: int, network: Network) -> float:
+    def round_latency(
+        self, step: int, rounds: int, n: int, network: Network, *, stream: int = 0
+    ) -> float:
         """Seconds of latency of ``rounds`` synchronous rounds among ``n`` workers at
-        ``step``: per round, the slowest of the ``n`` messages."""
+        ``step``: per round, the slowest of the ``n`` messages. ``stream`` picks an
+        independent sequence of draws for another set of messages of the same step."""
         step, rounds, n = _int("step", step, 0), _int("rounds", rounds, 0), _int("n", n, 1)
+        stream = _int("stream", stream, 0)
         if not self.latency_jitter or not rounds:
             return rounds * network.latency_s
-        extra = self._rng(1, step).exponential(size=(rounds, n)).max(axis=1)
+        rng = self._rng(1, step, stream) if stream else self._rng(1, step)
+        extra = rng.exponential(size=(rounds, n)).max(axis=1)
         return float(network.latency_s * (rounds + self.latency_jitter * extra.sum()))
 
     def step_seconds(

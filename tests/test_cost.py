@@ -106,3 +106,46 @@ def test_elementwise_bytes_are_read_plus_write():
     got = cost.per_device()
     assert got.hbm_bytes[0] == 2 * 4 * (1 << 20)
     assert got.flops[0] == 2 * (1 << 20)
+
+
+def test_a_fused_slice_reads_only_its_slice_even_after_elementwise_ops():
+    # One flat buffer scaled and cut into 64 parameter-shaped pieces (an optimizer update
+    # after an all-reduce of the fused gradient): each fusion reads its own slice of the
+    # buffer, not the whole buffer.
+    n = 4096
+    params = [jnp.ones((64, 64)) for _ in range(64)]
+
+    def update(flat, ps):
+        g = flat * 0.125
+        return [p - 0.1 * g[i * n : (i + 1) * n].reshape(p.shape) for i, p in enumerate(ps)]
+
+    compiled = jax.jit(update).lower(jnp.ones(64 * n), params).compile()
+    got = jaxcomm.program_cost(compiled).per_device().hbm_bytes[0]
+    assert got == pytest.approx(3 * 64 * n * 4, rel=0.02)  # read flat, read params, write
+
+    # The same through a padded buffer cut back to size first (a ring's segments joined).
+    def padded(buf, ps):
+        return update(buf[: 64 * n] * 2.0, ps)
+
+    compiled = jax.jit(padded).lower(jnp.ones(64 * n + 1000), params).compile()
+    got = jaxcomm.program_cost(compiled).per_device().hbm_bytes[0]
+    assert got == pytest.approx(3 * 64 * n * 4, rel=0.02)
+
+
+def test_a_strided_convolutions_input_gradient_costs_what_its_forward_does():
+    x, w = jnp.ones((8, 32, 32, 16)), jnp.ones((3, 3, 16, 32))
+
+    def fwd(x, w):
+        return lax.conv_general_dilated(
+            x, w, (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+
+    def dx(x, w):
+        return jax.vjp(lambda x: fwd(x, w), x)[1](jnp.ones((8, 16, 16, 32)))[0]
+
+    flops = [
+        jaxcomm.program_cost(jax.jit(f).lower(x, w).compile()).per_device().matmul_flops[0]
+        for f in (fwd, dx)
+    ]
+    assert flops[0] == 2 * 8 * 16 * 16 * 32 * 3 * 3 * 16  # every output: a 3x3x16 window
+    assert flops[1] == flops[0]  # the same products, not those with the inserted zeros

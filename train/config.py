@@ -57,7 +57,7 @@ class Config:
         step) or a device of :data:`jaxcomm.DEVICES`, optionally with the matrix dtype
         (``v100``, ``a100:bf16``): the roofline of the compiled step's flops and memory
         bytes (:func:`jaxcomm.program_cost`), so the simulated time depends on the config
-        alone. ``mfu`` (0: the device's calibrated value, else 0.5) and
+        alone. ``mfu`` (unset: the device's calibrated value, else 0.5) and
         ``memory_efficiency`` are the roofline's shares of peak.
       stragglers: deterministic stragglers and latency jitter in the simulated clock, the
         keyword arguments of :class:`jaxcomm.network.Stragglers` (``seed``,
@@ -99,7 +99,7 @@ class Config:
     network: str = "1ms,1Gbps"
     overlap: bool = False
     compute: str = "measured"
-    mfu: float = 0.0
+    mfu: float | None = None
     memory_efficiency: float = 0.8
     stragglers: dict = dataclasses.field(default_factory=dict)
     eval_every: int = 0
@@ -141,7 +141,7 @@ class Config:
             )
         if self.compute != "measured":
             self.roofline()  # a clear error for an unknown device, dtype or share
-        elif self.mfu:
+        elif self.mfu is not None:
             raise ValueError(f"mfu={self.mfu!r} needs compute=<device>, got compute='measured'")
         self.straggler_model()  # a clear error for bad straggler settings
         if self.train_samples < 0:
@@ -204,9 +204,7 @@ def _roofline(cfg: Config) -> Any:
     from jaxcomm.compute import roofline
 
     device, _, dtype = cfg.compute.partition(":")
-    return roofline(
-        device, dtype=dtype or "fp32", mfu=cfg.mfu or None, efficiency=cfg.memory_efficiency
-    )
+    return roofline(device, dtype=dtype or "fp32", mfu=cfg.mfu, efficiency=cfg.memory_efficiency)
 
 
 def _choice(name: str, value: Any, allowed: tuple) -> None:

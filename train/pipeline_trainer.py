@@ -55,14 +55,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.collectives import psum_wire
-from jaxcomm.network import empty_log, find_logs, log_wire
-from jaxcomm.pipeline import TICK_SCOPE, BoundaryState
+from jaxcomm.network import find_logs
+from jaxcomm.pipeline import BoundaryState
 from models import GPTConfig
 from train.config import Config
 from train.data import Loader
 from train.pipeline import gpt_pipeline_loss, stage_params, unstage_params
-from train.trainer import AXIS, Trainer, _all_finite, structs
+from train.trainer import AXIS, Trainer, _all_finite, host_finite, structs
 
 __all__ = ["PipelineTrainer"]
 
@@ -278,12 +277,9 @@ class PipelineTrainer(Trainer):
             updates, new_s = tx.update(grads["blocks"], s, p["blocks"])
             new_blocks = optax.apply_updates(p["blocks"], updates)
             ok = _all_finite((loss, grads, new_blocks)).astype(jnp.int32)
-            finite = jax.lax.pmin(ok, (AXIS, STAGE))
-            metrics = {"loss": jax.lax.pmean(loss, AXIS)}
-            # The two scalar reductions above cross the wire too.
-            index = jax.lax.axis_index((AXIS, STAGE))
-            log = log_wire(log, psum_wire(ok, self.cfg.workers * self.stages), index)
-            log = log_wire(log, psum_wire(loss, self.cfg.workers), index)
+            # The loss (the same on every stage of a replica) and the finite flag of each
+            # device go to the host, which averages them: no collective in the step for them.
+            metrics, finite = {"loss": _ex(loss)}, _ex(ok)
             owned_grads = {name: grads[name] for name in OWNED}
             return (_ex(new_blocks), _ex(new_s), _ex(owned_grads), metrics, finite) + (
                 _ex(st),
@@ -296,7 +292,7 @@ class PipelineTrainer(Trainer):
                 functools.partial(per_device, seen=seen),
                 mesh=self.mesh,
                 in_specs=(sharded, sharded, sharded, P(AXIS), sharded, P()),
-                out_specs=(sharded, sharded, sharded, P(), P(), sharded, sharded),
+                out_specs=(sharded,) * 7,
                 check_vma=False,
             )
             return jax.jit(step, donate_argnums=(0, 2))
@@ -309,22 +305,21 @@ class PipelineTrainer(Trainer):
 
     def _build_owned_step(self, name: str) -> Callable:
         """Average and apply ``name``'s gradients over ``data`` on its owner stage's devices:
-        ``(params, opt_state, grads) -> (params, opt_state, finite, log)``, ``[D, 1, ...]``."""
-        tx, d = self.tx, self.cfg.workers
+        ``(params, opt_state, grads) -> (params, opt_state, finite)``, ``[D, 1, ...]``."""
+        tx = self.tx
 
         def per_device(params, opt_state, grads):
             p, s, g = _sq(params), _sq(opt_state), _sq(grads)
             updates, s = tx.update(g, s, p)
             p = optax.apply_updates(p, updates)
             ok = _all_finite(p).astype(jnp.int32)
-            log = log_wire(empty_log(), psum_wire(ok, d), jax.lax.axis_index(AXIS))
-            return _ex(p), _ex(s), jax.lax.pmin(ok, AXIS), _ex(log)
+            return _ex(p), _ex(s), _ex(ok)
 
         step = jax.shard_map(
             per_device,
             mesh=self.sub_mesh[name],
             in_specs=(P(AXIS), P(AXIS), P(AXIS)),
-            out_specs=(P(AXIS), P(AXIS), P(), P(AXIS)),
+            out_specs=(P(AXIS), P(AXIS), P(AXIS)),
             check_vma=False,
         )
         return jax.jit(step)
@@ -463,17 +458,16 @@ class PipelineTrainer(Trainer):
             self._next = self._prepare(nxt)
         prefetch_end = time.perf_counter()
         params, opt_state = {"blocks": blocks}, {"blocks": opt_blocks}
-        finites, logs = [finite], [log]
+        finites = [finite]
         for name in OWNED:
             args = (
                 self._owned_view(owned[name], name),
                 self.opt_state[name],
                 self._owned_view(owned_grads[name], name),
             )
-            new_p, opt_state[name], ok, sub_log = self._owned_compiled[name](*args)
+            new_p, opt_state[name], ok = self._owned_compiled[name](*args)
             params[name] = self._merged(owned[name], new_p)
             finites.append(ok)
-            logs.append(sub_log)
         done = self._waiter.submit(_ready_at, (params, opt_state, finites))
         main_end, device_end = main_done.result(), done.result()
         # Device time: the step program, then the embedding's and head's programs, which
@@ -485,9 +479,7 @@ class PipelineTrainer(Trainer):
             self._io["buffer_exposed_s"] += max(0.0, prefetch_end - main_end)
         self.loader.position = nxt
         self._last_ids, self._last_state = cur.ids, new_state
-        finite = min(int(f) for f in finites)
-        logs[1:] = [self._place(sub, name) for sub, name in zip(logs[1:], OWNED, strict=True)]
-        return params, opt_state, metrics, finite, compute_s, logs
+        return params, opt_state, metrics, host_finite(*finites), compute_s, [log]
 
     def _after_step(self) -> None:
         """Write the step's new messages back (asynchronously; a later read of the same ids
@@ -548,8 +540,8 @@ class PipelineTrainer(Trainer):
 
         With a ``compute`` device, each data replica's pipeline runs
         :func:`jaxcomm.gpipe_timeline`: stage ``s`` spends ``f_s`` and ``b_s`` per
-        microbatch (its program's ops under :data:`jaxcomm.TICK_SCOPE`, forward and
-        transposed, on the roofline, divided by the ``M + S - 1`` ticks the program runs)
+        microbatch (its program's forward and backward ops on the roofline, divided by the
+        ``M + S - 1`` ticks the program runs; see :meth:`_tick_seconds`)
         and each message takes ``latency + bytes / bandwidth``; the rest of the stage's
         compute (optimizer, embedding and head updates) follows it, and the data-parallel
         collectives (the traffic beyond the pipeline's messages) are added after it, with
@@ -560,11 +552,6 @@ class PipelineTrainer(Trainer):
         measured`` the host's step time has no per-tick breakdown, so the step is costed as
         in :meth:`Trainer.simulate_step`.
         """
-        if branches:
-            raise ValueError(
-                "branches: the pipeline step's conditionals (embedding, head) are costed "
-                f"by their costliest branch; got {branches!r}"
-            )
         if self.compute_model is None:
             return super().simulate_step(
                 key, traffic, network, step, measured_s=measured_s, overlap=overlap
@@ -572,7 +559,7 @@ class PipelineTrainer(Trainer):
         overlap = self.cfg.overlap if overlap is None else bool(overlap)
         cfg, n_stages = self.cfg, self.stages
         devices = cfg.workers * n_stages
-        f, b, rest = self._tick_seconds(key)
+        f, b, rest = self._tick_seconds(key, branches)
         ticks = cfg.microbatches + n_stages - 1
         fw_msg, bw_msg = self._message_bytes(key)
         factors = np.ones(devices)
@@ -607,7 +594,9 @@ class PipelineTrainer(Trainer):
             )
         busiest = int(np.argmax(rounds * network.latency_s + path * network.beta))
         if self.stragglers is not None:
-            lat = self.stragglers.round_latency(step, int(rounds[busiest]), cfg.workers, network)
+            lat = self.stragglers.round_latency(
+                step, int(rounds[busiest]), cfg.workers, network, stream=1
+            )
         else:
             lat = int(rounds[busiest]) * network.latency_s
         other = lat + float(path[busiest]) * network.beta
@@ -627,34 +616,58 @@ class PipelineTrainer(Trainer):
         act = jax.ShapeDtypeStruct((mb, g.seq_len, g.width), jnp.float32)
         return jaxcomm.boundary_message_bytes(make_boundary(self.cfg), act, bool(key))
 
-    def _tick_seconds(self, key: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _tick_seconds(
+        self, key: Any, branches: Any = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per device (mesh order), roofline seconds of one forward tick, one backward tick
-        and the rest of the step (its programs' other ops, the embedding's and head's
-        programs). The pipeline program's roofline is divided among its forward ticks,
-        backward ticks and other ops in proportion to each part's own roofline, so the
-        parts add up to the program's roofline (:meth:`modelled_compute_s`)."""
-        if key in self._ticks:
-            return self._ticks[key]
+        and the rest of the step.
+
+        The pipeline program's ops are split by their JAX op names: the differentiated
+        loss's forward (``jvp(...)``, the ticks with their residual writes) and backward
+        (``transpose(...)``), and the rest (optimizer update, finite checks); ops without a
+        name (the CPU backend's library fusions, e.g. attention's batched products) are
+        shared between forward and backward in proportion to their matrix flops. Each part
+        is put on the roofline by itself (a forward may be bound by compute and an update by
+        memory), the ticks' parts divided by the ``M + S - 1`` ticks the program runs; the
+        embedding's and head's programs join the rest. ``branches`` resolves conditionals
+        (e.g. an aggregator's) as in :meth:`step_audit`; those left out, among them the
+        embedding's and head's inside the ticks, count their costliest branch on every
+        device (so every stage is charged the head: an upper bound)."""
+        cache = (key, tuple(sorted((branches or {}).items())))
+        if cache in self._ticks:
+            return self._ticks[cache]
         model, n = self.compute_model, self.mesh.devices.size
         ticks = self.cfg.microbatches + self.stages - 1
         f, b, rest = np.zeros(n), np.zeros(n), np.zeros(n)
         main, *owned = self.step_programs(key)
         cost = jaxcomm.program_cost(main[0])
-        total = cost.per_device()
-        fw = cost.per_device(select=lambda op: TICK_SCOPE in op and "transpose(" not in op)
-        bw = cost.per_device(select=lambda op: TICK_SCOPE in op and "transpose(" in op)
-        other = jaxcomm.ComputeCost(
-            **{k: getattr(total, k) - getattr(fw, k) - getattr(bw, k) for k in _COST_FIELDS}
-        )
-        parts = np.stack([model.seconds(c) for c in (fw, bw, other)])
-        scale = np.asarray(model.seconds(total)) / np.maximum(parts.sum(0), 1e-300)
-        f[main[1]] += parts[0] * scale / ticks
-        b[main[1]] += parts[1] * scale / ticks
-        rest[main[1]] += parts[2] * scale
+
+        def mine(c):
+            return {k: v for k, v in (branches or {}).items() if c._matches(k)}
+
+        def part(select):
+            return cost.per_device(mine(cost), select=select)
+
+        def combine(*terms):
+            return jaxcomm.ComputeCost(
+                **{k: sum(w * getattr(c, k) for w, c in terms) for k in _COST_FIELDS}
+            )
+
+        total = part(None)
+        fw = part(lambda op: "jvp(" in op and "transpose(" not in op)
+        bw = part(lambda op: "transpose(" in op)
+        unnamed = part(lambda op: op == "")
+        share = fw.matmul_flops / np.maximum(fw.matmul_flops + bw.matmul_flops, 1.0)
+        other = combine((1, total), (-1, fw), (-1, bw), (-1, unnamed))
+        fw, bw = combine((1, fw), (share, unnamed)), combine((1, bw), (1 - share, unnamed))
+        f[main[1]] += model.seconds(fw) / ticks
+        b[main[1]] += model.seconds(bw) / ticks
+        rest[main[1]] += model.seconds(other)
         for program, index in owned:
-            rest[index] += model.seconds(jaxcomm.program_cost(program).per_device())
-        self._ticks[key] = (f, b, rest)
-        return self._ticks[key]
+            c = jaxcomm.program_cost(program)
+            rest[index] += model.seconds(c.per_device(mine(c)))
+        self._ticks[cache] = (f, b, rest)
+        return self._ticks[cache]
 
     def _step_extras(self) -> dict[str, float]:
         """Message-buffer host time, in seconds: ``buffer_prefetch_s`` preparing the next

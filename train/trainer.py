@@ -20,7 +20,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -33,7 +33,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.collectives import psum_wire
 from jaxcomm.network import (
     KINDS,
     CommLog,
@@ -41,9 +40,7 @@ from jaxcomm.network import (
     NetworkSchedule,
     SimClock,
     as_bytes,
-    empty_log,
     find_logs,
-    log_wire,
 )
 from models import build_task
 from train.config import DENSE_AGGREGATORS, Config
@@ -105,6 +102,18 @@ def _squeeze(tree: Any) -> Any:
 
 def _expand(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda a: a[None], tree)
+
+
+def host_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Per-device metrics (``{name: [devices...]}``, from the step's outputs) averaged on
+    the host: the step sends no bytes for them."""
+    return {k: float(np.mean(np.asarray(v, np.float64))) for k, v in metrics.items()}
+
+
+def host_finite(*flags: Any) -> bool:
+    """Whether every device's finite flag (int or bool arrays, from the step's programs)
+    is set."""
+    return all(bool(np.all(np.asarray(f))) for f in flags)
 
 
 def _all_finite(tree: Any) -> jax.Array:
@@ -192,19 +201,16 @@ class Trainer:
             updates, s = tx.update(grads, s, p)
             p = optax.apply_updates(p, updates)
             ok = _all_finite((loss, grads, p)).astype(jnp.int32)
-            # The two scalar reductions cross the wire too: log them.
-            index = jax.lax.axis_index(AXIS)
-            log = log_wire(empty_log(), psum_wire(metrics, self.n), index)
-            log = log_wire(log, psum_wire(ok, self.n), index)
-            metrics = jax.lax.pmean(metrics, AXIS)
-            finite = jax.lax.pmin(ok, AXIS)
-            return _expand(p), _expand(s), metrics, finite, _expand(log)
+            # Each worker's metrics and finite flag go to the host, which averages them
+            # (`host_metrics`): a collective for them would cost every step 2 (N - 1)
+            # latencies on the ring for a few bytes.
+            return _expand(p), _expand(s), _expand(metrics), _expand(ok)
 
         step = jax.shard_map(
             per_worker,
             mesh=self.mesh,
             in_specs=(P(AXIS), P(AXIS), P(AXIS)),
-            out_specs=(P(AXIS), P(AXIS), P(), P(), P(AXIS)),
+            out_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS)),
         )
         return jax.jit(step, donate_argnums=(0, 1))
 
@@ -428,9 +434,9 @@ class Trainer:
         """One step: ``(params, opt_state, metrics, finite, compute_s, extra_logs)``."""
         batch = self._put_batch(self.loader.next())
         t0 = time.perf_counter()
-        params, opt_state, metrics, finite, log = compiled(self.params, self.opt_state, batch)
+        params, opt_state, metrics, finite = compiled(self.params, self.opt_state, batch)
         jax.block_until_ready((params, opt_state))
-        return params, opt_state, metrics, finite, time.perf_counter() - t0, [log]
+        return params, opt_state, metrics, finite, time.perf_counter() - t0, []
 
     def _state_logs(self) -> list[CommLog]:
         """Hook: the traffic logs kept in the optimizer state (per-worker leading axes)."""
@@ -477,7 +483,8 @@ class Trainer:
         with metrics_path.open("a") as out:
             while self.step < cfg.steps:
                 params, opt_state, metrics, finite, compute_s, extra = self._step_once(compiled)
-                if not bool(finite):
+                metrics, finite = host_metrics(metrics), host_finite(finite)
+                if not finite:
                     raise FloatingPointError(
                         f"step {self.step + 1}: loss, gradients or parameters became non-finite "
                         f"(loss={float(metrics['loss'])}); the last checkpoint is kept intact"
