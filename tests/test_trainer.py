@@ -217,6 +217,8 @@ def test_compute_config_errors():
         Config(mfu=0.4)
     with pytest.raises(ValueError, match=r"mfu must be in \(0, 1\], got 0"):
         Config(compute="v100", mfu=0)
+    with pytest.raises(ValueError, match="the models compute in float32.*not 'bf16'"):
+        Config(compute="a100:bf16")
 
 
 def test_stragglers_slow_the_simulated_step_as_configured(tmp_path):

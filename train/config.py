@@ -55,7 +55,7 @@ class Config:
       overlap: model communication as hidden behind compute (``max``) instead of added.
       compute: what a step's compute time is: ``measured`` (this host's time for the
         step) or a device of :data:`jaxcomm.DEVICES`, optionally with the matrix dtype
-        (``v100``, ``a100:bf16``): the roofline of the compiled step's flops and memory
+        (``v100``, ``a100:tf32``): the roofline of the compiled step's flops and memory
         bytes (:func:`jaxcomm.program_cost`), so the simulated time depends on the config
         alone. ``mfu`` (unset: the device's calibrated value, else 0.5) and
         ``memory_efficiency`` are the roofline's shares of peak.
@@ -141,6 +141,13 @@ class Config:
             )
         if self.compute != "measured":
             self.roofline()  # a clear error for an unknown device, dtype or share
+            _, _, dtype = self.compute.partition(":")
+            if dtype not in ("", "fp32", "tf32"):
+                raise ValueError(
+                    f"compute={self.compute!r}: the models compute in float32, so their matrix "
+                    f"products run at the fp32 (or, on A100/H100, tf32) peak, not {dtype!r}; "
+                    "allowed dtypes: fp32, tf32"
+                )
         elif self.mfu is not None:
             raise ValueError(f"mfu={self.mfu!r} needs compute=<device>, got compute='measured'")
         self.straggler_model()  # a clear error for bad straggler settings

@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config key, e.g. --set compute=a100:bf16 (repeatable)",
+        help="override a config key, e.g. --set compute=a100:tf32 (repeatable)",
     )
     p.add_argument(
         "--branch",
