@@ -34,6 +34,7 @@ from jaxcomm.codecs import (
     unpack_bits,
 )
 from jaxcomm.collectives import (
+    all_gather,
     broadcast,
     join_segments,
     replicated,
@@ -55,6 +56,14 @@ from jaxcomm.signsgd import (
     signsgd_mv,
     ssdm,
     stochastic_sign_encode,
+)
+from jaxcomm.sparse import (
+    TopkState,
+    ar_topk,
+    compression_gain,
+    lw_topk,
+    ms_topk,
+    topk_indices,
 )
 
 __version__ = "0.1.0"

@@ -34,11 +34,12 @@ from jax.interpreters import ad, batching, mlir
 
 from jaxcomm._checks import axis_size, check_int, is_concrete
 from jaxcomm.codecs import payload_bytes
-from jaxcomm.network import Wire
+from jaxcomm.network import Wire, _log2_ceil
 
 __all__ = [
     "ring_reduce_scatter",
     "ring_all_gather",
+    "all_gather",
     "ring_all_reduce",
     "tree_all_reduce",
     "broadcast",
@@ -52,6 +53,7 @@ __all__ = [
     "unpack_message",
     "ring_reduce_scatter_wire",
     "ring_all_gather_wire",
+    "all_gather_wire",
     "ring_all_reduce_wire",
     "tree_all_reduce_wire",
     "broadcast_wire",
@@ -321,6 +323,44 @@ def ring_all_gather(x: Any, axis_name: Any) -> Any:
     return replicated(out, axis_name)
 
 
+def _doubling_perms(n: int) -> list[list[tuple[int, int]]]:
+    """Recursive doubling: in round ``r`` device ``j`` swaps with ``j XOR 2**r``."""
+    return [[(j, j ^ d) for j in range(n)] for d in (1 << r for r in range(_log2_ceil(n)))]
+
+
+def all_gather(x: Any, axis_name: Any) -> Any:
+    """All-gather in ``ceil(log2 N)`` rounds (recursive doubling) when ``N`` is a power of two.
+
+    In round ``r`` each device swaps the ``2**r`` entries it holds with device
+    ``i XOR 2**r``, so every device sends ``(N - 1)`` times ``x``'s bytes over ``log2 N``
+    rounds: the all-gather cost ``log N alpha + (N - 1) M beta`` of the AR-Topk paper's
+    Table I. For other ``N`` it is :func:`ring_all_gather` (``N - 1`` rounds, same bytes).
+
+    Args:
+      x: this device's entry, any pytree of arrays.
+
+    Returns:
+      The pytree with a leading axis ``[N, ...]`` (entry ``j`` from device ``j``), identical
+      on every device and typed as replicated.
+    """
+    n = axis_size(axis_name)
+    if n & (n - 1):
+        return ring_all_gather(x, axis_name)
+    i = lax.axis_index(axis_name)
+    held = jax.tree_util.tree_map(lambda a: jnp.asarray(a)[None], as_varying(x, axis_name))
+    for r, perm in enumerate(_doubling_perms(n)):
+        received = send(held, axis_name, perm)
+        mine_first = ((i >> r) & 1) == 0  # my block precedes my partner's
+        held = jax.tree_util.tree_map(
+            lambda a, b, first=mine_first: _where(
+                first, jnp.concatenate([a, b]), jnp.concatenate([b, a])
+            ),
+            held,
+            received,
+        )
+    return replicated(held, axis_name)
+
+
 def ring_all_reduce(x: jax.Array, axis_name: Any, *, mean: bool = False) -> jax.Array:
     """Sum (or mean) of ``x`` over the axis by ring reduce-scatter then ring all-gather.
 
@@ -429,6 +469,16 @@ def ring_all_gather_wire(segment: Any, n: int) -> Wire:
     """Traffic of :func:`ring_all_gather` of ``segment`` (``N - 1`` rounds)."""
     b = _nbytes(segment)
     return Wire("ring_allgather", n * b, n - 1, (n - 1) * b, ((n - 1) * b,) * n)
+
+
+def all_gather_wire(segment: Any, n: int) -> Wire:
+    """Traffic of :func:`all_gather` of ``segment``: ``ceil(log2 N)`` rounds for a power-of-two
+    ``N`` (round ``r`` moves ``2**r`` segments), else the ring's ``N - 1``."""
+    if n & (n - 1):
+        return ring_all_gather_wire(segment, n)
+    b = _nbytes(segment)
+    rounds = _log2_ceil(n)
+    return Wire("allgather", b, rounds, (n - 1) * b, ((n - 1) * b,) * n)
 
 
 def ring_all_reduce_wire(segment: Any, n: int, *, message_bytes: int | None = None) -> Wire:

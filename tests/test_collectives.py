@@ -85,6 +85,46 @@ def test_ring_all_gather_pytree(mesh8):
         np.testing.assert_array_equal(b[d], np.asarray(x) * 2.0)
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 6, 8])
+def test_all_gather_by_doubling_matches_lax_and_its_wire(n):
+    """Recursive doubling (power-of-two N: log2 N rounds) or the ring (other N) gathers a
+    pytree like ``lax.all_gather``, and its wire is what the compiled program moves."""
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+    x = jax.random.normal(jax.random.key(n), (n, 5))
+    idx = jnp.arange(n * 3, dtype=jnp.int32).reshape(n, 3)
+
+    def f(v, i):
+        out = jaxcomm.all_gather({"v": v[0], "i": i[0]}, "data")
+        ref = jax.lax.all_gather({"v": v[0], "i": i[0]}, "data")
+        return jax.tree.map(lambda a: a[None], (out, ref))
+
+    sh = NamedSharding(mesh, P("data"))
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+    (out, ref) = g(jax.device_put(x, sh), jax.device_put(idx, sh))
+    jax.tree.map(np.testing.assert_array_equal, out, ref)
+    mine = jax.jit(
+        jax.shard_map(
+            lambda v, i: jax.tree.map(
+                lambda a: a[None], jaxcomm.all_gather({"v": v[0], "i": i[0]}, "data")
+            ),
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=P("data"),
+        )
+    )
+    audit = jaxcomm.wire_audit(mine.lower(jax.device_put(x, sh), jax.device_put(idx, sh)))
+    wire = jaxcomm.collectives.all_gather_wire(
+        {"v": jax.ShapeDtypeStruct((5,), jnp.float32), "i": jax.ShapeDtypeStruct((3,), jnp.int32)},
+        n,
+    )
+    traffic = audit.traffic()
+    np.testing.assert_array_equal(traffic.sent, wire.sent)
+    np.testing.assert_array_equal(traffic.rounds, wire.rounds if n > 1 else 0)
+    np.testing.assert_array_equal(traffic.path_bytes, wire.path_bytes)
+    if n == 8:
+        assert wire.rounds == 3 and wire.sent[0] == 7 * 32
+
+
 @pytest.mark.parametrize("root", [0, 3, 7])
 def test_broadcast_traced_root(mesh8, root):
     x = jax.random.normal(jax.random.key(5), (N, 11))

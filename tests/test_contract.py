@@ -37,17 +37,23 @@ class Case:
     make: Callable  # axis_name -> GradientTransformation
     mesh: tuple = (N,)
     axes: tuple = ("data",)
-    # Conditionals holding collectives, as {op-name part: branch} per step index.
-    branches: Callable = lambda step: None
+    # Conditionals holding collectives, as {op-name part: branch}, from the step index and
+    # the state after that step.
+    branches: Callable = lambda step, state: None
 
     @property
     def axis(self):
         return self.axes[0] if len(self.axes) == 1 else self.axes
 
 
-def _marsit_rounds(step):
+def _marsit_rounds(step, state=None):
     # Round t is full precision when t % 2 == 0 (the cond's true branch, index 1).
     return {"cond": 1 if step % 2 == 0 else 0}
+
+
+def _root(step, state):
+    # AR-Topk broadcasts from the root it logged (branch r of the switch = root r).
+    return {jaxcomm.sparse.ROOT_SCOPE: int(np.asarray(state.root).reshape(-1)[0])}
 
 
 CASES = {
@@ -67,6 +73,13 @@ CASES = {
         axes=("row", "col"),
         branches=_marsit_rounds,
     ),
+    "ar_topk_star": Case(lambda ax: jaxcomm.ar_topk(ax, ratio=0.1), branches=_root),
+    "ar_topk_var_tree": Case(
+        lambda ax: jaxcomm.ar_topk(ax, ratio=0.1, select="var", reduce="tree"), branches=_root
+    ),
+    "ar_topk_allgather": Case(lambda ax: jaxcomm.ar_topk(ax, ratio=0.1, reduce="allgather")),
+    "lw_topk": Case(lambda ax: jaxcomm.lw_topk(ax, ratio=0.1)),
+    "ms_topk": Case(lambda ax: jaxcomm.ms_topk(ax, ratio=0.1)),
     "signsgd_mv": Case(lambda ax: jaxcomm.signsgd_mv(ax, lr=0.01)),
     "ef_signsgd": Case(lambda ax: jaxcomm.ef_signsgd(ax, lr=0.01)),
     "ssdm": Case(lambda ax: jaxcomm.ssdm(ax, lr=0.01)),
@@ -282,7 +295,7 @@ def test_logged_traffic_equals_the_compiled_program(name):
     for step in range(2):
         g = _put(mesh, jax.tree_util.tree_map(lambda a, step=step: a[step], grads), P(case.axes))
         _, state = update_f(g, state, params)
-        want = audit.traffic(case.branches(step))
+        want = audit.traffic(case.branches(step, state))
         (log,) = find_logs(state)
         k = len(jaxcomm.KINDS)
         sent = as_bytes(np.asarray(log.sent_bytes).reshape(N, 2))

@@ -79,7 +79,14 @@ MARSIT = dict(
 )
 
 
-@pytest.mark.parametrize("extra", [{}, MARSIT], ids=["gpt-ring-adam", "mlp-marsit"])
+VAR_TOPK = dict(
+    aggregator="ar_topk", aggregator_args={"ratio": 0.01, "select": "var"}, optimizer="sgd"
+)
+
+
+@pytest.mark.parametrize(
+    "extra", [{}, MARSIT, VAR_TOPK], ids=["gpt-ring-adam", "mlp-marsit", "gpt-var-topk"]
+)
 def test_resume_is_bit_exact(tmp_path, extra):
     full = Trainer(_cfg(tmp_path / "a", **extra))
     full.run()
@@ -101,6 +108,30 @@ def test_resume_is_bit_exact(tmp_path, extra):
     assert resumed.loader.position == full.loader.position
     lines = (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4, 5, 6]
+
+
+def test_star_topk_in_the_trainer_logs_roots_gain_and_audited_bytes(tmp_path):
+    """``aggregator: ar_topk`` trains; each row has the round-robin root and the gain; the
+    logged bytes equal the compiled step's collectives for that root."""
+    from jaxcomm.sparse import ROOT_SCOPE
+
+    cfg = _cfg(
+        tmp_path,
+        steps=10,
+        aggregator="ar_topk",
+        aggregator_args={"ratio": 0.05},
+        checkpoint_every=0,
+    )
+    trainer = Trainer(cfg)
+    trainer.run()
+    rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["root"] for r in rows] == [t % 8 for t in range(10)]
+    assert all(0.05 < r["gain"] < 1.0 for r in rows)
+    assert np.mean([r["loss"] for r in rows[-3:]]) < np.mean([r["loss"] for r in rows[:3]])
+    audit = trainer.step_audit(branches={ROOT_SCOPE: rows[-1]["root"]})
+    np.testing.assert_array_equal(audit.sent, trainer.last_traffic.sent)
+    assert rows[-1]["sent_bytes"] == int(audit.sent.max())
+    assert rows[-1]["wire"][0][0] == "art_ring"
 
 
 def test_refuses_to_overwrite_or_mix_checkpoints(tmp_path):

@@ -21,7 +21,9 @@ DATASETS = {"gpt": ("shakespeare",), "mlp": ("digits",), "cnn": ("digits", "synt
 OPTIMIZERS = ("none", "sgd", "momentum", "adam", "adamw")
 DENSE_AGGREGATORS = ("psum", "ring", "tree")
 # Gradient aggregators followed by an optimizer.
-GRADIENT_AGGREGATORS = (*DENSE_AGGREGATORS, "ec_quantized")
+# Top-k sparsifiers (error-fed), also followed by an optimizer.
+TOPK_AGGREGATORS = ("ar_topk", "lw_topk", "ms_topk")
+GRADIENT_AGGREGATORS = (*DENSE_AGGREGATORS, "ec_quantized", *TOPK_AGGREGATORS)
 # Aggregators that are the whole optimizer (they apply their own step sizes).
 OPTIMIZING_AGGREGATORS = ("marsit", "signsgd_mv", "ef_signsgd", "ssdm", "cascading_sign")
 AGGREGATORS = GRADIENT_AGGREGATORS + OPTIMIZING_AGGREGATORS
@@ -44,8 +46,11 @@ class Config:
       seed: seeds parameter init and the data order.
       optimizer: ``sgd``, ``momentum``, ``adam`` or ``adamw`` after a dense aggregator;
         ``none`` with an aggregator that is the whole optimizer; ``lr`` its learning rate.
-      aggregator: gradient aggregation: ``psum``, ``ring`` or ``tree`` (dense) or
-        ``ec_quantized`` (error-compensated ``bits``-bit, default 4), each followed by
+      aggregator: gradient aggregation: ``psum``, ``ring`` or ``tree`` (dense),
+        ``ec_quantized`` (error-compensated ``bits``-bit, default 4) or the top-k
+        sparsifiers ``ar_topk`` (``{ratio, select: star|var, reduce:
+        ring|tree|allgather|auto}``; ``auto`` chooses on the network of step 0 unless
+        ``network`` is given), ``lw_topk`` and ``ms_topk`` (``{ratio}``), each followed by
         ``optimizer``; or ``marsit``, ``signsgd_mv``, ``ef_signsgd``, ``ssdm``,
         ``cascading_sign`` (each a complete optimizer with its own step sizes in
         ``aggregator_args``, so ``optimizer`` must be ``none``); ``aggregator_args`` are the

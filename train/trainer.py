@@ -42,6 +42,7 @@ from jaxcomm.network import (
     as_bytes,
     find_logs,
 )
+from jaxcomm.sparse import TopkState
 from models import build_task
 from train.config import DENSE_AGGREGATORS, Config
 from train.data import Loader, Subset, get_dataset, shard
@@ -82,6 +83,9 @@ def make_aggregator(cfg: Config) -> optax.GradientTransformation:
         factory = getattr(jaxcomm, cfg.aggregator)
     if cfg.aggregator in ("marsit", "ssdm", "cascading_sign"):
         args.setdefault("seed", cfg.seed)
+    if cfg.aggregator == "ar_topk" and args.get("reduce") == "auto":
+        net = args.get("network") or NetworkSchedule.parse(cfg.network).at(0)
+        args["network"] = Network.parse(net) if isinstance(net, str) else net
     try:
         return factory(AXIS, **args)
     except TypeError as e:
@@ -446,8 +450,14 @@ class Trainer:
         """Hook run once a step's state is accepted (before metrics and checkpoints)."""
 
     def _step_extras(self) -> dict[str, float]:
-        """Hook: extra per-step metrics for the JSONL row (none here)."""
-        return {}
+        """Hook: extra per-step metrics for the JSONL row: a top-k aggregator's compression
+        gain (mean over workers) and root (-1: all-gather)."""
+        out: dict[str, float] = {}
+        for s in jax.tree.leaves(self.opt_state, is_leaf=lambda x: isinstance(x, TopkState)):
+            if isinstance(s, TopkState):
+                out["gain"] = float(np.mean(np.asarray(s.gain)))
+                out["root"] = int(np.asarray(s.root).reshape(-1)[0])
+        return out
 
     def _summary_extras(self) -> dict[str, Any]:
         """Hook: extra entries for ``summary.json`` (none here)."""

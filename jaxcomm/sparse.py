@@ -1,0 +1,426 @@
+"""Top-k sparsified gradient aggregation: AR-Topk (STAR / VAR) and the all-gather baselines.
+
+From "Flexible Communication for Optimal Distributed Learning over Unpredictable Networks"
+(Tyagi and Swany). Every transform here is error-fed: worker ``w`` adds its residual to its
+gradient, ``G_w = grad_w + residual_w``, sends some entries of ``G_w`` and keeps the rest as
+its next residual, so ``sent + residual == G_w`` exactly, entry by entry.
+
+* :func:`ar_topk`: one worker's top-k indices (the *root*'s) are broadcast and every worker
+  all-reduces its own values at those indices (Algorithm 1 of the paper). STAR-Topk takes
+  roots round-robin, VAR-Topk the worker whose top-k entries have the largest squared norm.
+  The values cross a ring or tree all-reduce, so the message is ``k`` float32 values plus
+  one broadcast of ``k`` int32 indices, whatever ``N``.
+* :func:`lw_topk` (layer-wise top-k) and :func:`ms_topk` (one threshold over the whole model,
+  found by bisection): every worker all-gathers its own values and indices.
+
+The whole gradient pytree is fused into one float32 vector of ``d`` entries; ``k =
+ceil(ratio * d)``. The all-gathers use :func:`jaxcomm.collectives.all_gather` (``log2 N``
+rounds on a power-of-two axis) and the logs record the paper's kinds (``art_ring``,
+``art_tree``, ``ag_topk``) with the dense size ``M = 4 d`` bytes and ratio ``k / d``, so
+:func:`jaxcomm.collective_time` of the logged kind is the paper's Eqs. (4a), (4b) and its AG
+cost for the step that ran.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.flatten_util import ravel_pytree
+
+from jaxcomm._checks import axis_size, check_choice, check_float, check_int
+from jaxcomm.aggregate import worker_state
+from jaxcomm.codecs import TopK
+from jaxcomm.collectives import (
+    all_gather,
+    all_gather_wire,
+    broadcast,
+    broadcast_wire,
+    replicated,
+    ring_all_reduce,
+    ring_all_reduce_wire,
+    split_segments,
+    tree_all_reduce,
+    tree_all_reduce_wire,
+)
+from jaxcomm.network import (
+    CommLog,
+    Network,
+    choose_collective,
+    empty_log,
+    log_collective,
+    log_wire,
+    words_table,
+)
+
+__all__ = [
+    "ROOT_SCOPE",
+    "SELECTIONS",
+    "TopkState",
+    "ar_topk",
+    "compression_gain",
+    "lw_topk",
+    "ms_topk",
+    "topk_indices",
+]
+
+SELECTIONS = ("exact", "approx", "threshold")
+# jax.named_scope of AR-Topk's broadcast from a traced root: the `branches=` key that
+# resolves its lax.switch in jaxcomm.wire_audit (branch r = root r).
+ROOT_SCOPE = "ar_topk_root"
+
+
+# --------------------------------------------------------------------------- selection
+
+
+def _threshold_indices(mag: jax.Array, k: int, rounds: int) -> jax.Array:
+    """``k`` indices of large ``mag`` entries from a bisection on the threshold.
+
+    Keeps ``lo`` with ``count(mag >= lo) >= k`` and ``hi`` with ``count(mag >= hi) < k``;
+    after ``rounds`` halvings every entry ``>= hi`` is taken, and the rest of the ``k`` are
+    the first entries (by index) in ``[lo, hi)``. Exact top-k (up to ties) once the bracket
+    separates the k-th and (k+1)-th largest magnitudes.
+    """
+    d = mag.shape[0]
+    top = jnp.max(mag)
+    hi0 = jnp.nextafter(top, jnp.float32(jnp.inf))
+
+    def halve(_, bracket):
+        lo, hi = bracket
+        mid = 0.5 * (lo + hi)
+        enough = jnp.sum(mag >= mid, dtype=jnp.int32) >= k
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+
+    lo, hi = lax.fori_loop(0, rounds, halve, (jnp.zeros_like(top), hi0))
+    above = mag >= hi
+    between = (mag >= lo) & ~above
+    n_above = jnp.sum(above, dtype=jnp.int32)
+    pos = jnp.where(
+        above,
+        jnp.cumsum(above, dtype=jnp.int32) - 1,
+        n_above + jnp.cumsum(between, dtype=jnp.int32) - 1,
+    )
+    keep = (above | between) & (pos < k)
+    slot = jnp.where(keep, pos, k)  # k is out of range: dropped
+    return jnp.zeros((k,), jnp.int32).at[slot].set(jnp.arange(d, dtype=jnp.int32), mode="drop")
+
+
+def topk_indices(x: jax.Array, k: int, *, method: str = "exact", rounds: int = 25) -> jax.Array:
+    """``int32[k]`` indices of the ``k`` largest-magnitude entries of a flat array.
+
+    Args:
+      x: ``f32[d]``.
+      k: entries to keep, ``1 <= k <= d``.
+      method: ``"exact"`` (``lax.top_k``: exact, ties to the lower index), ``"approx"``
+        (``lax.approx_max_k``: exact on CPU and GPU, recall about 0.95 on TPU) or
+        ``"threshold"`` (bisection on a magnitude threshold for ``rounds`` rounds, then
+        one pass that compacts the entries above it: exact once the bisection separates
+        the k-th and (k+1)-th magnitudes, which 25 rounds do unless they are within
+        ``max|x| / 2**25`` of each other; then the remaining slots go to the lowest indices
+        inside the final bracket).
+      rounds: bisection rounds of ``"threshold"``.
+    """
+    check_choice("method", method, SELECTIONS)
+    x = jnp.ravel(x)
+    k = check_int("k", k, lo=1, hi=x.shape[0])
+    mag = jnp.abs(x)
+    if method == "exact":
+        return lax.top_k(mag, k)[1].astype(jnp.int32)
+    if method == "approx":
+        return lax.approx_max_k(mag, k)[1].astype(jnp.int32)
+    return _threshold_indices(mag, k, check_int("rounds", rounds, lo=1))
+
+
+def compression_gain(compressed: Any, error_fed: Any) -> jax.Array:
+    """``||compressed||^2 / ||error_fed||^2`` (GraVAC's compression gain), in ``[0, 1]`` for a
+    sparsifier: how much of the error-fed gradient a compressor keeps. Pytrees of the same
+    structure; 1.0 when ``error_fed`` is zero."""
+    num = sum(jnp.sum(jnp.square(a.astype(jnp.float32))) for a in jax.tree.leaves(compressed))
+    den = sum(jnp.sum(jnp.square(a.astype(jnp.float32))) for a in jax.tree.leaves(error_fed))
+    return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 1.0)
+
+
+# --------------------------------------------------------------------------- state
+
+
+class TopkState(NamedTuple):
+    """State of :func:`ar_topk`, :func:`lw_topk` and :func:`ms_topk`, per worker.
+
+    Attributes:
+      residual: ``f32[d]`` this worker's error feedback (the entries of ``G`` not sent).
+      count: ``int32[]`` steps done (STAR's root at step ``t`` is ``t mod N``).
+      root: ``int32[]`` the worker whose indices the last step used; ``-1`` when every
+        worker sent its own (all-gather).
+      gain: ``f32[]`` compression gain of the last step on this worker,
+        ``||G[sent]||^2 / ||G||^2``.
+      log: what the last step sent.
+    """
+
+    residual: jax.Array
+    count: jax.Array
+    root: jax.Array
+    gain: jax.Array
+    log: CommLog
+
+
+def _init(axis_name: Any):
+    def init_fn(params):
+        flat, _ = ravel_pytree(params)
+        state = TopkState(
+            residual=jnp.zeros(flat.shape, jnp.float32),
+            count=jnp.zeros((), jnp.int32),
+            root=jnp.full((), -1, jnp.int32),
+            gain=jnp.ones((), jnp.float32),
+            log=empty_log(),
+        )
+        return worker_state(state, axis_name)
+
+    return init_fn
+
+
+def _k(ratio: float, d: int) -> int:
+    if d == 0:
+        raise ValueError("the gradient has no entries (d = 0): nothing to sparsify")
+    if ratio * d < 1.0:
+        raise ValueError(
+            f"k = ratio * d = {ratio!r} * {d} = {ratio * d:.3g} rounds to 0 entries; ratio "
+            f"must be at least 1 / d = {1.0 / d:.3g} for a model of {d} parameters"
+        )
+    return min(d, math.ceil(ratio * d))
+
+
+def _check_ratio(ratio: Any) -> float:
+    return check_float("ratio", ratio, lo=0.0, hi=1.0, lo_open=True)
+
+
+def _gather_average(g: jax.Array, own: jax.Array, ok: jax.Array, axis_name: Any, n: int):
+    """All-gather every worker's ``(G[own], own)`` and average them densely (AG top-k)."""
+    vals = jnp.where(ok, g[own], jnp.nan)  # a non-finite G reaches every worker
+    gathered = all_gather(TopK(vals, own, g.shape, "float32"), axis_name)
+    total = jnp.zeros_like(g).at[gathered.indices.reshape(-1)].add(gathered.values.reshape(-1))
+    payload = jax.eval_shape(lambda: TopK(vals, own, g.shape, "float32"))
+    wire = all_gather_wire(payload, n)
+    log = log_collective(
+        empty_log(),
+        "ag_topk",
+        4 * g.shape[0],
+        wire.sent[0],
+        rounds=wire.rounds,
+        path_bytes=wire.path_bytes,
+        ratio=own.shape[0] / g.shape[0],
+    )
+    return total / n, log
+
+
+def _finish(updates, g, sent_idx, mean, state, root, log, axis_name):
+    """New state and dense updates: the residual is ``G`` with ``sent_idx`` zeroed."""
+    flat, unravel = ravel_pytree(updates)
+    kept = g[sent_idx]
+    gain = compression_gain(kept, g)
+    new = TopkState(
+        residual=g.at[sent_idx].set(0.0),
+        count=state.count + 1,
+        root=jnp.asarray(root, jnp.int32),
+        gain=gain.astype(jnp.float32),
+        log=log,
+    )
+    # Identical on every worker (the switch over roots types it as varying).
+    mean = replicated(mean, axis_name)
+    return unravel(mean.astype(flat.dtype)), worker_state(new, axis_name)
+
+
+def _error_fed(updates, state):
+    flat, _ = ravel_pytree(updates)
+    g = flat.astype(jnp.float32) + state.residual  # f32[d]
+    return g, jnp.all(jnp.isfinite(g))
+
+
+# --------------------------------------------------------------------------- AR-Topk
+
+
+def ar_topk(
+    axis_name: Any,
+    *,
+    ratio: float,
+    select: str = "star",
+    reduce: str = "ring",
+    network: Network | None = None,
+    method: str = "exact",
+) -> optax.GradientTransformation:
+    """AR-Topk: all-reduce-compatible top-k with error feedback (the paper's Algorithm 1).
+
+    Per step, on every worker: ``G = grad + residual``; ``idx_w`` = the ``k = ceil(ratio *
+    d)`` largest ``|G|`` entries over the whole fused gradient (not layer by layer). A root
+    is chosen: STAR-Topk takes ``step mod N`` (steps counted from 0), VAR-Topk the worker
+    with the largest ``||G_w[idx_w]||^2`` (an all-gather of ``N`` float32 scalars; ties to
+    the lower rank). The root's indices reach every worker by :func:`jaxcomm.broadcast`;
+    every worker all-reduces ``G[idx]`` (ring or tree) and the updates are the worker
+    average scattered at ``idx`` (zero elsewhere, identical on every worker). The new
+    residual is ``G`` with ``idx`` zeroed. Inner optimizers chain after it.
+
+    ``reduce="allgather"`` is the flexible scheme's third option: every worker all-gathers
+    its own top-k values and indices (``2 k`` words each) and keeps its own unsent entries,
+    with no root. ``reduce="auto"`` picks whichever of AG, ART-ring and ART-tree
+    :func:`jaxcomm.choose_collective` models as cheapest on ``network`` for this model,
+    axis size and ratio (at trace time).
+
+    A non-finite ``G`` on any worker makes the values it sends NaN, so every worker's
+    update is non-finite.
+
+    Args:
+      axis_name: the data-parallel axis.
+      ratio: compression ratio ``c`` in ``(0, 1]``; ``k = ceil(c d)`` must be at least 1
+        before rounding up (``c >= 1 / d``).
+      select: ``"star"`` (round-robin roots) or ``"var"`` (largest norm).
+      reduce: ``"ring"``, ``"tree"``, ``"allgather"`` or ``"auto"``.
+      network: the link model ``"auto"`` chooses on (required with it).
+      method: top-k selection, see :func:`topk_indices`.
+
+    Returns:
+      A ``GradientTransformation`` with :class:`TopkState`. Its log holds one ``art_ring``,
+      ``art_tree`` or ``ag_topk`` entry (dense size ``4 d`` bytes, ratio ``k / d``), plus
+      VAR's ``allgather`` of the norms.
+
+    Example::
+
+        tx = optax.chain(jaxcomm.ar_topk("data", ratio=0.01, select="star"), optax.sgd(0.1))
+    """
+    ratio = _check_ratio(ratio)
+    check_choice("select", select, ("star", "var"))
+    check_choice("reduce", reduce, ("ring", "tree", "allgather", "auto"))
+    check_choice("method", method, SELECTIONS)
+    if network is not None and not isinstance(network, Network):
+        raise ValueError(
+            f"network must be a jaxcomm.Network (e.g. Network.parse('1ms,10Gbps')); got {network!r}"
+        )
+    if reduce == "auto" and network is None:
+        raise ValueError("reduce='auto' needs network=jaxcomm.Network(...) to choose on")
+
+    def update_fn(updates, state, params=None):
+        del params
+        n = axis_size(axis_name)
+        g, ok = _error_fed(updates, state)
+        d = g.shape[0]
+        k = _k(ratio, d)
+        kind = reduce
+        if reduce == "auto":
+            kind = {"allgather": "allgather", "art_ring": "ring", "art_tree": "tree"}[
+                choose_collective(4 * d, n, k / d, network)
+            ]
+        own = topk_indices(g, k, method=method)
+        if kind == "allgather":
+            mean, log = _gather_average(g, own, ok, axis_name, n)
+            return _finish(updates, g, own, mean, state, -1, log, axis_name)
+
+        log = empty_log()
+        if select == "star":
+            root = state.count % n
+        else:
+            norm = jnp.where(ok, jnp.sum(jnp.square(g[own])), jnp.nan)
+            norms = all_gather(norm, axis_name)  # f32[N]
+            root = jnp.argmax(norms).astype(jnp.int32)
+            log = log_wire(log, all_gather_wire(norm, n))
+        with jax.named_scope(ROOT_SCOPE):
+            idx = broadcast(own, root, axis_name)
+        vals = jnp.where(ok, g[idx], jnp.nan)
+        if kind == "ring":
+            summed = ring_all_reduce(vals, axis_name)
+            seg = jax.eval_shape(lambda v: split_segments(v, n)[0], vals)
+            reduce_wire = ring_all_reduce_wire(seg, n, message_bytes=4 * k)
+        else:
+            summed = tree_all_reduce(vals, axis_name)
+            reduce_wire = tree_all_reduce_wire(vals, n)
+        mean = jnp.zeros_like(g).at[idx].set(summed / n)
+        # The broadcast's senders depend on the (traced) root: one row per root.
+        cast = [broadcast_wire(own, n, r) for r in range(n)]
+        rows = [[c + a for c, a in zip(w.sent, reduce_wire.sent, strict=True)] for w in cast]
+        sent = words_table([s for row in rows for s in row])
+        log = log_collective(
+            log,
+            "art_ring" if kind == "ring" else "art_tree",
+            4 * d,
+            sent[root * n + lax.axis_index(axis_name)],
+            rounds=cast[0].rounds + reduce_wire.rounds,
+            path_bytes=cast[0].path_bytes + reduce_wire.path_bytes,
+            ratio=k / d,
+        )
+        return _finish(updates, g, idx, mean, state, root, log, axis_name)
+
+    return optax.GradientTransformation(_init(axis_name), update_fn)
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+def lw_topk(axis_name: Any, *, ratio: float) -> optax.GradientTransformation:
+    """Layer-wise top-k (LWTopk) with error feedback and an all-gather.
+
+    Each leaf of the gradient pytree (a layer's tensor) keeps its ``ceil(ratio * d_l)``
+    largest-magnitude entries of ``G = grad + residual`` (at least one per leaf); every
+    worker all-gathers its values and their indices into the fused vector (``int32``) and
+    the updates are the average of all workers' sparse vectors. Residual: ``G`` minus what
+    this worker sent.
+
+    Args:
+      axis_name: data-parallel axis.
+      ratio: per-layer compression ratio in ``(0, 1]``.
+
+    Returns:
+      A ``GradientTransformation`` with :class:`TopkState` (``root`` is always -1); its
+      log holds one ``ag_topk`` entry.
+    """
+    ratio = _check_ratio(ratio)
+
+    def update_fn(updates, state, params=None):
+        del params
+        n = axis_size(axis_name)
+        g, ok = _error_fed(updates, state)
+        parts, start = [], 0
+        for leaf in jax.tree.leaves(updates):
+            size = math.prod(jnp.shape(leaf))
+            if size:
+                k = min(size, math.ceil(ratio * size))
+                parts.append(topk_indices(g[start : start + size], k) + start)
+            start += size
+        if not parts:
+            raise ValueError("the gradient has no entries (d = 0): nothing to sparsify")
+        own = jnp.concatenate(parts)
+        mean, log = _gather_average(g, own, ok, axis_name, n)
+        return _finish(updates, g, own, mean, state, -1, log, axis_name)
+
+    return optax.GradientTransformation(_init(axis_name), update_fn)
+
+
+def ms_topk(axis_name: Any, *, ratio: float, rounds: int = 25) -> optax.GradientTransformation:
+    """MSTopk: top-k over the whole fused gradient by threshold search, then an all-gather.
+
+    ``k = ceil(ratio * d)`` entries of ``G = grad + residual`` are chosen by ``rounds``
+    bisection trials of a magnitude threshold (the paper uses 25 rounds; see
+    :func:`topk_indices` with ``method="threshold"`` for what is exact), and every worker
+    all-gathers its values and indices. Residual: ``G`` minus what this worker sent.
+
+    Args:
+      axis_name: data-parallel axis.
+      ratio: compression ratio in ``(0, 1]``, at least ``1 / d``.
+      rounds: threshold trials, >= 1.
+
+    Returns:
+      A ``GradientTransformation`` with :class:`TopkState` (``root`` is always -1); its log
+      holds one ``ag_topk`` entry.
+    """
+    ratio = _check_ratio(ratio)
+    rounds = check_int("rounds", rounds, lo=1)
+
+    def update_fn(updates, state, params=None):
+        del params
+        n = axis_size(axis_name)
+        g, ok = _error_fed(updates, state)
+        own = topk_indices(g, _k(ratio, g.shape[0]), method="threshold", rounds=rounds)
+        mean, log = _gather_average(g, own, ok, axis_name, n)
+        return _finish(updates, g, own, mean, state, -1, log, axis_name)
+
+    return optax.GradientTransformation(_init(axis_name), update_fn)

@@ -1,0 +1,355 @@
+"""AR-Topk (STAR / VAR), LWTopk and MSTopk: the properties of the paper's Algorithm 1."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+from jaxcomm.network import Network, as_bytes
+
+N = 8
+SHAPES = {"w": (40, 9), "b": (24,)}  # d = 384, a multiple of N
+D = 384
+
+
+def _grads(steps, seed=0):
+    keys = jax.random.split(jax.random.key(seed), len(SHAPES))
+    return {
+        k: jax.random.normal(key, (N, steps, *shape))
+        for key, (k, shape) in zip(keys, SHAPES.items(), strict=True)
+    }
+
+
+def _flat(tree):
+    """``[N, ...]`` leaves -> ``[N, d]`` in ``ravel_pytree`` order (sorted keys)."""
+    return np.concatenate([np.asarray(tree[k]).reshape(N, -1) for k in sorted(tree)], axis=1)
+
+
+def _run(tx, grads, steps):
+    """Every step's updates and state, from inside ``shard_map`` ([N, ...] leaves)."""
+    mesh = jax.make_mesh((N,), ("data",))
+    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
+
+    def per_worker(g):
+        g = jax.tree.map(lambda a: a[0], g)
+        state = tx.init(params)
+        outs = []
+        for t in range(steps):
+            u, state = tx.update(jax.tree.map(lambda a, t=t: a[t], g), state, params)
+            outs.append((u, state))
+        return jax.tree.map(lambda a: a[None], outs)
+
+    f = jax.jit(jax.shard_map(per_worker, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+    return f(jax.device_put(grads, NamedSharding(mesh, P("data"))))
+
+
+def _error_fed(grads, states, t):
+    """``G_w`` at step ``t``: the gradient plus the residual left by step ``t - 1``."""
+    g = _flat(jax.tree.map(lambda a: a[:, t], grads))
+    return g + (np.asarray(states[t - 1][1].residual) if t else 0.0)
+
+
+AR_CASES = {
+    "star_ring": dict(select="star", reduce="ring"),
+    "star_tree": dict(select="star", reduce="tree"),
+    "var_ring": dict(select="var", reduce="ring"),
+    "var_tree": dict(select="var", reduce="tree"),
+}
+
+
+@pytest.mark.parametrize("name", AR_CASES)
+def test_ar_topk_sends_the_roots_indices_and_keeps_the_rest(name):
+    """For every worker ``sent + residual == G`` exactly; the sent entries are ``G`` at the
+    root's own top-k indices, on every worker; the update is their average, identical on
+    every worker and zero elsewhere."""
+    ratio, steps = 0.05, 4
+    k = math.ceil(ratio * D)
+    grads = _grads(steps)
+    outs = _run(jaxcomm.ar_topk("data", ratio=ratio, **AR_CASES[name]), grads, steps)
+    for t in range(steps):
+        g = _error_fed(grads, outs, t)
+        updates, state = outs[t]
+        residual = np.asarray(state.residual)
+        root = int(np.asarray(state.root)[0])
+        assert np.all(np.asarray(state.root) == root) and 0 <= root < N
+        idx = np.sort(np.argsort(-np.abs(g[root]), kind="stable")[:k])
+        sent = np.zeros_like(g)
+        sent[:, idx] = g[:, idx]
+        np.testing.assert_array_equal(sent + residual, g)
+        np.testing.assert_array_equal(residual[:, idx], 0.0)
+        u = _flat(updates)
+        assert np.all(u == u[0])
+        np.testing.assert_allclose(u[0], sent.mean(0), rtol=1e-5, atol=1e-6)
+        assert np.count_nonzero(u[0]) == k
+        gain = (sent**2).sum(1) / (g**2).sum(1)
+        np.testing.assert_allclose(np.asarray(state.gain), gain, rtol=1e-5)
+
+
+def test_star_roots_cycle_through_every_rank():
+    steps = 2 * N
+    outs = _run(jaxcomm.ar_topk("data", ratio=0.05), _grads(steps), steps)
+    roots = [int(np.asarray(s.root)[0]) for _, s in outs]
+    assert roots == [t % N for t in range(steps)]
+
+
+def test_var_root_is_the_worker_with_the_largest_topk_norm():
+    """With gradients of very different scales per worker the VAR root follows the largest
+    ``||G_w[idx_w]||^2``, recomputed here from ``G``."""
+    steps, ratio = 6, 0.05
+    k = math.ceil(ratio * D)
+    grads = _grads(steps, seed=3)
+    scale = jax.random.uniform(jax.random.key(7), (N, steps), minval=0.1, maxval=3.0)
+    grads = jax.tree.map(lambda a: a * scale.reshape(N, steps, *([1] * (a.ndim - 2))), grads)
+    outs = _run(jaxcomm.ar_topk("data", ratio=ratio, select="var"), grads, steps)
+    roots = []
+    for t in range(steps):
+        g = _error_fed(grads, outs, t)
+        top = -np.sort(-np.abs(g), axis=1)[:, :k]
+        want = int(np.argmax((top**2).sum(1)))
+        roots.append(int(np.asarray(outs[t][1].root)[0]))
+        assert roots[-1] == want, (t, roots[-1], want)
+    assert len(set(roots)) > 1  # not a constant that happens to match
+
+
+def test_ring_and_tree_give_the_same_updates():
+    grads, steps = _grads(3), 3
+    ring = _run(jaxcomm.ar_topk("data", ratio=0.1, reduce="ring"), grads, steps)
+    tree = _run(jaxcomm.ar_topk("data", ratio=0.1, reduce="tree"), grads, steps)
+    for (ur, sr), (ut, st_) in zip(ring, tree, strict=True):
+        np.testing.assert_allclose(_flat(ur), _flat(ut), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(sr.residual), np.asarray(st_.residual), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jaxcomm.ar_topk("data", ratio=1.0),
+        lambda: jaxcomm.ar_topk("data", ratio=1.0, select="var", reduce="tree"),
+        lambda: jaxcomm.ar_topk("data", ratio=1.0, reduce="allgather"),
+        lambda: jaxcomm.lw_topk("data", ratio=1.0),
+        lambda: jaxcomm.ms_topk("data", ratio=1.0),
+    ],
+)
+def test_ratio_one_is_the_dense_average(make):
+    grads = _grads(2)
+    outs = _run(make(), grads, 2)
+    for t, (u, state) in enumerate(outs):
+        want = _flat(jax.tree.map(lambda a, t=t: a[:, t], grads)).mean(0)
+        np.testing.assert_allclose(_flat(u)[0], want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(state.residual), 0.0)
+
+
+@pytest.mark.parametrize(
+    "make,layerwise",
+    [
+        (lambda r: jaxcomm.ar_topk("data", ratio=r, reduce="allgather"), False),
+        (lambda r: jaxcomm.ms_topk("data", ratio=r), False),
+        (lambda r: jaxcomm.lw_topk("data", ratio=r), True),
+    ],
+)
+def test_allgather_topk_sends_each_workers_own_entries(make, layerwise):
+    """AG top-k: each worker sends its own top entries (per layer for LWTopk), keeps the
+    rest, and the update is the average of every worker's sparse vector."""
+    ratio, steps = 0.05, 3
+    grads = _grads(steps, seed=1)
+    outs = _run(make(ratio), grads, steps)
+    sizes = [math.prod(SHAPES[k]) for k in sorted(SHAPES)]
+    for t in range(steps):
+        g = _error_fed(grads, outs, t)
+        sent = np.zeros_like(g)
+        for w in range(N):
+            start = 0
+            for size in sizes if layerwise else [D]:
+                k = math.ceil(ratio * size)
+                part = g[w, start : start + size]
+                idx = start + np.argsort(-np.abs(part), kind="stable")[:k]
+                sent[w, idx] = g[w, idx]
+                start += size
+        u, state = outs[t]
+        np.testing.assert_array_equal(sent + np.asarray(state.residual), g)
+        np.testing.assert_array_equal(np.asarray(state.residual)[sent != 0], 0.0)
+        np.testing.assert_allclose(_flat(u)[0], sent.mean(0), rtol=1e-5, atol=1e-6)
+        assert np.all(_flat(u) == _flat(u)[0])
+        assert int(np.asarray(state.root)[0]) == -1
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    d=st.integers(1, 3000),
+    ratio=st.floats(0.0005, 1.0),
+    seed=st.integers(0, 2**31 - 1),
+    scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e20]),
+)
+def test_threshold_selection_is_the_exact_topk(d, ratio, seed, scale):
+    """The bisection threshold picks the same set as ``lax.top_k`` (distinct magnitudes)."""
+    k = max(1, min(d, math.ceil(ratio * d)))
+    x = np.random.default_rng(seed).permutation(d).astype(np.float32) + 1.0
+    x *= np.where(np.random.default_rng(seed + 1).random(d) < 0.5, -scale, scale)
+    got = np.asarray(jaxcomm.topk_indices(jnp.asarray(x), k, method="threshold"))
+    want = np.asarray(jaxcomm.topk_indices(jnp.asarray(x), k, method="exact"))
+    assert len(set(got.tolist())) == k
+    assert set(got.tolist()) == set(want.tolist())
+
+
+def test_threshold_selection_with_ties_and_zeros_picks_k_distinct_largest():
+    x = jnp.asarray([0.0, 3.0, -3.0, 1.0, 3.0, 0.0, 2.0, -1.0])
+    idx = np.asarray(jaxcomm.topk_indices(x, 4, method="threshold"))
+    assert sorted(idx.tolist()) == [1, 2, 4, 6]
+    z = np.asarray(jaxcomm.topk_indices(jnp.zeros(10), 3, method="threshold"))
+    assert len(set(z.tolist())) == 3
+
+
+def _log_time(state, net):
+    log = state.log
+    k = len(jaxcomm.KINDS)
+    rounds = np.asarray(log.rounds).reshape(N, k).sum(1)
+    path = as_bytes(np.asarray(log.path_bytes).reshape(N, k, 2)).sum(1)
+    return rounds * net.latency_s + path * net.beta
+
+
+@pytest.mark.parametrize(
+    "reduce,kind", [("ring", "art_ring"), ("tree", "art_tree"), ("allgather", "ag_topk")]
+)
+def test_logged_time_is_the_papers_cost_of_the_kind(reduce, kind):
+    """With ``N | k`` the step's logged rounds and path bytes are Eqs. (4a), (4b) and the
+    AG top-k cost of the paper at the step's dense size and ratio."""
+    ratio = 0.125  # k = 48, a multiple of N
+    net = Network(2e-3, 3e9)
+    (_, state), *_ = _run(jaxcomm.ar_topk("data", ratio=ratio, reduce=reduce), _grads(1), 1)
+    want = jaxcomm.collective_time(kind, 4 * D, N, net, ratio=ratio)
+    np.testing.assert_allclose(_log_time(state, net), want, rtol=1e-12)
+    i = jaxcomm.KINDS.index(kind)
+    assert np.all(np.asarray(state.log.calls)[:, i] == 1)
+
+
+@pytest.mark.parametrize(
+    "net,ratio",
+    [(Network(1e-3, 10e9), 0.001), (Network(0.0, 1e9), 0.1), (Network(1e-3, 1e8), 0.47)],
+    ids=["allgather", "art_ring", "art_tree"],
+)
+def test_auto_runs_the_collective_the_model_chooses(net, ratio, request):
+    big = {"w": (1000, 10)}
+    d = 10000
+    choice = jaxcomm.choose_collective(4 * d, N, math.ceil(ratio * d) / d, net)
+    assert choice == request.node.callspec.id.split("-")[0]
+    kind = {"allgather": "ag_topk", "art_ring": "art_ring", "art_tree": "art_tree"}[choice]
+    mesh = jax.make_mesh((N,), ("data",))
+    tx = jaxcomm.ar_topk("data", ratio=ratio, reduce="auto", network=net)
+    params = {"w": jnp.zeros(big["w"])}
+
+    def per_worker(g):
+        _, s = tx.update({"w": g[0]}, tx.init(params), params)
+        return jax.tree.map(lambda a: a[None], s)
+
+    f = jax.jit(jax.shard_map(per_worker, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+    g = jax.random.normal(jax.random.key(0), (N, *big["w"]))
+    state = f(jax.device_put(g, NamedSharding(mesh, P("data"))))
+    calls = np.asarray(state.log.calls)[0]
+    assert calls[jaxcomm.KINDS.index(kind)] == 1
+    assert calls.sum() == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    nbytes=st.floats(1e3, 1e10),
+    n=st.integers(2, 256),
+    ratio=st.floats(1e-4, 1.0),
+    latency=st.floats(0.0, 0.1),
+    bandwidth=st.floats(1e6, 1e11),
+)
+def test_chooser_returns_the_argmin_of_the_modelled_costs(nbytes, n, ratio, latency, bandwidth):
+    net = Network(latency, bandwidth)
+    costs = {
+        name: jaxcomm.collective_time(kind, nbytes, n, net, ratio=ratio)
+        for name, kind in (
+            ("allgather", "ag_topk"),
+            ("art_ring", "art_ring"),
+            ("art_tree", "art_tree"),
+        )
+    }
+    choice = jaxcomm.choose_collective(nbytes, n, ratio, net)
+    assert costs[choice] == min(costs.values())
+
+
+def test_nonfinite_gradient_reaches_the_update_of_every_worker():
+    grads = _grads(1)
+    grads = {**grads, "b": grads["b"].at[5, 0, 3].set(jnp.nan)}
+    for tx in (
+        jaxcomm.ar_topk("data", ratio=0.01),
+        jaxcomm.ar_topk("data", ratio=0.01, select="var"),
+        jaxcomm.lw_topk("data", ratio=0.01),
+    ):
+        ((u, _),) = _run(tx, grads, 1)
+        assert np.all(~np.isfinite(_flat(u)).all(1))
+
+
+def test_trains_a_linear_model_to_the_dense_loss():
+    """STAR-Topk at 10% (5 of 50 entries per step) reaches the least-squares fit."""
+    mesh = jax.make_mesh((N,), ("data",))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, 64, 50)).astype(np.float32)
+    w_true = rng.normal(size=(50,)).astype(np.float32)
+    y = x @ w_true
+
+    def loss(w, xb, yb):
+        return jnp.mean((xb @ w - yb) ** 2)
+
+    def train(tx, steps=300):
+        def per_worker(xb, yb):
+            xb, yb = xb[0], yb[0]
+            w = jnp.zeros(50)
+
+            def step(carry, _):
+                w, s = carry
+                u, s = tx.update(jax.grad(loss)(w, xb, yb), s, w)
+                return (optax.apply_updates(w, u), s), None
+
+            (w, _), _ = jax.lax.scan(step, (w, tx.init(w)), None, length=steps)
+            return w[None]
+
+        f = jax.shard_map(per_worker, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+        sharded = NamedSharding(mesh, P("data"))
+        w = np.asarray(jax.jit(f)(jax.device_put(x, sharded), jax.device_put(y, sharded)))[0]
+        return float(np.mean((x.reshape(-1, 50) @ w - y.reshape(-1)) ** 2))
+
+    start = float(np.mean(y**2))
+    sparse = train(optax.chain(jaxcomm.ar_topk("data", ratio=0.1), optax.sgd(0.01)))
+    dense = train(optax.chain(jaxcomm.dense_allreduce("data"), optax.sgd(0.01)))
+    assert dense < 1e-6 * start
+    assert sparse < 1e-6 * start
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: jaxcomm.ar_topk("data", ratio=0.0), "ratio"),
+        (lambda: jaxcomm.ar_topk("data", ratio=1.5), "ratio"),
+        (lambda: jaxcomm.ar_topk("data", ratio=float("nan")), "ratio"),
+        (lambda: jaxcomm.ar_topk("data", ratio=0.1, select="max"), "select"),
+        (lambda: jaxcomm.ar_topk("data", ratio=0.1, reduce="psum"), "reduce"),
+        (lambda: jaxcomm.ar_topk("data", ratio=0.1, reduce="auto"), "network"),
+        (lambda: jaxcomm.ar_topk("data", ratio=0.1, reduce="auto", network="1ms"), "network"),
+        (lambda: jaxcomm.ar_topk("data", ratio=0.1, method="sort"), "method"),
+        (lambda: jaxcomm.lw_topk("data", ratio=-0.1), "ratio"),
+        (lambda: jaxcomm.ms_topk("data", ratio=0.1, rounds=0), "rounds"),
+        (lambda: Network(1e-3, 0.0), "bandwidth"),
+        (lambda: Network(1e-3, -1e9), "bandwidth"),
+    ],
+)
+def test_bad_arguments_are_named(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
+
+
+@pytest.mark.parametrize("make", [jaxcomm.ar_topk, jaxcomm.ms_topk])
+def test_a_ratio_whose_k_rounds_to_zero_is_an_error(make):
+    with pytest.raises(ValueError, match=r"rounds to 0 entries.*at least 1 / d"):
+        _run(make("data", ratio=0.001), _grads(1), 1)  # 0.001 * 384 < 1
