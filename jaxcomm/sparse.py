@@ -59,6 +59,7 @@ from jaxcomm.network import (
 
 __all__ = [
     "ROOT_SCOPE",
+    "AUTO_THRESHOLD_ABOVE",
     "SELECTIONS",
     "TopkState",
     "ar_topk",
@@ -68,7 +69,11 @@ __all__ = [
     "topk_indices",
 ]
 
-SELECTIONS = ("exact", "approx", "threshold")
+SELECTIONS = ("auto", "exact", "approx", "threshold")
+# Above this share of entries a threshold search beats lax.top_k (a sort on CPU): measured by
+# benchmarks/topk_selection.py, 1M-64M float32 on CPU, threshold 2.5-6x faster at 10%, about
+# even at 1%, 3-4x slower at 0.1% (results/artopk/topk_selection.md).
+AUTO_THRESHOLD_ABOVE = 0.02
 # jax.named_scope of AR-Topk's broadcast from a traced root: the `branches=` key that
 # resolves its lax.switch in jaxcomm.wire_audit (branch r = root r).
 ROOT_SCOPE = "ar_topk_root"
@@ -85,7 +90,6 @@ def _threshold_indices(mag: jax.Array, k: int, rounds: int) -> jax.Array:
     the first entries (by index) in ``[lo, hi)``. Exact top-k (up to ties) once the bracket
     separates the k-th and (k+1)-th largest magnitudes.
     """
-    d = mag.shape[0]
     top = jnp.max(mag)
     hi0 = jnp.nextafter(top, jnp.float32(jnp.inf))
 
@@ -96,17 +100,17 @@ def _threshold_indices(mag: jax.Array, k: int, rounds: int) -> jax.Array:
         return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
 
     lo, hi = lax.fori_loop(0, rounds, halve, (jnp.zeros_like(top), hi0))
-    above = mag >= hi
-    between = (mag >= lo) & ~above
-    n_above = jnp.sum(above, dtype=jnp.int32)
-    pos = jnp.where(
-        above,
-        jnp.cumsum(above, dtype=jnp.int32) - 1,
-        n_above + jnp.cumsum(between, dtype=jnp.int32) - 1,
-    )
-    keep = (above | between) & (pos < k)
-    slot = jnp.where(keep, pos, k)  # k is out of range: dropped
-    return jnp.zeros((k,), jnp.int32).at[slot].set(jnp.arange(d, dtype=jnp.int32), mode="drop")
+    above = mag >= hi  # fewer than k entries: all taken
+    between = (mag >= lo) & ~above  # the rest of the k, lowest indices first
+    c_above = jnp.cumsum(above, dtype=jnp.int32)
+    c_between = jnp.cumsum(between, dtype=jnp.int32)
+    # Slot j holds the (j+1)-th entry of `above`, then of `between`: k binary searches on
+    # the running counts instead of a scatter of all d entries.
+    j = jnp.arange(k, dtype=jnp.int32)
+    n_above = c_above[-1]
+    first = jnp.searchsorted(c_above, j + 1, side="left", method="scan_unrolled")
+    rest = jnp.searchsorted(c_between, j + 1 - n_above, side="left", method="scan_unrolled")
+    return jnp.where(j < n_above, first, rest).astype(jnp.int32)
 
 
 def topk_indices(x: jax.Array, k: int, *, method: str = "exact", rounds: int = 25) -> jax.Array:
@@ -115,7 +119,9 @@ def topk_indices(x: jax.Array, k: int, *, method: str = "exact", rounds: int = 2
     Args:
       x: ``f32[d]``.
       k: entries to keep, ``1 <= k <= d``.
-      method: ``"exact"`` (``lax.top_k``: exact, ties to the lower index), ``"approx"``
+      method: ``"auto"`` (``"threshold"`` with 25 rounds when ``k / d`` exceeds
+        :data:`AUTO_THRESHOLD_ABOVE`, else ``"exact"``: the faster of the two as measured),
+        ``"exact"`` (``lax.top_k``: exact, ties to the lower index), ``"approx"``
         (``lax.approx_max_k``: exact on CPU and GPU, recall about 0.95 on TPU) or
         ``"threshold"`` (bisection on a magnitude threshold for ``rounds`` rounds, then
         one pass that compacts the entries above it: exact once the bisection separates
@@ -128,6 +134,10 @@ def topk_indices(x: jax.Array, k: int, *, method: str = "exact", rounds: int = 2
     x = jnp.ravel(x)
     k = check_int("k", k, lo=1, hi=x.shape[0])
     mag = jnp.abs(x)
+    if method == "auto":
+        method, rounds = (
+            ("threshold", 25) if k > AUTO_THRESHOLD_ABOVE * x.shape[0] else ("exact", 0)
+        )
     if method == "exact":
         return lax.top_k(mag, k)[1].astype(jnp.int32)
     if method == "approx":
@@ -249,7 +259,7 @@ def ar_topk(
     select: str = "star",
     reduce: str = "ring",
     network: Network | None = None,
-    method: str = "exact",
+    method: str = "auto",
 ) -> optax.GradientTransformation:
     """AR-Topk: all-reduce-compatible top-k with error feedback (the paper's Algorithm 1).
 
@@ -278,7 +288,9 @@ def ar_topk(
       select: ``"star"`` (round-robin roots) or ``"var"`` (largest norm).
       reduce: ``"ring"``, ``"tree"``, ``"allgather"`` or ``"auto"``.
       network: the link model ``"auto"`` chooses on (required with it).
-      method: top-k selection, see :func:`topk_indices`.
+      method: top-k selection, see :func:`topk_indices`; the default picks the measured
+        faster of a threshold search (above 2% of entries) and ``lax.top_k``, both exact
+        for distinct magnitudes.
 
     Returns:
       A ``GradientTransformation`` with :class:`TopkState`. Its log holds one ``art_ring``,
@@ -384,7 +396,7 @@ def lw_topk(axis_name: Any, *, ratio: float) -> optax.GradientTransformation:
             size = math.prod(jnp.shape(leaf))
             if size:
                 k = min(size, math.ceil(ratio * size))
-                parts.append(topk_indices(g[start : start + size], k) + start)
+                parts.append(topk_indices(g[start : start + size], k, method="exact") + start)
             start += size
         if not parts:
             raise ValueError("the gradient has no entries (d = 0): nothing to sparsify")

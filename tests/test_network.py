@@ -328,8 +328,14 @@ def test_schedule_preset_c1():
     tiny = NetworkSchedule.preset("c1", 2)  # phases shorter than a step collapse
     assert tiny.segments[0][0] == 0
     assert tiny.at(1) == Network(50e-3, 25e9)
-    with pytest.raises(ValueError, match="name must be one of 'c1'.*got 'c2'"):
-        NetworkSchedule.preset("c2", 500)
+    with pytest.raises(ValueError, match="name must be one of 'c1', 'c2'; got 'c3'"):
+        NetworkSchedule.preset("c3", 500)
+    c2 = NetworkSchedule.preset("c2", 500)
+    assert [s for s, _ in c2.segments] == [0, 120, 200, 280, 360]
+    assert c2.at(150) == c2.at(300)
+    assert c2.at(150).latency_s == pytest.approx(7.071e-3, rel=1e-3)
+    assert c2.at(150).bandwidth_bps == 5e9
+    assert c2.at(250) == Network(50e-3, 1e9) and c2.at(499) == Network(1e-3, 25e9)
     with pytest.raises(ValueError, match="total_steps must be an integer >= 1"):
         NetworkSchedule.preset("c1", 0)
 

@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if cfg.stages > 1:
         from train.pipeline_trainer import PipelineTrainer as Trainer
+    elif cfg.adaptive:
+        from train.adaptive import AdaptiveTrainer as Trainer
     try:
         summary = Trainer(cfg).run(resume=args.resume)
     except (ValueError, FloatingPointError) as e:

@@ -56,7 +56,9 @@ class Config:
         ``aggregator_args``, so ``optimizer`` must be ``none``); ``aggregator_args`` are the
         factory's keyword arguments (e.g. ``{local_lr: 0.1, global_lr: 0.001,
         full_sync_every: 10}`` for ``marsit``).
-      network: network schedule, e.g. ``"1ms,1Gbps"`` or ``"0:1ms,10Gbps;100:50ms,1Gbps"``.
+      network: network schedule, e.g. ``"1ms,1Gbps"`` or ``"0:1ms,10Gbps;100:50ms,1Gbps"``,
+        or ``c1`` / ``c2``: the AR-Topk paper's changing networks scaled to ``steps``
+        (:meth:`jaxcomm.NetworkSchedule.preset`).
       overlap: model communication as hidden behind compute (``max``) instead of added.
       compute: what a step's compute time is: ``measured`` (this host's time for the
         step) or a device of :data:`jaxcomm.DEVICES`, optionally with the matrix dtype
@@ -122,6 +124,7 @@ class Config:
     buffer_bits: int = 0
     buffer_dir: str = ""
     init_params: str = ""
+    adaptive: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _choice("task", self.task, TASKS)
@@ -156,6 +159,13 @@ class Config:
         elif self.mfu is not None:
             raise ValueError(f"mfu={self.mfu!r} needs compute=<device>, got compute='measured'")
         self.straggler_model()  # a clear error for bad straggler settings
+        if self.adaptive:
+            if self.aggregator != "ar_topk" or self.stages != 1:
+                raise ValueError(
+                    f"adaptive={self.adaptive!r} needs aggregator='ar_topk' and stages=1; got "
+                    f"aggregator={self.aggregator!r}, stages={self.stages}"
+                )
+            self.adaptive_model()
         if self.train_samples < 0:
             raise ValueError(f"train_samples must be >= 0, got {self.train_samples}")
         _positive("stages", self.stages)
@@ -177,14 +187,31 @@ class Config:
             raise ValueError(f"init_params must name an existing file, got {self.init_params!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
-        from jaxcomm.network import NetworkSchedule
-
-        NetworkSchedule.parse(self.network)
+        self.network_schedule()  # a clear error for a bad network
 
     @property
     def run_dir(self) -> Path:
         """The output folder of this run."""
         return Path(self.out_dir or f"runs/{self.name}")
+
+    def network_schedule(self):
+        """The :class:`jaxcomm.NetworkSchedule` of ``network``."""
+        from jaxcomm.network import NetworkSchedule
+
+        if self.network.strip().lower() in ("c1", "c2"):
+            return NetworkSchedule.preset(self.network.strip(), self.steps)
+        return NetworkSchedule.parse(self.network)
+
+    def adaptive_model(self):
+        """The :class:`jaxcomm.adaptive.AdaptiveRatio` of ``adaptive`` (None when empty)."""
+        if not self.adaptive:
+            return None
+        from jaxcomm.adaptive import AdaptiveRatio
+
+        try:
+            return AdaptiveRatio(**self.adaptive)
+        except TypeError as e:
+            raise ValueError(f"adaptive {self.adaptive!r}: {e}") from e
 
     def roofline(self) -> Any:
         """The :class:`jaxcomm.Roofline` of ``compute`` (``None`` when ``measured``)."""

@@ -37,7 +37,6 @@ from jaxcomm.network import (
     KINDS,
     CommLog,
     Network,
-    NetworkSchedule,
     SimClock,
     as_bytes,
     find_logs,
@@ -84,7 +83,7 @@ def make_aggregator(cfg: Config) -> optax.GradientTransformation:
     if cfg.aggregator in ("marsit", "ssdm", "cascading_sign"):
         args.setdefault("seed", cfg.seed)
     if cfg.aggregator == "ar_topk" and args.get("reduce") == "auto":
-        net = args.get("network") or NetworkSchedule.parse(cfg.network).at(0)
+        net = args.get("network") or cfg.network_schedule().at(0)
         args["network"] = Network.parse(net) if isinstance(net, str) else net
     try:
         return factory(AXIS, **args)
@@ -148,7 +147,7 @@ class Trainer:
         if cfg.train_samples:
             self.train_data = Subset(self.train_data, cfg.train_samples)
         self.loader = Loader(self.train_data, cfg.global_batch, seed=cfg.seed, num_shards=self.n)
-        self.schedule = NetworkSchedule.parse(cfg.network)
+        self.schedule = cfg.network_schedule()
         self.tx = optax.chain(make_aggregator(cfg), make_optimizer(cfg))
         self.sharded = NamedSharding(self.mesh, P(AXIS))
         self.replicated = NamedSharding(self.mesh, P())
@@ -195,8 +194,9 @@ class Trainer:
         )
         return stacked, init(stacked)
 
-    def _build_step(self) -> Callable:
-        task, tx = self.task, self.tx
+    def _build_step(self, tx: optax.GradientTransformation | None = None) -> Callable:
+        """The jitted step of ``tx`` (default: the config's aggregator and optimizer)."""
+        task, tx = self.task, tx or self.tx
 
         def per_worker(params, opt_state, batch):
             # params, opt_state: [1, ...] this worker's; batch: [1, B / N, ...]
@@ -271,6 +271,7 @@ class Trainer:
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(self._state_tree()),
                 meta=ocp.args.JsonSave(self.fingerprint()),
+                extras=ocp.args.JsonSave(self._checkpoint_extras()),
             ),
             force=True,
         )
@@ -297,6 +298,13 @@ class Trainer:
             latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
         )["state"]
         self.params, self.opt_state = state["params"], state["opt_state"]
+        try:
+            extras = manager.restore(
+                latest, args=ocp.args.Composite(extras=ocp.args.JsonRestore())
+            )["extras"]
+        except (KeyError, ValueError, FileNotFoundError):
+            extras = {}  # a checkpoint written before host-side extras were saved
+        self._restore_extras(extras)
         self.step = int(state["step"])
         self.loader.restore({"position": int(state["loader_position"]), "seed": self.cfg.seed})
         self.clock.restore({"now": float(state["clock"]), "overlap": self.cfg.overlap})
@@ -426,6 +434,25 @@ class Trainer:
             overlap=overlap,
         )
 
+    def simulate_logged(
+        self,
+        traffic: StepTraffic,
+        network: Network,
+        step: int,
+        *,
+        measured_s: float,
+        key: Any = None,
+    ) -> tuple[float, float, float]:
+        """:meth:`simulate_step` of a step from its logged traffic; ``key`` names its
+        program (default: the one the last step ran)."""
+        total = jaxcomm.Traffic(
+            sent=traffic.sent,
+            rounds=traffic.rounds.sum(1),
+            path_bytes=traffic.path_bytes.sum(1),
+        )
+        key = self._program_key() if key is None else key
+        return self.simulate_step(key, total, network, step, measured_s=measured_s)
+
     def _modelled_per_device(self, key: Any = None, branches: Any = None) -> np.ndarray:
         key = self._program_key() if key is None else key
         if branches:
@@ -448,6 +475,16 @@ class Trainer:
 
     def _after_step(self) -> None:
         """Hook run once a step's state is accepted (before metrics and checkpoints)."""
+
+    def _checkpoint_extras(self) -> dict[str, Any]:
+        """Hook: host-side state saved with each checkpoint as JSON (none here)."""
+        return {}
+
+    def _restore_extras(self, extras: dict[str, Any]) -> None:
+        """Hook: restore :meth:`_checkpoint_extras`' output."""
+
+    def _before_step(self) -> None:
+        """Hook run before each training step (e.g. a search that changes the step)."""
 
     def _step_extras(self) -> dict[str, float]:
         """Hook: extra per-step metrics for the JSONL row: a top-k aggregator's compression
@@ -492,6 +529,7 @@ class Trainer:
         bar = _progress(cfg, self.step)
         with metrics_path.open("a") as out:
             while self.step < cfg.steps:
+                self._before_step()
                 params, opt_state, metrics, finite, compute_s, extra = self._step_once(compiled)
                 metrics, finite = host_metrics(metrics), host_finite(finite)
                 if not finite:
@@ -508,13 +546,8 @@ class Trainer:
                 self.last_traffic = traffic
                 network = self.schedule.at(self.step - 1)
                 sent = int(traffic.sent.max())
-                total = jaxcomm.Traffic(
-                    sent=traffic.sent,
-                    rounds=traffic.rounds.sum(1),
-                    path_bytes=traffic.path_bytes.sum(1),
-                )
-                seconds, step_s, comm_s = self.simulate_step(
-                    self._program_key(), total, network, self.step - 1, measured_s=compute_s
+                seconds, step_s, comm_s = self.simulate_logged(
+                    traffic, network, self.step - 1, measured_s=compute_s
                 )
                 sim = self.clock.advance(seconds)
                 last = {

@@ -1,0 +1,171 @@
+"""Cost of top-k selection as a ratio to a device copy, for the AR-Topk aggregators.
+
+For float32 arrays of 1M to 64M elements (standard normal, numpy seed 0) and ratios 0.1,
+0.01 and 0.001, times ``jax.jit`` of ``x -> jaxcomm.topk_indices(x, k, method=...)`` for
+``exact`` (``lax.top_k``), ``approx`` (``lax.approx_max_k``) and ``threshold`` (bisection on a
+magnitude threshold, 25 rounds as MSTopk, and 12 rounds), against ``jax.jit(jnp.copy)`` of
+the same array. Each program is compiled ahead of time and called once untimed; then
+``--repeats`` interleaved rounds time one call of each (wall clock around
+``block_until_ready``), and each figure is the median of its rounds, so copy and selection
+see the same machine load. Each selection's result is also checked against the exact top-k
+set (``recall``: the share of the exact indices it returns).
+
+    python benchmarks/topk_selection.py [--sizes 1,4,16,64] [--repeats 5]
+
+Writes ``topk_selection.md`` / ``.json`` / ``.png`` under ``--out``
+(default ``benchmarks/results/artopk``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+from _meta import run_meta
+from tqdm.auto import tqdm
+
+import jaxcomm
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+METHODS = {
+    "exact": dict(method="exact"),
+    "approx": dict(method="approx"),
+    "threshold-25": dict(method="threshold", rounds=25),
+    "threshold-12": dict(method="threshold", rounds=12),
+}
+RATIOS = (0.1, 0.01, 0.001)
+
+
+def _timed(f, x) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(x))
+    return time.perf_counter() - t0
+
+
+def measure(size: int, repeats: int) -> list[dict]:
+    """Rows ``{size, ratio, method, median_s, copy_s, ratio_to_copy, recall}``."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(size, dtype=np.float32))
+    copy = jax.jit(jnp.copy).lower(x).compile()
+    progs = {}
+    for ratio in RATIOS:
+        k = math.ceil(ratio * size)
+        for name, kw in METHODS.items():
+            f = jax.jit(lambda v, k=k, kw=kw: jaxcomm.topk_indices(v, k, **kw))
+            progs[ratio, name] = f.lower(x).compile()
+    exact = {r: np.asarray(progs[r, "exact"](x)) for r in RATIOS}
+    recall = {
+        key: np.intersect1d(exact[key[0]], np.asarray(p(x))).size / exact[key[0]].size
+        for key, p in progs.items()
+    }
+    times: dict = {key: [] for key in progs}
+    copies: list[float] = []
+    _timed(copy, x)
+    for _ in range(repeats):
+        for key, p in progs.items():
+            copies.append(_timed(copy, x))
+            times[key].append(_timed(p, x))
+    copy_s = statistics.median(copies)
+    return [
+        {
+            "size": size,
+            "ratio": ratio,
+            "method": name,
+            "median_s": statistics.median(times[ratio, name]),
+            "copy_s": copy_s,
+            "ratio_to_copy": statistics.median(times[ratio, name]) / copy_s,
+            "recall": recall[ratio, name],
+        }
+        for (ratio, name) in progs
+    ]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Measure, write the record, table and plot; returns the record."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="1,4,16,64", help="millions of elements (2**20)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default="benchmarks/results/artopk")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    rows = []
+    for m in tqdm([int(s) for s in args.sizes.split(",")], desc="sizes"):
+        rows += measure(m * 2**20, args.repeats)
+    record = {"meta": run_meta(argv, t0, device=str(jax.devices()[0])), "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "topk_selection.json").write_text(json.dumps(record, indent=2))
+    (out / "topk_selection.md").write_text(render(record))
+    plot(record, out / "topk_selection.png")
+    print(render(record))
+    return record
+
+
+def render(record: dict) -> str:
+    """Markdown table: time / copy per (size, ratio) and method, with recall."""
+    meta, rows = record["meta"], record["rows"]
+    lines = [
+        "# Top-k selection cost",
+        "",
+        f"`{meta['command']}` ({meta['date']}, {meta['machine']}, {meta['device']}, "
+        f"jax {meta['jax']}).",
+        "",
+        "Median time of `jaxcomm.topk_indices` divided by the median time of a device copy "
+        "of the same float32 array (interleaved rounds); recall = share of the exact top-k "
+        "indices returned.",
+        "",
+        "| elements | ratio | copy ms | " + " | ".join(METHODS) + " |",
+        "|---|---|---|" + "---|" * len(METHODS),
+    ]
+    by = {(r["size"], r["ratio"], r["method"]): r for r in rows}
+    for size in sorted({r["size"] for r in rows}):
+        for ratio in RATIOS:
+            cells = []
+            for m in METHODS:
+                r = by[size, ratio, m]
+                rec = "" if r["recall"] == 1.0 else f" (recall {r['recall']:.4f})"
+                cells.append(f"{r['ratio_to_copy']:.1f}x{rec}")
+            copy_ms = 1e3 * by[size, ratio, "exact"]["copy_s"]
+            lines.append(
+                f"| {size / 2**20:g}M | {ratio} | {copy_ms:.1f} | " + " | ".join(cells) + " |"
+            )
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plot(record: dict, path: Path) -> None:
+    """Time / copy against size, one panel per ratio."""
+    rows = record["rows"]
+    fig, axes = plt.subplots(1, len(RATIOS), figsize=(4 * len(RATIOS), 3.4), sharey=True)
+    for ax, ratio in zip(axes, RATIOS, strict=True):
+        for m in METHODS:
+            pts = sorted(
+                (r["size"], r["ratio_to_copy"])
+                for r in rows
+                if r["ratio"] == ratio and r["method"] == m
+            )
+            ax.plot([p[0] / 2**20 for p in pts], [p[1] for p in pts], "o-", label=m)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"ratio {ratio}")
+        ax.set_xlabel("elements (M)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("time / device copy")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,164 @@
+"""Adaptive compression ratio: the Pareto knee, the controller's triggers, the trainer's
+snapshot-and-restore trials, collective switches and bit-exact resume."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxcomm.adaptive import AdaptiveRatio, Trial, knee, non_dominated
+from jaxcomm.network import Network
+from train.adaptive import AdaptiveTrainer
+from train.config import Config, load_config
+
+
+def test_non_dominated_and_knee_by_hand():
+    pts = [(1.0, 9.0), (2.0, 2.0), (9.0, 1.0), (3.0, 3.0), (2.0, 2.0)]
+    assert non_dominated(pts) == [0, 1, 2, 4]  # (3, 3) is dominated by (2, 2)
+    assert knee(pts) == 1  # nearest the ideal after scaling
+    assert knee([(5.0, 1.0)]) == 0
+    with pytest.raises(ValueError, match="NaN"):
+        non_dominated([(1.0, float("nan"))])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(*[st.floats(0, 100, allow_nan=False)] * 3), min_size=1, max_size=7))
+def test_knee_is_on_the_front_and_the_front_is_exact(points):
+    front = set(non_dominated(points))
+    for i, p in enumerate(points):
+        dominated = any(all(a <= b for a, b in zip(q, p, strict=True)) and q != p for q in points)
+        assert (i not in front) == dominated
+    assert knee(points) in front
+
+
+def _controller(**kw):
+    c = AdaptiveRatio(candidates=(0.1, 0.01, 0.001), trial_steps=3, min_interval=0, **kw)
+    c.record([Trial(0.1, 0.9, 1e-3), Trial(0.01, 0.5, 1e-3), Trial(0.001, 0.1, 1e-3)], 0)
+    return c
+
+
+def test_controller_triggers():
+    net = Network(1e-3, 10e9)
+    fresh = AdaptiveRatio()
+    assert fresh.due(0, net) == "search"
+    c = _controller()
+    ratio, reduce = c.choose(4_000_000, 8, net)
+    assert ratio in (0.1, 0.01, 0.001) and reduce in ("ring", "tree", "allgather")
+    assert c.due(1, net) is None
+    assert c.due(1, Network(1.05e-3, 10e9)) is None  # within 10%
+    assert c.due(1, Network(1e-3, 5e9)) == "choose"
+    gain = c.trials[ratio].gain
+    for g in (gain, gain * 1.05, gain * 0.98):
+        c.observe(g)
+    assert c.due(4, net) is None  # mean within 10%
+    for _ in range(3):
+        c.observe(gain * 0.5)
+    assert c.due(5, net) == "search"
+    slow = _controller(gain_threshold=0.1)
+    slow.min_interval = 100
+    slow.choose(4_000_000, 8, net)
+    for _ in range(3):
+        slow.observe(0.01)
+    assert slow.due(5, net) is None  # too soon after the search
+
+
+def test_choice_follows_the_network():
+    """Low latency / high bandwidth favours a larger ratio; the collective is the model's
+    cheapest for the chosen ratio."""
+    c = _controller()
+    fast = c.choose(400_000_000, 8, Network(1e-4, 100e9))
+    slow = c.choose(400_000_000, 8, Network(50e-3, 1e9))
+    assert fast[0] >= slow[0]
+    from jaxcomm.network import choose_collective
+
+    want = choose_collective(400_000_000, 8, slow[0], Network(50e-3, 1e9))
+    assert slow[1] == {"allgather": "allgather", "art_ring": "ring", "art_tree": "tree"}[want]
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match=r"candidates\[1\]"):
+        AdaptiveRatio(candidates=(0.1, 0.0))
+    with pytest.raises(ValueError, match="trial_steps"):
+        AdaptiveRatio(trial_steps=0)
+    with pytest.raises(ValueError, match="needs aggregator='ar_topk'"):
+        load_config(None, ["adaptive={trial_steps: 2}"])
+    with pytest.raises(ValueError, match="adaptive .*unexpected keyword"):
+        load_config(None, ["aggregator=ar_topk", "adaptive={bogus: 1}"])
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(
+        name="adaptive",
+        task="mlp",
+        model={"features": [32]},
+        dataset="digits",
+        workers=8,
+        global_batch=64,
+        steps=8,
+        lr=0.05,
+        optimizer="sgd",
+        aggregator="ar_topk",
+        aggregator_args={"ratio": 0.1, "select": "star"},
+        adaptive={"trial_steps": 2, "min_interval": 2},
+        network="0:1ms,10Gbps;4:0us,1Gbps",
+        compute="v100",
+        checkpoint_every=4,
+        progress=False,
+        out_dir=str(tmp_path / "run"),
+    )
+    base.update(kw)
+    return Config(**base)
+
+
+def _host(tree):
+    return [np.array(a) for a in jax.tree.leaves(jax.device_get(tree))]
+
+
+def test_a_search_leaves_every_piece_of_state_bit_identical(tmp_path):
+    trainer = AdaptiveTrainer(_cfg(tmp_path, steps=3))
+    trainer.run()
+    before = (_host(trainer.params), _host(trainer.opt_state), trainer.loader.position)
+    clock = trainer.clock.now
+    trials = trainer.search(Network(1e-3, 1e9))
+    after = (_host(trainer.params), _host(trainer.opt_state), trainer.loader.position)
+    for a, b in zip(before[0] + before[1], after[0] + after[1], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert before[2] == after[2]
+    assert [t.ratio for t in trials] == list(trainer.controller.candidates)
+    gains = [t.gain for t in trials]
+    assert gains == sorted(gains, reverse=True) and gains[0] > gains[-1]  # less kept, less gain
+    assert trainer.clock.now > clock  # the trials' time is charged
+    assert trainer.controller.ratio in trainer.controller.candidates
+
+
+def test_ratio_and_collective_are_logged_and_switch_with_the_network(tmp_path):
+    cfg = _cfg(tmp_path)
+    AdaptiveTrainer(cfg).run()
+    rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["search"] == "search" and rows[0]["search_s"] > 0
+    assert all({"ratio", "collective", "gain", "search"} <= set(r) for r in rows)
+    # 1 ms / 10 Gbps: latency-bound, all-gather; 0 latency / 1 Gbps: the ring's bandwidth.
+    assert rows[0]["collective"] == "allgather"
+    assert rows[4]["search"] in ("choose", "search") and rows[4]["collective"] == "ring"
+    assert rows[-1]["wire"][0][0] == "art_ring"
+
+
+def test_resume_is_bit_exact(tmp_path):
+    full = AdaptiveTrainer(_cfg(tmp_path / "a"))
+    full.run()
+    AdaptiveTrainer(_cfg(tmp_path / "b", steps=4)).run()
+    resumed = AdaptiveTrainer(_cfg(tmp_path / "b"))
+    resumed.run(resume=True)
+    for a, b in zip(_host(full.params), _host(resumed.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(_host(full.opt_state), _host(resumed.opt_state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert full.controller.state_dict() == resumed.controller.state_dict()
+    rows = lambda d: [  # noqa: E731
+        json.loads(x) for x in (d / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["ratio"] for r in rows(tmp_path / "a")] == [r["ratio"] for r in rows(tmp_path / "b")]
+    assert full.clock.now == pytest.approx(resumed.clock.now, rel=1e-12)
