@@ -162,3 +162,32 @@ def test_resume_is_bit_exact(tmp_path):
     ]
     assert [r["ratio"] for r in rows(tmp_path / "a")] == [r["ratio"] for r in rows(tmp_path / "b")]
     assert full.clock.now == pytest.approx(resumed.clock.now, rel=1e-12)
+
+
+def test_the_shipped_configs_run_from_the_command_line(tmp_path):
+    """``configs/artopk_*.yaml`` load and run a few steps through ``python -m train``
+    (the adaptive one through the adaptive trainer)."""
+    from train.cli import main
+
+    root = __import__("pathlib").Path(__file__).resolve().parent.parent
+    for name in ("artopk_default", "artopk_adaptive"):
+        out = tmp_path / name
+        code = main(
+            [
+                "--config",
+                str(root / "configs" / f"{name}.yaml"),
+                "--set",
+                "steps=3",
+                "--set",
+                "model.features=[32]",
+                "--set",
+                "adaptive.trial_steps=1" if name == "artopk_adaptive" else "eval_batches=1",
+                "--set",
+                f"out_dir={out}",
+                "--no-progress",
+            ]
+        )
+        assert code == 0
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        assert len(rows) == 3 and all("gain" in r for r in rows)
+        assert ("collective" in rows[0]) == (name == "artopk_adaptive")
