@@ -113,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--adaptive-features", default="1024,1024", help="MLP hidden widths")
     ap.add_argument("--quick", action="store_true", help="60 / 150 steps")
+    ap.add_argument(
+        "--only",
+        choices=("static", "adaptive"),
+        help="re-run one part; the other is kept from the stored experiments.json",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.adaptive_steps = 60, 150
@@ -123,8 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     for ratio in RATIOS:
         for name, (agg, extra) in METHODS.items():
             jobs.append((name, ratio, agg, {"ratio": ratio, **extra}))
+    stored = {}
+    if args.only:
+        path = out / "experiments.json"
+        if not path.exists():
+            raise SystemExit(f"--only {args.only} needs a stored {path}; run without --only first")
+        stored = json.loads(path.read_text())
     static = {}
     for name, ratio, agg, agg_args in tqdm(jobs, desc="fixed ratio"):
+        if args.only == "adaptive":
+            break
         label = name if ratio is None else f"{name} {ratio}"
         cfg = config(
             label.replace(" ", "_"),
@@ -137,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         static[label] = run(cfg)
     adaptive = {}
     wide = {"features": [int(w) for w in args.adaptive_features.split(",")]}
-    for preset in ("c1", "c2"):
+    for preset in ("c1", "c2") if args.only != "static" else ():
         cfg = config(
             f"adaptive_{preset}",
             out,
@@ -162,10 +175,18 @@ def main(argv: list[str] | None = None) -> int:
         "static": {k: {x: v[x] for x in v if x != "rows"} for k, v in static.items()},
         "adaptive": {k: _adaptive_summary(v) for k, v in adaptive.items()},
     }
+    if args.only:  # the part not re-run, with the run record it came from
+        kept = "static" if args.only == "adaptive" else "adaptive"
+        record[kept] = stored[kept]
+        record[f"{kept}_meta"] = stored.get(f"{kept}_meta", stored["meta"])
+        keys = ("steps", "lr") if kept == "static" else ("adaptive_steps", "adaptive_features")
+        record.update({k: stored[k] for k in keys})
     (out / "experiments.json").write_text(json.dumps(record, indent=2, default=str))
     (out / "experiments.md").write_text(render(record))
-    _plot_accuracy(static, out / "accuracy.png")
-    _plot_adaptive(adaptive, out / "adaptive.png")
+    if static:
+        _plot_accuracy(static, out / "accuracy.png")
+    if adaptive:
+        _plot_adaptive(adaptive, out / "adaptive.png")
     print(render(record))
     return 0
 
@@ -194,6 +215,12 @@ def render(record: dict) -> str:
         f"`{meta['command']}` ({meta['date']}, {meta['machine']}, jax {meta['jax']}, "
         f"{meta.get('wall_s', 0) / 60:.0f} min).",
         "",
+    ]
+    for part in ("static", "adaptive"):
+        if f"{part}_meta" in record:
+            m = record[f"{part}_meta"]
+            lines += [f"The {part} part is kept from `{m['command']}` ({m['date']}).", ""]
+    lines += [
         f"MLP 64-512-512-10 on digits, 8 workers, batch 128, momentum SGD lr {record['lr']}, "
         f"{record['steps']} steps, network {record['network']}. Accuracy: validation at the "
         "end; bytes: per step, busiest worker; step: simulated ms (V100 roofline of the "

@@ -16,9 +16,22 @@ This module holds the decision logic, independent of any trainer:
 
 The paper solves the choice with NSGA-II (pymoo). With five discrete candidates an exact
 non-dominated sort is the answer NSGA-II approximates (a genetic search only pays off when
-the decision space is too large to enumerate), so jaxcomm sorts exactly and takes the knee
-of the front as the point nearest the ideal point after scaling each objective to
-``[0, 1]`` over the front.
+the decision space is too large to enumerate), so jaxcomm sorts exactly.
+
+Two deviations, both with the paper's form kept available:
+
+* ``objectives="step"`` (default) uses two objectives, ``(t_comp + t_sync, 1 / gain)``:
+  both times add to the step, and what a ratio costs is their sum; as separate objectives a
+  selection time of a fraction of a millisecond would weigh as much as a sync time of
+  100 ms. ``objectives="paper"`` keeps the three.
+* The knee is the front point nearest the ideal after dividing each objective by its
+  largest value on the front (``normalize="max"``). The usual min-max normalisation
+  (``normalize="range"``) is blind to a constant added to an objective and to its units,
+  so latency and bandwidth would never change the chosen ratio (only the collective):
+  a sync time of ``3 alpha + b c / B`` scales to the same ``[0, 1]`` values on every
+  network. Scaling by the largest value keeps proportions: when latency dominates, the
+  sync times of the candidates differ by a few percent and the gain decides (a high ratio);
+  when bandwidth dominates, they differ many-fold and a low ratio wins.
 """
 
 from __future__ import annotations
@@ -33,6 +46,8 @@ from jaxcomm.network import Network, choose_collective, collective_time
 
 __all__ = [
     "CANDIDATES",
+    "NORMALIZE",
+    "OBJECTIVES",
     "AdaptiveRatio",
     "Trial",
     "knee",
@@ -61,19 +76,39 @@ def non_dominated(points: Sequence[Sequence[float]]) -> list[int]:
     return [i for i, p in enumerate(pts) if not any(dominates(q, p) for q in pts)]
 
 
-def knee(points: Sequence[Sequence[float]]) -> int:
+NORMALIZE = ("max", "range")
+OBJECTIVES = ("step", "paper")
+
+
+def knee(points: Sequence[Sequence[float]], *, normalize: str = "max") -> int:
     """Index of the knee of the Pareto front of ``points`` (all objectives minimised).
 
-    Each objective is scaled to ``[0, 1]`` by its minimum and maximum over the front (an
-    objective equal on the whole front scales to 0), and the knee is the front point
-    nearest the ideal point ``(0, ..., 0)``; ties go to the lower index.
+    The knee is the front point nearest the ideal point ``(0, ..., 0)`` after each objective
+    is scaled over the front; ties go to the lower index.
+
+    Args:
+      points: ``[P][D]`` objective values.
+      normalize: ``"max"`` divides each objective by its largest value on the front (values
+        must be ``>= 0``), so an objective keeps its proportions: one that barely moves
+        across the front, such as a sync time dominated by latency, weighs little.
+        ``"range"`` maps each objective's ``[min, max]`` over the front to ``[0, 1]``, the
+        usual normalisation of multi-objective decision making; it is blind to a constant
+        added to an objective, so a latency-dominated sync time weighs as much as a
+        bandwidth-dominated one. An objective equal on the whole front scales to 0.
     """
+    if normalize not in NORMALIZE:
+        raise ValueError(f"normalize must be one of {NORMALIZE}; got {normalize!r}")
     if not points:
         raise ValueError("points must hold at least one candidate")
     front = non_dominated(points)
     dims = len(points[0])
-    lo = [min(points[i][j] for i in front) for j in range(dims)]
     hi = [max(points[i][j] for i in front) for j in range(dims)]
+    if normalize == "max":
+        if any(points[i][j] < 0 for i in front for j in range(dims)):
+            raise ValueError(f"normalize='max' needs objectives >= 0; got {points}")
+        lo = [0.0] * dims
+    else:
+        lo = [min(points[i][j] for i in front) for j in range(dims)]
 
     def scaled(i):
         return [
@@ -116,6 +151,9 @@ class AdaptiveRatio:
       network_threshold: the choice is redone, with the stored trials, when latency or
         bandwidth moves by more than this share of the values it was made for.
       min_interval: steps after a search before the gain may trigger another.
+      objectives: ``"step"`` chooses on ``(compress_s + sync_s, 1 / gain)``, ``"paper"`` on
+        ``(compress_s, sync_s, 1 / gain)`` (see the module docstring).
+      normalize: how :func:`knee` scales the objectives, ``"max"`` or ``"range"``.
     """
 
     def __init__(
@@ -126,6 +164,8 @@ class AdaptiveRatio:
         gain_threshold: float = 0.1,
         network_threshold: float = 0.1,
         min_interval: int = 50,
+        objectives: str = "step",
+        normalize: str = "max",
     ):
         cands = tuple(candidates)
         if not cands:
@@ -140,6 +180,11 @@ class AdaptiveRatio:
             "network_threshold", network_threshold, lo=0.0, lo_open=True
         )
         self.min_interval = check_int("min_interval", min_interval, lo=0)
+        if objectives not in OBJECTIVES:
+            raise ValueError(f"objectives must be one of {OBJECTIVES}; got {objectives!r}")
+        if normalize not in NORMALIZE:
+            raise ValueError(f"normalize must be one of {NORMALIZE}; got {normalize!r}")
+        self.objectives, self.normalize = objectives, normalize
         self.trials: dict[float, Trial] = {}
         self.ratio: float | None = None
         self.collective: str | None = None
@@ -174,7 +219,7 @@ class AdaptiveRatio:
         return best, collective_time(_KIND[best], nbytes, n, network, ratio=ratio)
 
     def choose(self, nbytes: int, n: int, network: Network) -> tuple[float, str]:
-        """Take the knee of ``(compress_s, sync_s, 1 / gain)`` over the stored trials for a
+        """Take the knee of the objectives (see ``objectives``) over the stored trials for a
         gradient of ``nbytes`` dense bytes on ``n`` workers and ``network``; returns and
         keeps ``(ratio, reduce)`` (``reduce`` as :func:`jaxcomm.ar_topk` takes it)."""
         if not self.trials:
@@ -184,9 +229,13 @@ class AdaptiveRatio:
         for c in ratios:
             kind, sync = self.sync_s(c, nbytes, n, network)
             t = self.trials[c]
-            points.append((t.compress_s, sync, 1.0 / max(t.gain, 1e-30)))
+            inv_gain = 1.0 / max(t.gain, 1e-30)
+            if self.objectives == "step":
+                points.append((t.compress_s + sync, inv_gain))
+            else:
+                points.append((t.compress_s, sync, inv_gain))
             picks.append(kind)
-        i = knee(points)
+        i = knee(points, normalize=self.normalize)
         self.ratio, self.collective, self.network = ratios[i], REDUCE[picks[i]], network
         self.gains = []
         return self.ratio, self.collective

@@ -34,6 +34,63 @@ def test_knee_is_on_the_front_and_the_front_is_exact(points):
     assert knee(points) in front
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(*[st.floats(0, 100, allow_nan=False)] * 2), min_size=1, max_size=6),
+    st.floats(0.01, 100),
+    st.floats(0, 1000),
+)
+def test_knee_scalings(points, factor, shift):
+    """Both scalings ignore units; only "range" ignores a constant added to an objective."""
+    scaled = [(a * factor, b) for a, b in points]
+    for normalize in ("max", "range"):
+        assert knee(scaled, normalize=normalize) == knee(points, normalize=normalize)
+    shifted = [(a + shift, b) for a, b in points]
+    assert knee(shifted, normalize="range") == knee(points, normalize="range")
+
+
+def test_knee_by_max_weighs_an_objective_by_how_much_it_moves():
+    # Sync ms of an all-gather at 1 Gbps, and at 25 Gbps with 150 ms of latency; inverse
+    # gains of a real search.
+    inv_gain = [1.6, 3.8, 7.4, 11.9, 21.3]
+    bw_term = [50.0, 17.0, 5.6, 2.0, 0.5]
+    bandwidth_bound = list(zip(bw_term, inv_gain, strict=True))
+    latency_bound = [(150.0 + t / 25, g) for t, g in bandwidth_bound]
+    assert knee(latency_bound, normalize="max") == 0  # times differ by 1%: take the gain
+    assert knee(bandwidth_bound, normalize="max") == 2
+    assert knee(latency_bound, normalize="range") == knee(bandwidth_bound, normalize="range")
+    with pytest.raises(ValueError, match="normalize must be one of"):
+        knee(latency_bound, normalize="minmax")
+    with pytest.raises(ValueError, match=">= 0"):
+        knee([(-1.0, 2.0)])
+
+
+def _search_of_a_1m_model(**kw):
+    """Trials as a search of the 1.1M-parameter MLP measured them."""
+    c = AdaptiveRatio(**kw)
+    gains = (0.64, 0.27, 0.13, 0.084, 0.047)
+    compress = (5.3e-4, 3.7e-4, 2.6e-4, 1.4e-4, 7.6e-5)
+    c.record([Trial(r, g, t) for r, g, t in zip(c.candidates, gains, compress, strict=True)], 0)
+    return c
+
+
+def test_latency_and_bandwidth_move_the_ratio():
+    """With the default objectives a latency-bound network keeps a high ratio (sync time
+    barely depends on it) and a bandwidth-bound one takes a low ratio; the paper-style
+    min-max knee chooses the same ratio on both."""
+    nbytes = 4 * 1_126_000
+    latency_bound, bandwidth_bound = Network(50e-3, 25e9), Network(1e-3, 1e9)
+    c = _search_of_a_1m_model()
+    assert c.choose(nbytes, 8, latency_bound)[0] == 0.1
+    assert c.choose(nbytes, 8, bandwidth_bound)[0] == 0.011
+    r = _search_of_a_1m_model(objectives="paper", normalize="range")
+    assert r.choose(nbytes, 8, latency_bound)[0] == r.choose(nbytes, 8, bandwidth_bound)[0]
+    with pytest.raises(ValueError, match="objectives must be one of"):
+        AdaptiveRatio(objectives="three")
+    with pytest.raises(ValueError, match="normalize must be one of"):
+        AdaptiveRatio(normalize="z")
+
+
 def _controller(**kw):
     c = AdaptiveRatio(candidates=(0.1, 0.01, 0.001), trial_steps=3, min_interval=0, **kw)
     c.record([Trial(0.1, 0.9, 1e-3), Trial(0.01, 0.5, 1e-3), Trial(0.001, 0.1, 1e-3)], 0)

@@ -5,7 +5,8 @@ search. A search snapshots the training state in memory (parameters, optimizer s
 the residuals, the data position), trains every candidate ratio for ``trial_steps`` steps
 from a copy of it with the collective the network model picks for that ratio, records the
 candidate's mean compression gain and its compression time, restores the snapshot, and
-takes the knee of ``(compression time, modelled sync time, 1 / gain)``. When only the
+takes the knee of the candidates' objectives (by default ``(compression time + modelled
+sync time, 1 / gain)``; see :mod:`jaxcomm.adaptive`). When only the
 network moved, the choice is redone from the stored trials (sync times are modelled, so no
 trial is needed). One jitted step per ``(ratio, collective)`` is compiled on first use and
 cached; every step's metrics row records the ratio and collective it ran.
