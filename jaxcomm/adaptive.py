@@ -145,9 +145,13 @@ class AdaptiveRatio:
     Args:
       candidates: ratios in ``(0, 1]`` to choose from (the paper's by default).
       trial_steps: steps each candidate trains for in a search (the paper: 10); also the
-        window of the current ratio's mean gain that is compared with its trial gain.
+        window of the current ratio's mean gain that the gain trigger watches.
       gain_threshold: a search runs when that mean gain moves by more than this share of
-        the trial gain (the paper: 0.1).
+        the reference gain (the paper: 0.1). The reference is the chosen ratio's own mean
+        gain in training, over the window that follows a first window of warm-up after the
+        choice, not its trial gain: a trial starts from the residual of another ratio, so
+        its gain differs from the steady state by more than 10% on its own, and compared
+        with it the trigger would fire at every ``min_interval``.
       network_threshold: the choice is redone, with the stored trials, when latency or
         bandwidth moves by more than this share of the values it was made for.
       min_interval: steps after a search before the gain may trigger another.
@@ -174,6 +178,8 @@ class AdaptiveRatio:
             check_float(f"candidates[{i}]", c, lo=0.0, hi=1.0, lo_open=True)
             for i, c in enumerate(cands)
         )
+        if len(set(self.candidates)) != len(self.candidates):
+            raise ValueError(f"candidates must be distinct ratios; got {cands!r}")
         self.trial_steps = check_int("trial_steps", trial_steps, lo=1)
         self.gain_threshold = check_float("gain_threshold", gain_threshold, lo=0.0, lo_open=True)
         self.network_threshold = check_float(
@@ -191,6 +197,8 @@ class AdaptiveRatio:
         self.network: Network | None = None  # what the choice was made for
         self.last_search = -(10**9)
         self.gains: list[float] = []
+        self.observed = 0  # steps observed since the last choice
+        self.reference: float | None = None  # the chosen ratio's settled gain
 
     # ------------------------------------------------------------------ decisions
 
@@ -201,9 +209,10 @@ class AdaptiveRatio:
             return "search"
         window = self.gains[-self.trial_steps :]
         if (
-            len(window) == self.trial_steps
+            self.reference is not None
+            and len(window) == self.trial_steps
             and step - self.last_search >= self.min_interval
-            and _moved(sum(window) / len(window), self.trials[self.ratio].gain, self.gain_threshold)
+            and _moved(sum(window) / len(window), self.reference, self.gain_threshold)
         ):
             return "search"
         net = self.network
@@ -237,7 +246,7 @@ class AdaptiveRatio:
             picks.append(kind)
         i = knee(points, normalize=self.normalize)
         self.ratio, self.collective, self.network = ratios[i], REDUCE[picks[i]], network
-        self.gains = []
+        self.gains, self.observed, self.reference = [], 0, None
         return self.ratio, self.collective
 
     def record(self, trials: Sequence[Trial], step: int) -> None:
@@ -248,6 +257,9 @@ class AdaptiveRatio:
     def observe(self, gain: float) -> None:
         """The current ratio's gain after a training step (mean over workers)."""
         self.gains = (self.gains + [float(gain)])[-self.trial_steps :]
+        self.observed += 1
+        if self.observed == 2 * self.trial_steps:  # one window of warm-up, then the reference
+            self.reference = sum(self.gains) / len(self.gains)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -261,6 +273,8 @@ class AdaptiveRatio:
             "network": None if net is None else [net.latency_s, net.bandwidth_bps],
             "last_search": self.last_search,
             "gains": list(self.gains),
+            "observed": self.observed,
+            "reference": self.reference,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -271,3 +285,6 @@ class AdaptiveRatio:
         self.network = None if net is None else Network(*net)
         self.last_search = int(state["last_search"])
         self.gains = [float(g) for g in state["gains"]]
+        self.observed = int(state.get("observed", len(self.gains)))
+        ref = state.get("reference")
+        self.reference = None if ref is None else float(ref)

@@ -24,6 +24,7 @@ cost for the step that ran.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Any, NamedTuple
 
 import jax
@@ -71,8 +72,8 @@ __all__ = [
 
 SELECTIONS = ("auto", "exact", "approx", "threshold")
 # Above this share of entries a threshold search beats lax.top_k (a sort on CPU): measured by
-# benchmarks/topk_selection.py, 1M-64M float32 on CPU, threshold 2.5-6x faster at 10%, about
-# even at 1%, 3-4x slower at 0.1% (results/artopk/topk_selection.md).
+# benchmarks/topk_selection.py, 1M-64M float32 on CPU, threshold 2.4-10x faster at 10%, about
+# even at 1%, 4-8x slower at 0.1% (results/artopk/topk_selection.md). Not measured on a GPU.
 AUTO_THRESHOLD_ABOVE = 0.02
 # jax.named_scope of AR-Topk's broadcast from a traced root: the `branches=` key that
 # resolves its lax.switch in jaxcomm.wire_audit (branch r = root r).
@@ -192,6 +193,12 @@ def _init(axis_name: Any):
     return init_fn
 
 
+def ratio_k(ratio: float, d: int) -> int:
+    """``k = ceil(ratio * d)`` with ``ratio`` read as the decimal it prints as (``0.07 * 100``
+    is ``7.000000000000001`` in floating point, whose ceiling would be 8), at most ``d``."""
+    return min(d, math.ceil(Fraction(repr(float(ratio))) * d))
+
+
 def _k(ratio: float, d: int) -> int:
     if d == 0:
         raise ValueError("the gradient has no entries (d = 0): nothing to sparsify")
@@ -200,7 +207,7 @@ def _k(ratio: float, d: int) -> int:
             f"k = ratio * d = {ratio!r} * {d} = {ratio * d:.3g} rounds to 0 entries; ratio "
             f"must be at least 1 / d = {1.0 / d:.3g} for a model of {d} parameters"
         )
-    return min(d, math.ceil(ratio * d))
+    return ratio_k(ratio, d)
 
 
 def _check_ratio(ratio: Any) -> float:
@@ -395,7 +402,7 @@ def lw_topk(axis_name: Any, *, ratio: float) -> optax.GradientTransformation:
         for leaf in jax.tree.leaves(updates):
             size = math.prod(jnp.shape(leaf))
             if size:
-                k = min(size, math.ceil(ratio * size))
+                k = ratio_k(ratio, size)
                 parts.append(topk_indices(g[start : start + size], k, method="exact") + start)
             start += size
         if not parts:
@@ -414,6 +421,11 @@ def ms_topk(axis_name: Any, *, ratio: float, rounds: int = 25) -> optax.Gradient
     bisection trials of a magnitude threshold (the paper uses 25 rounds; see
     :func:`topk_indices` with ``method="threshold"`` for what is exact), and every worker
     all-gathers its values and indices. Residual: ``G`` minus what this worker sent.
+
+    Deviation: MSTopk estimates the threshold from random samples of ``G`` and bisects on
+    the samples' counts, so about ``k`` entries go out; here each trial counts over all of
+    ``G``, so exactly ``k`` go out (a bisection step is one pass over memory either way on
+    an accelerator, and the payload size stays static, which a collective needs).
 
     Args:
       axis_name: data-parallel axis.

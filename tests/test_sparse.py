@@ -353,3 +353,13 @@ def test_bad_arguments_are_named(call, match):
 def test_a_ratio_whose_k_rounds_to_zero_is_an_error(make):
     with pytest.raises(ValueError, match=r"rounds to 0 entries.*at least 1 / d"):
         _run(make("data", ratio=0.001), _grads(1), 1)  # 0.001 * 384 < 1
+
+
+def test_k_is_the_decimal_ceiling():
+    """``k = ceil(ratio * d)`` of the ratio as written: 0.07 of 100 entries is 7, although
+    ``0.07 * 100`` is 7.000000000000001 in floating point."""
+    from jaxcomm.sparse import ratio_k
+
+    assert 0.07 * 100 > 7 and ratio_k(0.07, 100) == 7
+    assert ratio_k(0.1, 96) == 10 and ratio_k(0.011, 1000) == 11 and ratio_k(1.0, 5) == 5
+    assert ratio_k(0.29, 100) == 29 and ratio_k(0.57, 100) == 57

@@ -33,7 +33,7 @@ import optax
 import jaxcomm
 from jaxcomm.adaptive import REDUCE, Trial
 from jaxcomm.network import Network, choose_collective
-from jaxcomm.sparse import TopkState
+from jaxcomm.sparse import TopkState, ratio_k
 from train.config import Config
 from train.trainer import Trainer, host_finite, make_optimizer, step_traffic
 
@@ -106,7 +106,7 @@ class AdaptiveTrainer(Trainer):
         """
         if ratio not in self._compress:
             d = self.num_params()
-            k = max(1, min(d, int(np.ceil(ratio * d))))
+            k = max(1, ratio_k(ratio, d))
             method = self.cfg.aggregator_args.get("method", "auto")
             select_s, copy_s = _selection_cost(d, k, method)
             if self.compute_model is None:
