@@ -76,6 +76,19 @@ from jaxcomm.aqsgd import (
     quantize_grad,
     uniform_seen,
 )
+from jaxcomm.dreamddp import (
+    Schedule,
+    StepTimeline,
+    as_schedule,
+    brute_force_schedule,
+    dreamddp_schedule,
+    enp_schedule,
+    full_sync_schedule,
+    iteration_time,
+    period_timeline,
+    simulate_period,
+)
+from jaxcomm.localsgd import LocalSGDState, local_sgd, partial_local_sgd
 from jaxcomm.network import (
     KINDS,
     CommLog,
@@ -108,3 +121,4 @@ from jaxcomm.pipeline import (
     gpipe_timeline,
     pipeline_ticks,
 )
+from jaxcomm.profiler import LayerProfile, profile_layers

@@ -38,11 +38,14 @@ from jaxcomm.collectives import (
     tree_all_reduce,
     tree_all_reduce_wire,
 )
-from jaxcomm.network import CommLog, empty_log, log_wire
+from jaxcomm.network import CommLog, Wire, empty_log, log_wire
 
 __all__ = [
+    "DENSE_REDUCE",
     "DenseState",
     "ECQuantizedState",
+    "all_reduce_flat",
+    "all_reduce_wire",
     "dense_allreduce",
     "ec_quantized_allreduce",
     "ring_sent_bytes",
@@ -110,7 +113,7 @@ def dense_allreduce(axis_name: Any, *, reduce: str = "psum") -> optax.GradientTr
             updates, state = tx.update(grads, state, params)
             return optax.apply_updates(params, updates), state
     """
-    check_choice("reduce", reduce, ("psum", "ring", "tree"))
+    check_choice("reduce", reduce, DENSE_REDUCE)
 
     def init_fn(params):
         del params
@@ -120,23 +123,42 @@ def dense_allreduce(axis_name: Any, *, reduce: str = "psum") -> optax.GradientTr
         del params, state
         n = axis_size(axis_name)
         flat, unravel = ravel_pytree(updates)
-        flat = flat.astype(jnp.float32)
         # flat: f32[d], this worker's gradient
-        if reduce == "psum":
-            total = lax.psum(flat, axis_name)
-            wire = psum_wire(flat, n)
-        elif reduce == "ring":
-            total = ring_all_reduce(flat, axis_name)
-            seg = jax.eval_shape(lambda v: split_segments(v, n)[0], flat)
-            wire = ring_all_reduce_wire(seg, n, message_bytes=payload_bytes(flat))
-        else:
-            total = tree_all_reduce(flat, axis_name)
-            wire = tree_all_reduce_wire(flat, n)
+        total, wire = all_reduce_flat(flat.astype(jnp.float32), axis_name, reduce)
         mean = unravel(total / n)
         log = log_wire(empty_log(), wire, lax.axis_index(axis_name))
         return mean, worker_state(DenseState(log), axis_name)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+DENSE_REDUCE = ("psum", "ring", "tree")
+
+
+def all_reduce_wire(flat: Any, n: int, reduce: str) -> Wire:
+    """The :class:`~jaxcomm.network.Wire` of :func:`all_reduce_flat` of a message shaped
+    like ``flat`` (an array or ``jax.ShapeDtypeStruct``) on ``n`` devices."""
+    check_choice("reduce", reduce, DENSE_REDUCE)
+    if reduce == "psum":
+        return psum_wire(flat, n)
+    if reduce == "ring":
+        seg = jax.eval_shape(lambda v: split_segments(v, n)[0], flat)
+        return ring_all_reduce_wire(seg, n, message_bytes=payload_bytes(flat))
+    return tree_all_reduce_wire(flat, n)
+
+
+def all_reduce_flat(flat: jax.Array, axis_name: Any, reduce: str) -> tuple[jax.Array, Wire]:
+    """Sum of a flat array over ``axis_name`` by ``reduce`` (``psum``, ``ring`` or ``tree``),
+    and the :class:`~jaxcomm.network.Wire` of what that sends (inside ``shard_map``)."""
+    check_choice("reduce", reduce, DENSE_REDUCE)
+    n = axis_size(axis_name)
+    if reduce == "psum":
+        total = lax.psum(flat, axis_name)
+    elif reduce == "ring":
+        total = ring_all_reduce(flat, axis_name)
+    else:
+        total = tree_all_reduce(flat, axis_name)
+    return total, all_reduce_wire(flat, n, reduce)
 
 
 class ECQuantizedState(NamedTuple):

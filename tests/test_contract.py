@@ -3,10 +3,13 @@
 Each aggregator, inside ``jax.shard_map`` with ``check_vma`` on (the default):
 
 * runs its ``init``/``update`` under ``jit``, also as a ``lax.scan`` over steps whose carry
-  holds replicated parameters (``out_specs=P()``), and gives the same result as a loop;
+  holds replicated parameters (``out_specs=P()``; per-worker ones for the local SGD
+  wrappers, whose workers' parameters differ between synchronisations), and gives the same
+  result as a loop;
 * runs under ``lax.cond`` on its state;
 * survives an Orbax save/restore of its state bit for bit, and continues identically;
-* lets a NaN in one worker's gradient reach every worker's update;
+* lets a NaN in one worker's gradient reach every worker's update (for local SGD: that
+  worker's update at once, everyone's at the step that averages it);
 * logs exactly the bytes, rounds and path bytes that the compiled program's collectives
   move (read by :func:`jaxcomm.wire_audit`), device by device.
 
@@ -40,6 +43,10 @@ class Case:
     # Conditionals holding collectives, as {op-name part: branch}, from the step index and
     # the state after that step.
     branches: Callable = lambda step, state: None
+    # Parameters differ between workers (local SGD): kept per worker in the scan test.
+    local: bool = False
+    # Whether a NaN in one worker's gradient at this step reaches every worker's update.
+    spreads: Callable = lambda step: True
 
     @property
     def axis(self):
@@ -54,6 +61,13 @@ def _marsit_rounds(step, state=None):
 def _root(step, state):
     # AR-Topk broadcasts from the root it logged (branch r of the switch = root r).
     return {jaxcomm.sparse.ROOT_SCOPE: int(np.asarray(state.root).reshape(-1)[0])}
+
+
+def _sync(schedule):
+    def branches(step, state):
+        return {jaxcomm.localsgd.SYNC_SCOPE: jaxcomm.localsgd.sync_branch(schedule, step)}
+
+    return branches
 
 
 CASES = {
@@ -84,6 +98,21 @@ CASES = {
     "ef_signsgd": Case(lambda ax: jaxcomm.ef_signsgd(ax, lr=0.01)),
     "ssdm": Case(lambda ax: jaxcomm.ssdm(ax, lr=0.01)),
     "cascading_sign": Case(lambda ax: jaxcomm.cascading_sign(ax, lr=0.01)),
+    # Averages everything after step 1 (step 0 is local).
+    "local_sgd": Case(
+        lambda ax: jaxcomm.local_sgd(optax.sgd(0.1), ax, period=2),
+        branches=_sync(((), (0,))),
+        local=True,
+        spreads=lambda step: step % 2 == 1,
+    ),
+    # Layer 1 ("w") after every step, layer 0 ("b") after step 1, one ring each, Adam local.
+    "partial_local_sgd": Case(
+        lambda ax: jaxcomm.partial_local_sgd(
+            optax.adam(0.01), ax, schedule=((1,), (1, 0)), layers=["b", "w"]
+        ),
+        branches=_sync(((1,), (1, 0))),
+        local=True,
+    ),
 }
 
 
@@ -109,6 +138,10 @@ def _first(tree):
 
 def _lead(tree):
     return jax.tree_util.tree_map(lambda a: a[None], tree)
+
+
+def _lead_n(tree):
+    return jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (N, *a.shape)), tree)
 
 
 def _programs(case):
@@ -154,6 +187,8 @@ def test_scan_with_replicated_params_matches_a_loop(name):
 
     def per_worker(g_seq, params):
         g_seq = jax.tree_util.tree_map(lambda a: a[:, 0], g_seq)  # [T, ...] this worker's
+        if case.local:  # [1, ...] this worker's own parameters
+            params = _first(params)
 
         def step(carry, g):
             p, s = carry
@@ -166,18 +201,22 @@ def test_scan_with_replicated_params_matches_a_loop(name):
             (p_loop, s_loop), _ = step(
                 (p_loop, s_loop), jax.tree_util.tree_map(lambda a, t=t: a[t], g_seq)
             )
+        if case.local:
+            return _lead(p_scan), _lead(p_loop), _lead(s_scan), _lead(s_loop)
         return p_scan, p_loop, _lead(s_scan), _lead(s_loop)
 
     spec = P(None, case.axes)
+    p_spec = P(case.axes) if case.local else P()
     f = jax.jit(
         jax.shard_map(
             per_worker,
             mesh=mesh,
-            in_specs=(spec, P()),
-            out_specs=(P(), P(), P(case.axes), P(case.axes)),
+            in_specs=(spec, p_spec),
+            out_specs=(p_spec, p_spec, P(case.axes), P(case.axes)),
         )
     )
-    p_scan, p_loop, s_scan, s_loop = f(_put(mesh, _grads(steps), spec), _params())
+    params = _put(mesh, _lead_n(_params()), p_spec) if case.local else _params()
+    p_scan, p_loop, s_scan, s_loop = f(_put(mesh, _grads(steps), spec), params)
     for a, b, p0 in zip(
         jax.tree_util.tree_leaves(p_scan),
         jax.tree_util.tree_leaves(p_loop),
@@ -201,6 +240,8 @@ def test_cond_on_the_state(name):
         state = tx.init(params)
         _, state = tx.update(g, state, params)  # a non-trivial state
         zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+        if case.local:  # local SGD's updates are per worker
+            zeros = jaxcomm.collectives.as_varying(zeros, case.axes)
         u, s = jax.lax.cond(flag, lambda s: tx.update(g, s, params), lambda s: (zeros, s), state)
         u_direct, s_direct = tx.update(g, state, params)
         return p_out(u), p_out(u_direct), _lead(s), _lead(s_direct), _lead(state)
@@ -277,7 +318,11 @@ def test_nonfinite_gradient_reaches_every_worker(name, bad):
         flat = np.concatenate(
             [np.asarray(a).reshape(N, -1) for a in jax.tree_util.tree_leaves(u)], 1
         )
-        assert np.all(~np.all(np.isfinite(flat), axis=1)), (step, np.isfinite(flat).all(1))
+        finite = np.all(np.isfinite(flat), axis=1)
+        if case.spreads(step):
+            assert np.all(~finite), (step, finite)
+        else:  # a local step: only the worker with the NaN
+            assert not finite[3] and finite.sum() == N - 1, (step, finite)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -292,6 +337,7 @@ def test_logged_traffic_equals_the_compiled_program(name):
     g0 = _put(mesh, jax.tree_util.tree_map(lambda a: a[0], grads), P(case.axes))
     audit = jaxcomm.wire_audit(update_f.lower(g0, state, params))
     assert audit.num_devices == N and audit.ops
+    most = 0
     for step in range(2):
         g = _put(mesh, jax.tree_util.tree_map(lambda a, step=step: a[step], grads), P(case.axes))
         _, state = update_f(g, state, params)
@@ -304,7 +350,8 @@ def test_logged_traffic_equals_the_compiled_program(name):
         np.testing.assert_array_equal(sent, want.sent)
         np.testing.assert_array_equal(rounds, want.rounds)
         np.testing.assert_array_equal(path, want.path_bytes)
-        assert sent.max() > 0
+        most = max(most, sent.max())
+    assert most > 0  # (local SGD sends nothing on a step that averages nothing)
 
 
 def test_counters_work_for_a_600m_parameter_model():

@@ -23,7 +23,11 @@ DENSE_AGGREGATORS = ("psum", "ring", "tree")
 # Gradient aggregators followed by an optimizer.
 # Top-k sparsifiers (error-fed), also followed by an optimizer.
 TOPK_AGGREGATORS = ("ar_topk", "lw_topk", "ms_topk")
-GRADIENT_AGGREGATORS = (*DENSE_AGGREGATORS, "ec_quantized", *TOPK_AGGREGATORS)
+# "none": each worker keeps its own gradient (local SGD; needs ``sync``).
+GRADIENT_AGGREGATORS = (*DENSE_AGGREGATORS, "ec_quantized", *TOPK_AGGREGATORS, "none")
+# Sync wrappers around the optimizer (``sync: {method: ...}``).
+SYNC_METHODS = ("local_sgd", "enp", "dreamddp")
+SYNC_KEYS = ("method", "period", "fill_bubbles", "reduce", "profile")
 # Aggregators that are the whole optimizer (they apply their own step sizes).
 OPTIMIZING_AGGREGATORS = ("marsit", "signsgd_mv", "ef_signsgd", "ssdm", "cascading_sign")
 AGGREGATORS = GRADIENT_AGGREGATORS + OPTIMIZING_AGGREGATORS
@@ -51,7 +55,8 @@ class Config:
         sparsifiers ``ar_topk`` (``{ratio, select: star|var, reduce:
         ring|tree|allgather|auto}``; ``auto`` chooses on the network of step 0 unless
         ``network`` is given), ``lw_topk`` and ``ms_topk`` (``{ratio}``), each followed by
-        ``optimizer``; or ``marsit``, ``signsgd_mv``, ``ef_signsgd``, ``ssdm``,
+        ``optimizer``; ``none`` (each worker steps on its own gradient: local SGD, with
+        ``sync``); or ``marsit``, ``signsgd_mv``, ``ef_signsgd``, ``ssdm``,
         ``cascading_sign`` (each a complete optimizer with its own step sizes in
         ``aggregator_args``, so ``optimizer`` must be ``none``); ``aggregator_args`` are the
         factory's keyword arguments (e.g. ``{local_lr: 0.1, global_lr: 0.001,
@@ -86,6 +91,15 @@ class Config:
         gradient) bits; ``bw_bits: 0`` sends gradients in float32.
       buffer_bits: AQ-SGD message buffer storage bits (0 = float32).
       buffer_dir: keep the message buffers as zarr under this folder ("" = in memory).
+      sync: a sync wrapper around the optimizer (local SGD, needs ``aggregator: none``):
+        ``{method, period, fill_bubbles, reduce, profile}``: ``method`` is ``local_sgd``
+        (FLSGD: every layer averaged at the last step of each period), ``enp`` (partial
+        local SGD, equal-number partition) or ``dreamddp`` (the DreamDDP schedule of the
+        profiled per-layer backward and communication times on the network of step 0,
+        bubbles filled unless ``fill_bubbles: false``); ``period`` is ``H``; ``reduce``
+        (``ring``, ``tree`` or ``psum``) averages each layer; ``profile`` (``roofline``,
+        the default, on the ``compute`` device, or ``measured`` on this host) times the
+        layers. ``{}`` for none. Layers are ``models.layer_groups`` of the parameters.
       init_params: start from the model parameters in this ``params.msgpack`` (every run
         writes one into its ``out_dir``) instead of a random init, e.g. to fine-tune a
         briefly pre-trained model; the architecture must match ("" = random init).
@@ -125,6 +139,7 @@ class Config:
     buffer_dir: str = ""
     init_params: str = ""
     adaptive: dict = dataclasses.field(default_factory=dict)
+    sync: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _choice("task", self.task, TASKS)
@@ -166,6 +181,7 @@ class Config:
                     f"aggregator={self.aggregator!r}, stages={self.stages}"
                 )
             self.adaptive_model()
+        self.sync_settings()  # a clear error for bad sync settings
         if self.train_samples < 0:
             raise ValueError(f"train_samples must be >= 0, got {self.train_samples}")
         _positive("stages", self.stages)
@@ -212,6 +228,45 @@ class Config:
             return AdaptiveRatio(**self.adaptive)
         except TypeError as e:
             raise ValueError(f"adaptive {self.adaptive!r}: {e}") from e
+
+    def sync_settings(self) -> dict[str, Any]:
+        """``sync`` with its defaults filled in, checked (``{}`` when there is none)."""
+        if not self.sync:
+            if self.aggregator == "none":
+                raise ValueError(
+                    "aggregator='none' (each worker keeps its own gradient) needs a sync "
+                    "wrapper, e.g. sync={method: local_sgd, period: 5}; otherwise the "
+                    "workers never agree"
+                )
+            return {}
+        unknown = sorted(set(self.sync) - set(SYNC_KEYS))
+        if unknown:
+            raise ValueError(f"sync: unknown keys {unknown}; known: {list(SYNC_KEYS)}")
+        profile = "measured" if self.compute == "measured" else "roofline"
+        out = {"fill_bubbles": True, "reduce": "ring", "profile": profile, **self.sync}
+        if "method" not in out or "period" not in out:
+            raise ValueError(f"sync={self.sync!r} needs method and period")
+        _choice("sync.method", out["method"], SYNC_METHODS)
+        _positive("sync.period", out["period"])
+        _choice("sync.reduce", out["reduce"], DENSE_AGGREGATORS)
+        _choice("sync.profile", out["profile"], ("roofline", "measured"))
+        if not isinstance(out["fill_bubbles"], bool):
+            raise ValueError(
+                f"sync.fill_bubbles must be true or false, got {out['fill_bubbles']!r}"
+            )
+        if out["profile"] == "roofline" and self.compute == "measured":
+            raise ValueError(
+                "sync.profile='roofline' costs the layers on the compute device, but "
+                "compute='measured' names none; set compute (e.g. v100) or profile: measured"
+            )
+        if self.aggregator != "none" or self.stages != 1 or self.adaptive or self.stragglers:
+            raise ValueError(
+                f"sync={self.sync!r} needs aggregator='none', stages=1, no adaptive and no "
+                f"stragglers (not modelled for local SGD); got aggregator={self.aggregator!r}, "
+                f"stages={self.stages}, adaptive={self.adaptive!r}, "
+                f"stragglers={self.stragglers!r}"
+            )
+        return out
 
     def roofline(self) -> Any:
         """The :class:`jaxcomm.Roofline` of ``compute`` (``None`` when ``measured``)."""

@@ -74,6 +74,8 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
 def make_aggregator(cfg: Config) -> optax.GradientTransformation:
     """The gradient aggregator named by ``cfg.aggregator`` over the ``data`` axis."""
     args = dict(cfg.aggregator_args)
+    if cfg.aggregator == "none":  # local gradients: a sync wrapper averages parameters
+        return optax.identity()
     if cfg.aggregator in DENSE_AGGREGATORS:
         factory, args = jaxcomm.dense_allreduce, {"reduce": cfg.aggregator, **args}
     elif cfg.aggregator == "ec_quantized":
@@ -148,7 +150,7 @@ class Trainer:
             self.train_data = Subset(self.train_data, cfg.train_samples)
         self.loader = Loader(self.train_data, cfg.global_batch, seed=cfg.seed, num_shards=self.n)
         self.schedule = cfg.network_schedule()
-        self.tx = optax.chain(make_aggregator(cfg), make_optimizer(cfg))
+        self.tx = self._make_tx()
         self.sharded = NamedSharding(self.mesh, P(AXIS))
         self.replicated = NamedSharding(self.mesh, P())
         self.clock = SimClock(overlap=self.cfg.overlap)
@@ -162,6 +164,11 @@ class Trainer:
         self._eval_step = self._build_eval()
 
     # ------------------------------------------------------------------ state
+
+    def _make_tx(self) -> optax.GradientTransformation:
+        """The per-worker transform: the aggregator chained before the optimizer (a sync
+        wrapper around the optimizer in :class:`train.localsgd.LocalSGDTrainer`)."""
+        return optax.chain(make_aggregator(self.cfg), make_optimizer(self.cfg))
 
     def _initial_params(self) -> Any:
         """The model's parameters before step 1: ``cfg.init_params`` if set, else random."""
@@ -246,6 +253,7 @@ class Trainer:
             "optimizer": self.cfg.optimizer,
             "aggregator": self.cfg.aggregator,
             "aggregator_args": self.cfg.aggregator_args,
+            **({"sync": self.cfg.sync} if self.cfg.sync else {}),
             "param_shapes": jax.tree_util.tree_flatten_with_path(shapes)[0].__repr__(),
         }
 
@@ -318,8 +326,9 @@ class Trainer:
         loader = Loader(self.valid_data, batch_size, seed=0, num_shards=self.n, shuffle=False)
         totals: dict[str, float] = {}
         count = min(self.cfg.eval_batches, loader.batches_per_epoch)
+        params = self._eval_params()
         for _ in range(count):
-            m = self._eval_step(self.params, self._put_batch(loader.next()))
+            m = self._eval_step(params, self._put_batch(loader.next()))
             for k, v in m.items():
                 totals[k] = totals.get(k, 0.0) + float(v) / count
         return totals
@@ -605,6 +614,11 @@ class Trainer:
     def num_params(self) -> int:
         """Parameters of the model (one worker's copy)."""
         return sum(math.prod(a.shape[1:]) for a in jax.tree_util.tree_leaves(self.params))
+
+    def _eval_params(self) -> Any:
+        """The per-worker parameters (``[N, ...]``) that evaluation runs: the trained ones
+        (identical on every worker for synchronous training)."""
+        return self.params
 
     def worker_params(self, worker: int = 0) -> Any:
         """Parameters of one worker as host numpy arrays."""

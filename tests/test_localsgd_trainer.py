@@ -1,0 +1,164 @@
+"""The trainer with a sync wrapper (``sync:``): DreamDDP, PLSGD-ENP and FLSGD end to end."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import jaxcomm
+from jaxcomm.localsgd import SYNC_SCOPE, layer_comm_s, sync_branch
+from train.config import Config
+from train.localsgd import LocalSGDTrainer
+
+SMALL = {"num_layers": 2, "width": 32, "num_heads": 2, "seq_len": 32}
+MLP = dict(task="mlp", model={"features": [32, 32]}, dataset="digits", global_batch=64)
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(
+        name="t",
+        task="gpt",
+        model=SMALL,
+        workers=8,
+        global_batch=16,
+        steps=6,
+        lr=3e-3,
+        optimizer="adam",
+        aggregator="none",
+        sync={"method": "dreamddp", "period": 3},
+        network="1ms,100Mbps",
+        compute="v100",
+        checkpoint_every=3,
+        progress=False,
+        out_dir=str(tmp_path / "run"),
+    )
+    base.update(kw)
+    return Config(**base)
+
+
+def _rows(cfg):
+    return [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _host(tree):
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(jax.device_get(tree))]
+
+
+def test_dreamddp_run_logs_the_scheduled_traffic_and_its_timeline(tmp_path):
+    cfg = _cfg(tmp_path, steps=12, checkpoint_every=0, eval_every=6)
+    trainer = LocalSGDTrainer(cfg)
+    summary = trainer.run()
+    sched = trainer.sync_schedule
+    assert sched.period == 3 and sched.num_layers == 4  # embed, block_0, block_1, head
+    assert summary["schedule"] == str(sched) and summary["profile"] == "roofline:v100"
+    rows = _rows(cfg)
+    assert np.mean([r["loss"] for r in rows[-3:]]) < np.mean([r["loss"] for r in rows[:3]])
+    net = jaxcomm.Network(1e-3, 100e6)
+    comm = layer_comm_s(trainer.layer_wires, net)
+    prof = trainer.profile
+    compute = trainer.modelled_compute_s()
+    for step in range(3):  # one period: each step's bytes are its group's, read from the program
+        trainer.step = step
+        group = sched.groups[step]
+        audit = trainer.step_audit(branches={SYNC_SCOPE: sync_branch(sched, step)})
+        assert rows[step]["sent_bytes"] == int(audit.sent.max())
+        assert rows[step]["sync_layers"] == len(group)
+        assert rows[step]["comm_s"] == pytest.approx(sum(comm[layer] for layer in group))
+        # The logged rounds and path bytes cost the same seconds as the layers' wires.
+        assert jaxcomm.network.log_time(_log_at(trainer, cfg, step), net) == pytest.approx(
+            rows[step]["comm_s"], rel=1e-9
+        )
+        forward = compute - sum(prof.backward_s)
+        want = jaxcomm.iteration_time(group, forward, prof.backward_s, comm)
+        assert rows[step]["sim_step_s"] == pytest.approx(want, rel=1e-12)
+    covered = {layer for g in sched.groups for layer in g}
+    assert covered == {0, 1, 2, 3}
+    # The workers drift apart between averagings, and evaluation uses their mean.
+    assert all(r["divergence"] > 0 for r in rows)
+    mean = jax.tree.map(lambda a: np.asarray(a).mean(0), trainer.params)
+    for a, b in zip(jax.tree.leaves(trainer.model_params()), jax.tree.leaves(mean), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert "valid_loss" in rows[5]
+
+
+def _log_at(trainer, cfg, step):
+    """The CommLog of one step, re-run from the metrics' wire record of that step."""
+    rows = _rows(cfg)
+    k = len(jaxcomm.KINDS)
+    log = jaxcomm.empty_log()
+    for kind, calls, mbytes, ratio, rounds, path in rows[step]["wire"]:
+        log = jaxcomm.log_collective(
+            log, kind, mbytes, 0, rounds=rounds, path_bytes=path, ratio=ratio, calls=calls
+        )
+    assert np.asarray(log.rounds).shape == (k,)
+    return log
+
+
+def test_flsgd_averages_everything_at_the_end_of_each_period(tmp_path):
+    cfg = _cfg(tmp_path, sync={"method": "local_sgd", "period": 3}, checkpoint_every=0, **MLP)
+    trainer = LocalSGDTrainer(cfg)
+    trainer.run()
+    rows = _rows(cfg)
+    for r in rows:
+        synced = r["step"] % 3 == 0
+        assert (r["sync_layers"] == 3) == synced and (r["sent_bytes"] > 0) == synced
+        # Right after a full averaging the workers hold one model (up to the rounding of
+        # p + (mean - p)); in between they drift apart.
+        assert (r["divergence"] < 1e-12) == synced, r
+    assert trainer.sync_schedule.groups == ((), (), (2, 1, 0))  # dense_0, dense_1, head
+
+
+def test_enp_schedule_and_bad_sync_settings(tmp_path):
+    trainer = LocalSGDTrainer(_cfg(tmp_path, sync={"method": "enp", "period": 3}, **MLP))
+    assert trainer.sync_schedule == jaxcomm.enp_schedule(3, 3)
+    bad = [
+        ({"aggregator": "none", "sync": {}}, "needs a sync"),
+        ({"aggregator": "ring"}, "needs aggregator='none'"),
+        ({"sync": {"method": "dreamddp"}}, "needs method and period"),
+        ({"sync": {"method": "fast", "period": 2}}, "sync.method must be one of"),
+        ({"sync": {"method": "enp", "period": 0}}, "sync.period must be a positive"),
+        ({"sync": {"method": "enp", "period": 2, "every": 1}}, "unknown keys"),
+        (
+            {"compute": "measured", "sync": {"method": "enp", "period": 2, "profile": "roofline"}},
+            "names none",
+        ),
+    ]
+    for kw, match in bad:
+        with pytest.raises(ValueError, match=match):
+            _cfg(tmp_path, **kw)
+
+
+def test_resume_is_bit_exact(tmp_path):
+    full = LocalSGDTrainer(_cfg(tmp_path / "a", steps=7, **MLP))
+    full.run()
+    LocalSGDTrainer(_cfg(tmp_path / "b", steps=4, **MLP)).run()  # stops inside a period
+    resumed = LocalSGDTrainer(_cfg(tmp_path / "b", steps=7, **MLP))
+    resumed.run(resume=True)
+    for a, b in zip(_host(full.params), _host(resumed.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(_host(full.opt_state), _host(resumed.opt_state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert full.clock.now == resumed.clock.now
+    a, b = _rows(full.cfg), _rows(resumed.cfg)
+    for key in ("step", "loss", "sent_bytes", "sim_time_s", "divergence", "sync_layers"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+
+
+def test_resume_keeps_the_saved_schedule(tmp_path):
+    """A measured profile can give another schedule in a new process; the run resumes with
+    the schedule it was trained with, and its steps send that schedule's groups."""
+    first = LocalSGDTrainer(_cfg(tmp_path, steps=3, **MLP))
+    first.run()
+
+    class Other(LocalSGDTrainer):  # as if the profile had come out otherwise
+        def _schedule(self, network):
+            return jaxcomm.full_sync_schedule(3, 3)
+
+    other = Other(_cfg(tmp_path, steps=6, **MLP))
+    assert other.sync_schedule != first.sync_schedule
+    other.run(resume=True)
+    assert other.sync_schedule == first.sync_schedule
+    for r in _rows(other.cfg)[3:]:
+        group = first.sync_schedule.groups[(r["step"] - 1) % 3]
+        assert r["sent_bytes"] == sum(other.layer_wires[layer].sent[0] for layer in group)
