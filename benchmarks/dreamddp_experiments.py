@@ -6,7 +6,10 @@ size for every method, V100 compute (the roofline of the compiled step), at peri
 and 3:
 
 - S-SGD: the gradients averaged by a ring all-reduce every step (``aggregator: ring``);
-- FLSGD: local Adam, every layer averaged at the last step of each period;
+- FLSGD: local Adam, every layer averaged at the last step of each period, one all-reduce
+  per layer (each can leave after its own backward, as DreamDDP's layers do); *FLSGD
+  (fused)*: the whole model as one all-reduce after the whole backward (one message pays
+  the latency terms once);
 - PLSGD-ENP: local Adam, the equal-number partition (one group per step);
 - DreamDDP: local Adam, the schedule of the profiled per-layer backward and averaging
   times on each network (Algorithm 2 with bubble filling).
@@ -56,7 +59,12 @@ from train.trainer import Trainer, wire_time  # noqa: E402
 
 NETWORKS = {"10 Gbps": "0.1ms,10Gbps", "1 Gbps": "0.1ms,1Gbps", "100 Mbps": "0.1ms,100Mbps"}
 PERIODS = (5, 3)
-LOCAL = {"FLSGD": "local_sgd", "PLSGD-ENP": "enp", "DreamDDP": "dreamddp"}
+LOCAL = {
+    "FLSGD": "local_sgd",
+    "FLSGD (fused)": "local_sgd",
+    "PLSGD-ENP": "enp",
+    "DreamDDP": "dreamddp",
+}
 
 
 def config(name: str, out: Path, steps: int, **kw) -> Config:
@@ -78,7 +86,7 @@ def config(name: str, out: Path, steps: int, **kw) -> Config:
         aggregator="ring",
         network=NETWORKS["1 Gbps"],
         compute="v100",
-        eval_every=max(steps // 12, 1),
+        eval_every=max(steps // 60, 1),
         eval_batches=4,
         checkpoint_every=0,
         out_dir=str(run_dir),
@@ -103,7 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="benchmarks/results/dreamddp")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--quick", action="store_true", help="40 steps")
+    ap.add_argument(
+        "--render", action="store_true", help="rewrite experiments.md from experiments.json"
+    )
     args = ap.parse_args(argv)
+    if args.render:
+        record = json.loads((Path(args.out) / "experiments.json").read_text())
+        (Path(args.out) / "experiments.md").write_text(render(record))
+        return 0
     steps = 40 if args.quick else args.steps
     t0 = time.time()
     out = Path(args.out)
@@ -112,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
     jobs = [("S-SGD", None, None)]
     for h in PERIODS:
-        jobs += [(name, h, None) for name in ("FLSGD", "PLSGD-ENP")]
+        jobs += [(name, h, None) for name in ("FLSGD", "FLSGD (fused)", "PLSGD-ENP")]
         jobs += [("DreamDDP", h, net) for net in NETWORKS]
     runs: dict[str, dict] = {}
     schedules: dict[tuple, str] = {}  # DreamDDP schedules already trained
@@ -122,9 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         if name == "S-SGD":
             cfg = config("ssgd", out, steps)
         else:
-            sync = {"method": LOCAL[name], "period": h}
+            sync = {"method": LOCAL[name], "period": h, "fused": name == "FLSGD (fused)"}
             network = NETWORKS[net or "1 Gbps"]
-            slug = f"{LOCAL[name]}_h{h}" + (f"_{net.replace(' ', '')}" if net else "")
+            slug = f"{LOCAL[name]}{'_fused' * sync['fused']}_h{h}"
+            slug += f"_{net.replace(' ', '')}" if net else ""
             cfg = config(slug, out, steps, aggregator="none", sync=sync, network=network)
         trainer = LocalSGDTrainer(cfg) if cfg.sync else Trainer(cfg)
         if name == "DreamDDP":
@@ -155,10 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     record["steps"] = steps
     record["networks"] = NETWORKS
     record["profile"] = profile_record(runs)
+    for run in runs.values():  # the checkpoints are large and not results
+        shutil.rmtree(run["trainer"].cfg.run_dir / "checkpoints", ignore_errors=True)
     (out / "experiments.json").write_text(json.dumps(record, indent=2, default=str))
-    (out / "experiments.md").write_text(render(record))
     plot_loss(runs, times, out / "loss.png")
     plot_divergence(runs, out / "divergence.png")
+    (out / "experiments.md").write_text(render(record))
     print(render(record))
     return 0
 
@@ -199,7 +217,7 @@ def profile_record(runs: dict) -> dict:
     after each layer's backward: the iteration timeline with every layer in the group)."""
     trainer = next(r["trainer"] for r in runs.values() if isinstance(r["trainer"], LocalSGDTrainer))
     prof = trainer.profile
-    compute = trainer.modelled_compute_s()
+    compute = float(np.mean([r["sim_compute_s"] for r in runs["S-SGD"]["rows"]]))
     forward = compute - sum(prof.backward_s)
     wfbp = {}
     for net, text in NETWORKS.items():
@@ -250,9 +268,11 @@ def render(record: dict) -> str:
         "",
         "## Iteration time (the paper's Table 1)",
         "",
-        "Mean simulated ms per iteration. S1 = S-SGD / DreamDDP, S2 = FLSGD / DreamDDP "
-        "(same H). *S-SGD (WFBP)* is modelled, not run: every layer's gradient all-reduce "
-        "starts after its backward (the overlap ASC-WFBP builds on).",
+        "Mean simulated ms per iteration. S1 = S-SGD / DreamDDP, S2 = FLSGD / DreamDDP and "
+        "S2' = FLSGD (fused) / DreamDDP (same H). *S-SGD (WFBP)* is modelled, not run: "
+        "every layer's gradient all-reduce starts after its own backward (the overlap "
+        "ASC-WFBP builds on); with one message per layer it pays a ring's latencies per "
+        "layer, which the fused S-SGD pays once.",
         "",
         "| method | " + " | ".join(nets) + " |",
         "|---|" + "---|" * len(nets),
@@ -283,8 +303,13 @@ def render(record: dict) -> str:
             dream = it[label_for("DreamDDP", h, net)][net]
             s1.append(f"{it[label_for('S-SGD', None, net)][net] / dream:.2f}x")
             s2.append(f"{it[label_for('FLSGD', h, net)][net] / dream:.2f}x")
+        s3 = [
+            f"{it[label_for('FLSGD (fused)', h, n)][n] / it[label_for('DreamDDP', h, n)][n]:.2f}x"
+            for n in nets
+        ]
         lines.append(f"| S1 (H={h}) | " + " | ".join(s1) + " |")
         lines.append(f"| S2 (H={h}) | " + " | ".join(s2) + " |")
+        lines.append(f"| S2' (H={h}) | " + " | ".join(s3) + " |")
     lines += [
         "",
         f"## Time to validation loss {record['target_loss']:.3f} (the paper's Table 2)",
@@ -292,17 +317,16 @@ def render(record: dict) -> str:
         "The target is the largest of the runs' best validation losses, so every run "
         "reaches it; step and simulated seconds at the first evaluation at or below it.",
         "",
-        "| method | " + " | ".join(nets) + " | step |",
-        "|---|" + "---|" * (len(nets) + 1),
+        "| method | " + " | ".join(nets) + " |",
+        "|---|" + "---|" * len(nets),
     ]
     for method, h in rows:
-        cells, step = [], None
+        cells = []
         for net in nets:
             hit = tt[label_for(method, h, net)][net]
-            cells.append(f"{hit['seconds']:.2f} s")
-            step = hit["step"] if step is None else step
+            cells.append(f"{hit['seconds']:.2f} s (step {hit['step']})")
         name = method if h is None else f"{method} H={h}"
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {step} |")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "## Runs",
@@ -322,15 +346,17 @@ def render(record: dict) -> str:
 
 
 def plot_loss(runs: dict, times: dict, path: Path) -> None:
-    """Loss against step (per H) and against simulated time (per network, H=5)."""
+    """Per period H (a row): loss against step, and against simulated time per network."""
     nets = list(NETWORKS)
-    fig, axes = plt.subplots(1, len(PERIODS) + len(nets), figsize=(4.2 * (2 + len(nets)), 3.8))
+    fig, axes = plt.subplots(
+        len(PERIODS), 1 + len(nets), figsize=(4.2 * (1 + len(nets)), 3.6 * len(PERIODS))
+    )
 
     def smooth(x, w=10):
         return np.convolve(x, np.ones(w) / w, mode="valid")
 
-    for j, h in enumerate(PERIODS):
-        ax = axes[j]
+    for i, h in enumerate(PERIODS):
+        ax = axes[i, 0]
         for label, run in runs.items():
             if run["period"] not in (None, h):
                 continue
@@ -339,22 +365,22 @@ def plot_loss(runs: dict, times: dict, path: Path) -> None:
         ax.set_title(f"H = {h}")
         ax.set_xlabel("step")
         ax.set_ylabel("training loss (10-step mean)")
-        ax.legend(fontsize=7)
-    for j, net in enumerate(nets):
-        ax = axes[len(PERIODS) + j]
-        for label, run in runs.items():
-            if run["period"] not in (None, PERIODS[0]) or (label, net) not in times:
-                continue
-            loss = smooth([r["loss"] for r in run["rows"]])
-            clock = np.cumsum(times[(label, net)])[9:]
-            ax.plot(clock, loss, label=label, lw=1)
-        ax.set_title(f"H = {PERIODS[0]}, {net}")
-        ax.set_xlabel("simulated time (s)")
-        ax.legend(fontsize=7)
-    for ax in axes:
+        ax.legend(fontsize=6)
+        for j, net in enumerate(nets):
+            ax = axes[i, 1 + j]
+            for label, run in runs.items():
+                if run["period"] not in (None, h) or (label, net) not in times:
+                    continue
+                loss = smooth([r["loss"] for r in run["rows"]])
+                clock = np.cumsum(times[(label, net)])[9:]
+                ax.plot(clock, loss, label=label, lw=1)
+            ax.set_title(f"H = {h}, {net}")
+            ax.set_xlabel("simulated time (s)")
+            ax.set_xscale("log")
+    for ax in axes.flat:
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

@@ -97,6 +97,25 @@ DEVICES: dict[str, Device] = {
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM): FP32 67, TF32 989, BF16/FP16 "
         "1,979, FP8 3,958 TFLOPS with sparsity, half that dense; HBM3 3.35 TB/s",
     ),
+    "rtx2080ti": Device(
+        name="rtx2080ti",
+        description="NVIDIA GeForce RTX 2080 Ti (11 GB GDDR6), reference clocks",
+        matrix_flops={"fp32": 13.4 * T},
+        vector_flops=13.4 * T,
+        memory_bandwidth=616e9,
+        calibrated_mfu={},
+        source="NVIDIA Turing GPU Architecture whitepaper (2018), GeForce RTX 2080 Ti "
+        "reference: 13.4 TFLOPS FP32 peak (4,352 cores at 1,545 MHz boost), 616 GB/s GDDR6",
+    ),
+    "a6000": Device(
+        name="a6000",
+        description="NVIDIA RTX A6000 (48 GB GDDR6)",
+        matrix_flops={"fp32": 38.7 * T},
+        vector_flops=38.7 * T,
+        memory_bandwidth=768e9,
+        calibrated_mfu={},
+        source="NVIDIA RTX A6000 datasheet: single-precision 38.7 TFLOPS, GDDR6 768 GB/s",
+    ),
     "t4": Device(
         name="t4",
         description="NVIDIA T4 (16 GB GDDR6, 70 W)",

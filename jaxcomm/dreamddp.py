@@ -400,7 +400,12 @@ def period_timeline(
 def enp_schedule(num_layers: int, period: int) -> Schedule:
     """PLSGD-ENP (the paper's Example 1): contiguous groups in backward order, ``groups[0]``
     on the output side, sizes differing by at most one with the bigger groups first (groups
-    are empty when ``period > num_layers``)."""
+    are empty when ``period > num_layers``).
+
+    The paper's Example 1 numbers the groups from the input side (``L_1 = {1, 2}``); here
+    they run in backward order, as Algorithm 2's search does (its first group starts at the
+    output layer). The period's time is the same either way (it does not depend on the
+    order of the groups); which step averages which layers is mirrored."""
     n = check_int("num_layers", num_layers, lo=1)
     H = _period(period)
     q, r = divmod(n, H)

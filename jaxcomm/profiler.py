@@ -9,9 +9,10 @@ needs); ``P_L`` is the forward alone. With ``T_l`` the time of ``P_l``::
 
     forward_s = T_L,    b_l = T_l - T_{l+1}
 
-The prefixes telescope, so ``forward_s + sum(b)`` is exactly ``T_0``, the full forward and
-backward. Each prefix is one whole program, so no per-layer launch or dispatch overhead is
-counted ``L`` times (timing each layer's VJP alone would). Two ways to get ``T_l``:
+The prefixes telescope, so ``forward_s + sum(b)`` is ``T_0``, the full forward and
+backward (exactly, unless a difference was clipped at 0; see below). Each prefix is one
+whole program, so no per-layer launch or dispatch overhead is counted ``L`` times (timing
+each layer's VJP alone would). Two ways to get ``T_l``:
 
 * ``roofline=`` a :class:`jaxcomm.Roofline`: the roofline seconds of the compiled prefix's
   flops and memory bytes (:func:`jaxcomm.program_cost`) on that device: deterministic, the
@@ -55,6 +56,8 @@ class LayerProfile:
       backward_s: ``[L]`` seconds of each layer's backward.
       param_bytes: ``[L]`` bytes of each layer's parameters.
       method: ``"roofline:<device>"`` or ``"measured"``.
+      prefix_s: ``[L + 1]`` the prefix times ``T_0 .. T_L`` (``T_0``: the full forward and
+        backward; ``T_L``: the forward alone).
       spread_s: ``[L + 1]`` uncertainty of each prefix time ``T_0 .. T_L`` (half the
         interquartile range of the timings; zeros for a roofline).
       params: the parameters' shapes (``jax.ShapeDtypeStruct``), to cost their averaging.
@@ -65,6 +68,7 @@ class LayerProfile:
     backward_s: tuple[float, ...]
     param_bytes: tuple[int, ...]
     method: str
+    prefix_s: tuple[float, ...]
     spread_s: tuple[float, ...]
     params: Any = dataclasses.field(repr=False, compare=False, default=None)
 
@@ -158,6 +162,7 @@ def profile_layers(
         backward_s=tuple(backward),
         param_bytes=tuple(nbytes),
         method=method,
+        prefix_s=tuple(prefix),
         spread_s=tuple(spread),
         params=shapes,
     )

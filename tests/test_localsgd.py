@@ -175,6 +175,9 @@ def test_profile_telescopes_and_sees_equal_blocks():
     blocks = prof.backward_s[1:4]
     assert min(blocks) > 0 and max(blocks) / min(blocks) < 1.01  # identical blocks
     assert sum(prof.backward_s) > prof.forward_s > 0  # backward costs more than forward
+    assert prof.forward_s == prof.prefix_s[-1]
+    assert prof.forward_s + sum(prof.backward_s) == pytest.approx(prof.prefix_s[0], rel=1e-12)
+    assert list(prof.prefix_s) == sorted(prof.prefix_s, reverse=True)  # shorter, cheaper
     assert prof.param_bytes[1] == 4 * sum(
         int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params["block_0"])
     )
@@ -193,6 +196,9 @@ def test_measured_profile_is_positive():
     params = task.init(jax.random.key(0), batch)
     names = list(params)
     prof = jaxcomm.profile_layers(lambda p, b: task.loss(p, b)[0], params, batch, names, repeats=5)
-    assert prof.method == "measured" and prof.forward_s > 0
-    assert all(b >= 0 for b in prof.backward_s) and sum(prof.backward_s) > 0
+    assert prof.method == "measured" and prof.forward_s == prof.prefix_s[-1] > 0
+    # The full backward is measured (T_0 > T_L), and the per-layer parts add up to at least
+    # it (clipping a negative difference only adds).
+    assert prof.prefix_s[0] > prof.prefix_s[-1]
+    assert prof.forward_s + sum(prof.backward_s) >= prof.prefix_s[0] * (1 - 1e-9)
     assert len(prof.spread_s) == len(names) + 1

@@ -57,7 +57,6 @@ def test_dreamddp_run_logs_the_scheduled_traffic_and_its_timeline(tmp_path):
     net = jaxcomm.Network(1e-3, 100e6)
     comm = layer_comm_s(trainer.layer_wires, net)
     prof = trainer.profile
-    compute = trainer.modelled_compute_s()
     for step in range(3):  # one period: each step's bytes are its group's, read from the program
         trainer.step = step
         group = sched.groups[step]
@@ -69,6 +68,10 @@ def test_dreamddp_run_logs_the_scheduled_traffic_and_its_timeline(tmp_path):
         assert jaxcomm.network.log_time(_log_at(trainer, cfg, step), net) == pytest.approx(
             rows[step]["comm_s"], rel=1e-9
         )
+        # The step's compute: its program with this step's averaging branch, not the
+        # costliest one.
+        compute = trainer.branch_compute_s(sync_branch(sched, step))
+        assert compute <= trainer.modelled_compute_s()
         forward = compute - sum(prof.backward_s)
         want = jaxcomm.iteration_time(group, forward, prof.backward_s, comm)
         assert rows[step]["sim_step_s"] == pytest.approx(want, rel=1e-12)
@@ -119,14 +122,57 @@ def test_enp_schedule_and_bad_sync_settings(tmp_path):
         ({"sync": {"method": "fast", "period": 2}}, "sync.method must be one of"),
         ({"sync": {"method": "enp", "period": 0}}, "sync.period must be a positive"),
         ({"sync": {"method": "enp", "period": 2, "every": 1}}, "unknown keys"),
-        (
-            {"compute": "measured", "sync": {"method": "enp", "period": 2, "profile": "roofline"}},
-            "names none",
-        ),
+        ({"sync": {"method": "enp", "period": 2, "profile": "roofline"}}, "unknown keys"),
     ]
     for kw, match in bad:
         with pytest.raises(ValueError, match=match):
             _cfg(tmp_path, **kw)
+
+
+def test_fused_flsgd_sends_one_message_after_the_whole_backward(tmp_path):
+    cfg = _cfg(
+        tmp_path, sync={"method": "local_sgd", "period": 2, "fused": True}, checkpoint_every=0
+    )
+    trainer = LocalSGDTrainer(cfg)
+    trainer.run()
+    rows = _rows(cfg)
+    assert len(trainer.layer_wires) == 1 and trainer.sync_schedule.groups == ((), (0,))
+    assert [r["sent_bytes"] > 0 for r in rows] == [False, True] * 3
+    audit = trainer.step_audit(branches={SYNC_SCOPE: 1})
+    assert rows[1]["sent_bytes"] == int(audit.sent.max())
+    assert int(trainer.step_audit(branches={SYNC_SCOPE: 0}).sent.max()) == 0
+    net = jaxcomm.Network(1e-3, 100e6)
+    comm = layer_comm_s(trainer.layer_wires, net)[0]
+    compute = trainer.branch_compute_s(1)
+    # The one message waits for the whole backward: forward + backward + message.
+    assert rows[1]["sim_step_s"] == pytest.approx(compute + comm, rel=1e-12)
+    with pytest.raises(ValueError, match="only method='local_sgd'"):
+        _cfg(tmp_path, sync={"method": "enp", "period": 2, "fused": True})
+    with pytest.raises(ValueError, match="overlap=true with sync"):
+        _cfg(tmp_path, overlap=True)
+
+
+def test_resume_with_a_measured_profile_keeps_it(tmp_path):
+    """With ``compute: measured`` the layers are timed on this host, differently in each
+    process; the resumed run keeps the saved profile and schedule."""
+    import dataclasses
+
+    measured = dict(compute="measured", sync={"method": "dreamddp", "period": 3}, **MLP)
+    first = LocalSGDTrainer(_cfg(tmp_path, steps=3, **measured))
+    first.run()
+    assert first.profile.method == "measured"
+
+    class Slower(LocalSGDTrainer):  # this process measures its layers twice as slow
+        def _profile(self, *args):
+            prof = super()._profile(*args)
+            return dataclasses.replace(prof, backward_s=tuple(2 * b for b in prof.backward_s))
+
+    resumed = Slower(_cfg(tmp_path, steps=5, **measured))
+    assert resumed.profile.backward_s != first.profile.backward_s
+    resumed.run(resume=True)
+    assert resumed.profile.backward_s == first.profile.backward_s
+    assert resumed.profile.forward_s == first.profile.forward_s
+    assert resumed.sync_schedule == first.sync_schedule
 
 
 def test_resume_is_bit_exact(tmp_path):

@@ -27,7 +27,7 @@ TOPK_AGGREGATORS = ("ar_topk", "lw_topk", "ms_topk")
 GRADIENT_AGGREGATORS = (*DENSE_AGGREGATORS, "ec_quantized", *TOPK_AGGREGATORS, "none")
 # Sync wrappers around the optimizer (``sync: {method: ...}``).
 SYNC_METHODS = ("local_sgd", "enp", "dreamddp")
-SYNC_KEYS = ("method", "period", "fill_bubbles", "reduce", "profile")
+SYNC_KEYS = ("method", "period", "fill_bubbles", "reduce", "fused")
 # Aggregators that are the whole optimizer (they apply their own step sizes).
 OPTIMIZING_AGGREGATORS = ("marsit", "signsgd_mv", "ef_signsgd", "ssdm", "cascading_sign")
 AGGREGATORS = GRADIENT_AGGREGATORS + OPTIMIZING_AGGREGATORS
@@ -92,14 +92,17 @@ class Config:
       buffer_bits: AQ-SGD message buffer storage bits (0 = float32).
       buffer_dir: keep the message buffers as zarr under this folder ("" = in memory).
       sync: a sync wrapper around the optimizer (local SGD, needs ``aggregator: none``):
-        ``{method, period, fill_bubbles, reduce, profile}``: ``method`` is ``local_sgd``
+        ``{method, period, fill_bubbles, reduce, fused}``: ``method`` is ``local_sgd``
         (FLSGD: every layer averaged at the last step of each period), ``enp`` (partial
         local SGD, equal-number partition) or ``dreamddp`` (the DreamDDP schedule of the
         profiled per-layer backward and communication times on the network of step 0,
-        bubbles filled unless ``fill_bubbles: false``); ``period`` is ``H``; ``reduce``
-        (``ring``, ``tree`` or ``psum``) averages each layer; ``profile`` (``roofline``,
-        the default, on the ``compute`` device, or ``measured`` on this host) times the
-        layers. ``{}`` for none. Layers are ``models.layer_groups`` of the parameters.
+        bubbles filled unless ``fill_bubbles: false``); ``period`` is ``H``;
+        ``fused: true`` (``local_sgd`` only) averages the whole model as one message after
+        the whole backward instead of layer by layer; ``reduce``
+        (``ring``, ``tree`` or ``psum``) averages each layer. The layers are timed on the
+        ``compute`` device (the roofline of their backward prefixes), or on this host when
+        ``compute`` is ``measured``. ``{}`` for none. Layers are ``models.layer_groups`` of
+        the parameters.
       init_params: start from the model parameters in this ``params.msgpack`` (every run
         writes one into its ``out_dir``) instead of a random init, e.g. to fine-tune a
         briefly pre-trained model; the architecture must match ("" = random init).
@@ -242,22 +245,24 @@ class Config:
         unknown = sorted(set(self.sync) - set(SYNC_KEYS))
         if unknown:
             raise ValueError(f"sync: unknown keys {unknown}; known: {list(SYNC_KEYS)}")
-        profile = "measured" if self.compute == "measured" else "roofline"
-        out = {"fill_bubbles": True, "reduce": "ring", "profile": profile, **self.sync}
+        out = {"fill_bubbles": True, "reduce": "ring", "fused": False, **self.sync}
         if "method" not in out or "period" not in out:
             raise ValueError(f"sync={self.sync!r} needs method and period")
         _choice("sync.method", out["method"], SYNC_METHODS)
         _positive("sync.period", out["period"])
         _choice("sync.reduce", out["reduce"], DENSE_AGGREGATORS)
-        _choice("sync.profile", out["profile"], ("roofline", "measured"))
-        if not isinstance(out["fill_bubbles"], bool):
+        for key in ("fill_bubbles", "fused"):
+            if not isinstance(out[key], bool):
+                raise ValueError(f"sync.{key} must be true or false, got {out[key]!r}")
+        if out["fused"] and out["method"] != "local_sgd":
             raise ValueError(
-                f"sync.fill_bubbles must be true or false, got {out['fill_bubbles']!r}"
+                f"sync.fused averages the whole model as one message, which only "
+                f"method='local_sgd' does; got method={out['method']!r}"
             )
-        if out["profile"] == "roofline" and self.compute == "measured":
+        if self.overlap:
             raise ValueError(
-                "sync.profile='roofline' costs the layers on the compute device, but "
-                "compute='measured' names none; set compute (e.g. v100) or profile: measured"
+                "overlap=true with sync: local SGD follows DreamDDP's iteration timeline, "
+                "whose averaging overlaps the backward pass by construction; set overlap=false"
             )
         if self.aggregator != "none" or self.stages != 1 or self.adaptive or self.stragglers:
             raise ValueError(

@@ -29,6 +29,7 @@ step's ``sync_layers``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -37,7 +38,7 @@ import numpy as np
 import optax
 
 import jaxcomm
-from jaxcomm.localsgd import layer_comm_s, layer_wires
+from jaxcomm.localsgd import SYNC_SCOPE, layer_comm_s, layer_wires, sync_branch
 from jaxcomm.network import Network
 from models import layer_groups
 from train.config import Config
@@ -59,6 +60,7 @@ class LocalSGDTrainer(Trainer):
 
     def __init__(self, cfg: Config, **kwargs: Any):
         self.sync = cfg.sync_settings()
+        self.compute_device = cfg.roofline()  # None: layers timed on this host
         if not self.sync:
             raise ValueError("LocalSGDTrainer needs a config with sync settings")
         self._divergence = 0.0
@@ -69,9 +71,11 @@ class LocalSGDTrainer(Trainer):
     def _make_tx(self) -> optax.GradientTransformation:
         sample = self.train_data.get(np.arange(self.cfg.global_batch // self.n))
         params = jax.eval_shape(lambda k: self.task.init(k, sample), jax.random.key(0))
-        self.layers = layer_groups(params)
-        self.profile = self._profile(params, sample)
+        self.profile = self._profile(params, sample, layer_groups(params))
+        # What the wrapper averages as one message: each layer, or (fused) the whole model.
+        self.layers = None if self.sync["fused"] else list(self.profile.names)
         self.layer_wires = layer_wires(params, self.layers, self.n, reduce=self.sync["reduce"])
+        self._branch_s: dict[int, float] = {}
         self.sync_schedule = self._schedule(self.cfg.network_schedule().at(0))
         return self._wrap(self.sync_schedule)
 
@@ -85,20 +89,26 @@ class LocalSGDTrainer(Trainer):
         )
         return optax.chain(optax.identity(), wrapper)
 
-    def _profile(self, params: Any, sample: dict[str, np.ndarray]) -> jaxcomm.LayerProfile:
+    def timeline_backward(self) -> list[float]:
+        """Backward seconds of each averaged unit (a layer, or the whole model when fused:
+        its one message leaves after the whole backward)."""
+        backward = list(self.profile.backward_s)
+        return [sum(backward)] if self.layers is None else backward
+
+    def _profile(
+        self, params: Any, sample: dict[str, np.ndarray], names: list[str]
+    ) -> jaxcomm.LayerProfile:
         """Per-layer times of one worker's step (its share of the global batch)."""
         loss = lambda p, b: self.task.loss(p, b)[0]  # noqa: E731
-        if self.sync["profile"] == "roofline":
+        if self.compute_device is not None:
             batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), sample)
-            return jaxcomm.profile_layers(
-                loss, params, batch, self.layers, roofline=self.cfg.roofline()
-            )
+            return jaxcomm.profile_layers(loss, params, batch, names, roofline=self.compute_device)
         real = self.task.init(jax.random.key(0), sample)
-        return jaxcomm.profile_layers(loss, real, sample, self.layers)
+        return jaxcomm.profile_layers(loss, real, sample, names)
 
     def _schedule(self, network: Network) -> jaxcomm.Schedule:
         method, period = self.sync["method"], self.sync["period"]
-        num = len(self.layers)
+        num = len(self.layer_wires)
         if method == "local_sgd":
             return jaxcomm.full_sync_schedule(num, period)
         if method == "enp":
@@ -112,20 +122,32 @@ class LocalSGDTrainer(Trainer):
         )
 
     def _checkpoint_extras(self) -> dict[str, Any]:
-        return {"schedule": [list(g) for g in self.sync_schedule.groups]}
+        return {
+            "schedule": [list(g) for g in self.sync_schedule.groups],
+            "profile": {"forward_s": self.profile.forward_s, "backward_s": self.profile.backward_s},
+        }
 
     def _restore_extras(self, extras: dict[str, Any]) -> None:
-        """A measured profile can differ between processes: resume with the saved schedule."""
+        """A measured profile can differ between processes: resume with the saved profile
+        (the clock's forward/backward split) and schedule."""
+        prof = extras.get("profile")
+        if prof is not None:
+            self.profile = dataclasses.replace(
+                self.profile,
+                forward_s=float(prof["forward_s"]),
+                backward_s=tuple(float(b) for b in prof["backward_s"]),
+            )
         saved = extras.get("schedule")
         if saved is None:
             return
-        schedule = jaxcomm.as_schedule([tuple(g) for g in saved], len(self.layers))
+        schedule = jaxcomm.as_schedule([tuple(g) for g in saved], len(self.layer_wires))
         if schedule.groups != self.sync_schedule.groups:
             self.sync_schedule = schedule
             self.tx = self._wrap(schedule)
             self._train_step = self._build_step()
             self._step_program = None
             self._modelled.clear()
+            self._branch_s.clear()
 
     # ------------------------------------------------------------------ clock
 
@@ -135,12 +157,20 @@ class LocalSGDTrainer(Trainer):
         if self.compute_model is None:
             compute = float(measured_s)
         else:
-            compute = float(np.max(self._modelled_per_device(key)))
-        backward = list(self.profile.backward_s)
+            compute = self.branch_compute_s(sync_branch(self.sync_schedule, step))
+        backward = self.timeline_backward()
         forward = max(compute - sum(backward), 0.0)
         comm = layer_comm_s(self.layer_wires, network)
         seconds = jaxcomm.iteration_time(group, forward, backward, comm)
         return seconds, forward + sum(backward), float(sum(comm[layer] for layer in group))
+
+    def branch_compute_s(self, branch: int) -> float:
+        """Roofline seconds of the step taking averaging branch ``branch`` (its group's
+        averaging arithmetic, not the costliest branch's), on the slowest device."""
+        if branch not in self._branch_s:
+            per = self._modelled_per_device(None, {SYNC_SCOPE: branch})
+            self._branch_s[branch] = float(np.max(per))
+        return self._branch_s[branch]
 
     # ------------------------------------------------------------------ the averaged model
 

@@ -253,7 +253,7 @@ class Trainer:
             "optimizer": self.cfg.optimizer,
             "aggregator": self.cfg.aggregator,
             "aggregator_args": self.cfg.aggregator_args,
-            **({"sync": self.cfg.sync} if self.cfg.sync else {}),
+            **({"sync": self.cfg.sync_settings()} if self.cfg.sync else {}),
             "param_shapes": jax.tree_util.tree_flatten_with_path(shapes)[0].__repr__(),
         }
 
