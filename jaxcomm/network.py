@@ -802,13 +802,17 @@ class Stragglers:
     def _rng(self, *key: int) -> np.random.Generator:
         return np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, *key])))
 
-    def compute_factors(self, step: int, n: int) -> np.ndarray:
-        """``float64[n]``: each worker's compute multiplier at ``step``."""
+    def compute_factors(self, step: int, n: int, *, stream: int = 0) -> np.ndarray:
+        """``float64[n]``: each worker's compute multiplier at ``step`` (``stream`` picks an
+        independent sequence, e.g. for trial steps that the clock charges beside the real
+        ones)."""
         step, n = _int("step", step, 0), _int("n", n, 1)
+        stream = _int("stream", stream, 0)
         bad = [w for w in self.slow if w >= n]
         if bad:
             raise ValueError(f"slow workers {bad} do not exist among n={n} workers")
-        z = self._rng(0, step).standard_normal(n) if self.compute_sigma else np.zeros(n)
+        rng = self._rng(0, step, stream) if stream else self._rng(0, step)
+        z = rng.standard_normal(n) if self.compute_sigma else np.zeros(n)
         factors = np.exp(self.compute_sigma * z)
         for w, m in self.slow.items():
             factors[w] *= m
@@ -828,6 +832,19 @@ class Stragglers:
         extra = rng.exponential(size=(rounds, n)).max(axis=1)
         return float(network.latency_s * (rounds + self.latency_jitter * extra.sum()))
 
+    def message_latencies(
+        self, step: int, shape: tuple[int, ...], network: Network, *, stream: int = 0
+    ) -> np.ndarray:
+        """``float64[shape]``: each message's latency at ``step``, ``alpha (1 + jitter e)``
+        with ``e ~ Exp(1)`` drawn per message (``alpha`` alone without jitter). ``stream``
+        picks an independent sequence for another set of messages of the same step."""
+        step, stream = _int("step", step, 0), _int("stream", stream, 0)
+        shape = tuple(_int("shape", d, 0) for d in shape)
+        if not self.latency_jitter:
+            return np.full(shape, network.latency_s)
+        e = self._rng(2, step, stream).exponential(size=shape)
+        return network.latency_s * (1.0 + self.latency_jitter * e)
+
     def step_seconds(
         self,
         step: int,
@@ -838,6 +855,7 @@ class Stragglers:
         network: Network,
         *,
         overlap: bool = False,
+        stream: int = 0,
     ) -> tuple[float, float, float]:
         """``(step, compute, comm)`` seconds of a synchronous step.
 
@@ -850,6 +868,8 @@ class Stragglers:
           path_bytes: bytes along those rounds.
           network: latency and bandwidth.
           overlap: hide communication behind compute (``max``) instead of adding it.
+          stream: an independent sequence of draws for steps beside the numbered ones
+            (0: the step's own draws).
 
         The collectives start when the slowest worker is done, so ``compute`` is the largest
         noisy compute time; ``comm`` is :meth:`round_latency` plus ``path_bytes * beta``.
@@ -858,6 +878,8 @@ class Stragglers:
         base = np.asarray(compute_s, np.float64)
         if base.shape not in ((), (n,)) or (base < 0).any() or not np.isfinite(base).all():
             raise ValueError(f"compute_s must be one or {n} finite seconds >= 0, got {compute_s!r}")
-        compute = float((np.broadcast_to(base, (n,)) * self.compute_factors(step, n)).max())
-        comm = self.round_latency(step, rounds, n, network) + float(path_bytes) * network.beta
+        factors = self.compute_factors(step, n, stream=stream)
+        compute = float((np.broadcast_to(base, (n,)) * factors).max())
+        latency = self.round_latency(step, rounds, n, network, stream=stream)
+        comm = latency + float(path_bytes) * network.beta
         return (max(compute, comm) if overlap else compute + comm), compute, comm

@@ -67,9 +67,21 @@ __all__ = [
     "gpipe_timeline",
     "pipeline_ticks",
     "TICK_SCOPE",
+    "FIRST_SCOPE",
+    "LAST_SCOPE",
 ]
 
 TICK_SCOPE = "gpipe_tick"  # jax.named_scope of a tick's ops (its backward: transpose(...))
+# jax.named_scope of the first stage's input function and the last stage's loss inside a
+# tick: each runs under a lax.cond on the stage index, so a cost model that cannot tell
+# the branch per device can find their ops by name.
+FIRST_SCOPE = "gpipe_first"
+LAST_SCOPE = "gpipe_last"
+
+
+def _scoped(scope: str, fn: Callable, *args: Any) -> Any:
+    with jax.named_scope(scope):
+        return fn(*args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,12 +328,14 @@ def gpipe(
             m = t - s
             mi = jnp.clip(m, 0, m_total - 1)
             micro = _take(inputs, mi)
-            x = lax.cond(s == 0, lambda: first_fn(params, micro), lambda: h_recv)
+            x = lax.cond(
+                s == 0, lambda: _scoped(FIRST_SCOPE, first_fn, params, micro), lambda: h_recv
+            )
             y = stage_fn(params, x)
             ok = (m >= 0) & (m < m_total)
             loss = lax.cond(
                 ok & (s == n - 1),
-                lambda: last_fn(params, y, micro).astype(jnp.float32),
+                lambda: _scoped(LAST_SCOPE, last_fn, params, y, micro).astype(jnp.float32),
                 lambda: jnp.zeros((), jnp.float32),
             )
             if not senders:
@@ -414,7 +428,8 @@ def gpipe_timeline(
       forward_s, backward_s: one microbatch's compute seconds on each stage: a number or
         ``[S]``.
       forward_transfer_s, backward_transfer_s: seconds of one message over boundary
-        ``s -> s + 1`` (forward) and ``s + 1 -> s`` (backward): a number or ``[S - 1]``.
+        ``s -> s + 1`` (forward) and ``s + 1 -> s`` (backward): a number, ``[S - 1]``, or
+        ``[S - 1, M]`` for each microbatch's message on its own (e.g. with latency jitter).
       overlap: whether a stage computes while its messages are on the wire.
 
     Returns:
@@ -423,23 +438,28 @@ def gpipe_timeline(
     n = check_int("stages", stages, lo=1)
     m = check_int("microbatches", microbatches, lo=1)
 
-    def seconds(name, value, size):
+    def seconds(name, value, size, per_message=False):
         a = np.asarray(value, np.float64)
         if a.ndim == 0:
             a = np.full(size, float(a))
-        if a.shape != (size,) or not np.isfinite(a).all() or (a < 0).any():
+        if per_message and a.ndim == 1 and a.shape == (size,):
+            a = np.repeat(a[:, None], m, axis=1)
+        want = (size, m) if per_message else (size,)
+        if a.shape != want or not np.isfinite(a).all() or (a < 0).any():
+            shapes = f"{size} or [{size}, {m}]" if per_message else str(size)
             raise ValueError(
-                f"{name} must be one number or {size} finite seconds >= 0, got {value!r}"
+                f"{name} must be one number or {shapes} finite seconds >= 0, got {value!r}"
             )
         return a
 
     f = seconds("forward_s", forward_s, n)
     b = seconds("backward_s", backward_s, n)
-    tf = seconds("forward_transfer_s", forward_transfer_s, n - 1)
-    tb = seconds("backward_transfer_s", backward_transfer_s, n - 1)
+    tf = seconds("forward_transfer_s", forward_transfer_s, n - 1, per_message=True)
+    tb = seconds("backward_transfer_s", backward_transfer_s, n - 1, per_message=True)
 
     def sweep(order, compute, transfer, ready, mbs):
-        # order: stages in the direction of travel; transfer[i]: link order[i] -> order[i+1].
+        # order: stages in the direction of travel; transfer[i, j]: microbatch j's message
+        # over link order[i] -> order[i+1].
         # Returns the events and when each stage is free again (its sends delivered, if it
         # may not compute beside them).
         out, done = np.zeros((n, m, 2)), np.zeros(n)
@@ -454,7 +474,7 @@ def gpipe_timeline(
                 free = start + compute[s]
                 out[s, j] = start, free
                 if sends:
-                    link = nxt[j] = max(free, link) + transfer[i]
+                    link = nxt[j] = max(free, link) + transfer[i, j]
                     if not overlap:
                         free = link
             arrive, done[s] = nxt, free

@@ -62,3 +62,13 @@ def test_bad_input_is_named():
         Stragglers(slow={9: 2.0}).compute_factors(0, 8)
     with pytest.raises(ValueError, match="compute_s must be one or 8 finite seconds"):
         Stragglers().step_seconds(0, 8, [0.1, 0.2], 1, 0.0, NET)
+
+
+def test_streams_draw_independently_of_the_steps_own():
+    """Trial steps (stream > 0) get their own draws, not those of the numbered step."""
+    s = Stragglers(seed=2, compute_sigma=0.3, latency_jitter=0.5)
+    own = s.step_seconds(5, 8, 1.0, 14, 1e6, NET)
+    assert s.step_seconds(5, 8, 1.0, 14, 1e6, NET) == own
+    other = s.step_seconds(5, 8, 1.0, 14, 1e6, NET, stream=2)
+    assert other != own and other == s.step_seconds(5, 8, 1.0, 14, 1e6, NET, stream=2)
+    assert not np.array_equal(s.compute_factors(5, 8), s.compute_factors(5, 8, stream=3))

@@ -127,7 +127,7 @@ class AdaptiveTrainer(Trainer):
         """
         params, opt_state, position = self.params, self.opt_state, self.loader.position
         trials, seconds = [], 0.0
-        for ratio in self.controller.candidates:
+        for c, ratio in enumerate(self.controller.candidates):
             key = (ratio, REDUCE[choose_collective(self._dense_bytes, self.n, ratio, network)])
             program = self._program(key)
             p, s = _copy(params), _copy(opt_state)
@@ -142,8 +142,10 @@ class AdaptiveTrainer(Trainer):
                     break  # a candidate that diverges is not a candidate
                 gains.append(_gain(s))
                 traffic = step_traffic(jaxcomm.network.find_logs(s))
+                # Trial steps run on the cluster beside the numbered ones: their own
+                # straggler draws (stream 2 + candidate), not those of the steps that follow.
                 seconds += self.simulate_logged(
-                    traffic, network, self.step + i, measured_s=measured, key=key
+                    traffic, network, self.step + i, measured_s=measured, key=key, stream=2 + c
                 )[0]
             else:
                 trials.append(Trial(ratio, float(np.mean(gains)), self.compress_seconds(ratio)))

@@ -151,8 +151,10 @@ class LocalSGDTrainer(Trainer):
 
     # ------------------------------------------------------------------ clock
 
-    def simulate_logged(self, traffic, network, step, *, measured_s, key=None):
-        """One iteration of DreamDDP's timeline (see module): ``(step, compute, comm)``."""
+    def simulate_logged(self, traffic, network, step, *, measured_s, key=None, stream=0):
+        """One iteration of DreamDDP's timeline (see module): ``(step, compute, comm)``
+        (``traffic`` and ``stream`` are unused: the layers' wires give the communication, and
+        a config with sync has no stragglers)."""
         group = self.sync_schedule.groups[step % self.sync_schedule.period]
         if self.compute_model is None:
             compute = float(measured_s)

@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm.network import find_logs
-from jaxcomm.pipeline import BoundaryState
+from jaxcomm.pipeline import FIRST_SCOPE, LAST_SCOPE, BoundaryState
 from models import GPTConfig
 from train.config import Config
 from train.data import Loader
@@ -535,6 +535,7 @@ class PipelineTrainer(Trainer):
         measured_s: float | None = None,
         overlap: bool | None = None,
         branches: Any = None,
+        stream: int = 0,
     ) -> tuple[float, float, float]:
         """Simulated seconds of one step, ``(step, compute, comm)``, on GPipe's timeline.
 
@@ -547,15 +548,17 @@ class PipelineTrainer(Trainer):
         collectives (the traffic beyond the pipeline's messages) are added after it, with
         or without ``overlap`` (they share the links with the pipeline's messages, which
         with ``overlap`` proceed beside the compute). Stragglers scale each device's
-        compute and jitter the messages' latency. ``compute`` is the slowest device's
-        modelled compute, ``comm`` the busiest device's communication. With ``compute:
-        measured`` the host's step time has no per-tick breakdown, so the step is costed as
-        in :meth:`Trainer.simulate_step`.
+        compute and jitter each message's latency (drawn per message). ``compute`` is the
+        slowest device's modelled compute, ``comm`` the busiest device's communication.
+        With ``compute: measured`` the host's step time has no per-tick breakdown, so the
+        step is costed as in :meth:`Trainer.simulate_step`.
         """
         if self.compute_model is None:
             return super().simulate_step(
-                key, traffic, network, step, measured_s=measured_s, overlap=overlap
+                key, traffic, network, step, measured_s=measured_s, overlap=overlap, stream=stream
             )
+        if stream:
+            raise ValueError("the pipeline's clock draws only its steps' own stragglers")
         overlap = self.cfg.overlap if overlap is None else bool(overlap)
         cfg, n_stages = self.cfg, self.stages
         devices = cfg.workers * n_stages
@@ -564,14 +567,15 @@ class PipelineTrainer(Trainer):
         fw_msg, bw_msg = self._message_bytes(key)
         factors = np.ones(devices)
         p2p_rounds = 2 * (ticks - 1)
-        latency = network.latency_s
+        # Each message's latency: [replica, direction, boundary, microbatch], drawn per
+        # message with stragglers' jitter.
+        shape = (cfg.workers, 2, max(n_stages - 1, 0), cfg.microbatches)
         if self.stragglers is not None:
             factors = self.stragglers.compute_factors(step, devices)
-            latency = self.stragglers.round_latency(step, p2p_rounds, n_stages, network) / max(
-                p2p_rounds, 1
-            )
-        tau_f = latency + fw_msg * network.beta
-        tau_b = latency + bw_msg * network.beta
+            lat = self.stragglers.message_latencies(step, shape, network)
+        else:
+            lat = np.full(shape, network.latency_s)
+        latency = float(lat.mean()) if lat.size else network.latency_s
         pipes = []
         for r in range(cfg.workers):
             idx = r * n_stages + np.arange(n_stages)
@@ -580,8 +584,8 @@ class PipelineTrainer(Trainer):
                 cfg.microbatches,
                 f[idx] * factors[idx],
                 b[idx] * factors[idx],
-                tau_f,
-                tau_b,
+                lat[r, 0] + fw_msg * network.beta,
+                lat[r, 1] + bw_msg * network.beta,
                 overlap=overlap,
             )
             pipes.append(line.seconds + float(np.max(rest[idx] * factors[idx])))
@@ -630,9 +634,12 @@ class PipelineTrainer(Trainer):
         is put on the roofline by itself (a forward may be bound by compute and an update by
         memory), the ticks' parts divided by the ``M + S - 1`` ticks the program runs; the
         embedding's and head's programs join the rest. ``branches`` resolves conditionals
-        (e.g. an aggregator's) as in :meth:`step_audit`; those left out, among them the
-        embedding's and head's inside the ticks, count their costliest branch on every
-        device (so every stage is charged the head: an upper bound)."""
+        (e.g. an aggregator's) as in :meth:`step_audit`. The first stage's input function
+        and the last stage's loss run inside the ticks under a ``lax.cond`` on the stage,
+        which the cost model counts at its costliest branch on every device; their ops
+        (named :data:`~jaxcomm.pipeline.FIRST_SCOPE` and ``LAST_SCOPE``) are taken out
+        again where they do not run: the input function runs on every tick of stage 0
+        only, the loss on the ``M`` ticks of the last stage that carry a microbatch."""
         cache = (key, tuple(sorted((branches or {}).items())))
         if cache in self._ticks:
             return self._ticks[cache]
@@ -656,6 +663,19 @@ class PipelineTrainer(Trainer):
         total = part(None)
         fw = part(lambda op: "jvp(" in op and "transpose(" not in op)
         bw = part(lambda op: "transpose(" in op)
+        # Where the stage conditionals' branches run: share of the counted executions.
+        stage = np.arange(n) % self.stages
+        runs = {
+            FIRST_SCOPE: (stage == 0).astype(np.float64),
+            LAST_SCOPE: np.where(stage == self.stages - 1, self.cfg.microbatches / ticks, 0.0),
+        }
+        for scope, share_run in runs.items():
+            extra = 1.0 - share_run
+            in_fw = part(lambda op, sc=scope: sc in op and "jvp(" in op and "transpose(" not in op)
+            in_bw = part(lambda op, sc=scope: sc in op and "transpose(" in op)
+            fw = combine((1, fw), (-extra, in_fw))
+            bw = combine((1, bw), (-extra, in_bw))
+            total = combine((1, total), (-extra, in_fw), (-extra, in_bw))
         unnamed = part(lambda op: op == "")
         share = fw.matmul_flops / np.maximum(fw.matmul_flops + bw.matmul_flops, 1.0)
         other = combine((1, total), (-1, fw), (-1, bw), (-1, unnamed))

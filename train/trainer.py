@@ -408,12 +408,14 @@ class Trainer:
         measured_s: float | None = None,
         overlap: bool | None = None,
         branches: Any = None,
+        stream: int = 0,
     ) -> tuple[float, float, float]:
         """Simulated seconds of one step: ``(step, compute, comm)``.
 
         Compute is the roofline of the step's programs of kind ``key`` on the ``compute``
         device, per device (``measured_s``, the host's measured step, when ``compute`` is
         ``measured``); communication is ``traffic`` (per-device totals) over ``network``.
+        ``stream`` > 0 draws stragglers independently of step ``step``'s own draws.
         The step waits for the slowest device and adds communication (``max`` of the two
         with ``overlap``); stragglers (drawn for ``step``, 0-based) scale each device's
         compute and jitter the latency of each round. ``compute`` and ``comm`` are the
@@ -441,6 +443,7 @@ class Trainer:
             float(traffic.path_bytes[busiest]),
             network,
             overlap=overlap,
+            stream=stream,
         )
 
     def simulate_logged(
@@ -451,16 +454,17 @@ class Trainer:
         *,
         measured_s: float,
         key: Any = None,
+        stream: int = 0,
     ) -> tuple[float, float, float]:
         """:meth:`simulate_step` of a step from its logged traffic; ``key`` names its
-        program (default: the one the last step ran)."""
+        program (default: the one the last step ran); ``stream`` as there."""
         total = jaxcomm.Traffic(
             sent=traffic.sent,
             rounds=traffic.rounds.sum(1),
             path_bytes=traffic.path_bytes.sum(1),
         )
         key = self._program_key() if key is None else key
-        return self.simulate_step(key, total, network, step, measured_s=measured_s)
+        return self.simulate_step(key, total, network, step, measured_s=measured_s, stream=stream)
 
     def _modelled_per_device(self, key: Any = None, branches: Any = None) -> np.ndarray:
         key = self._program_key() if key is None else key
