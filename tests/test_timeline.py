@@ -106,6 +106,29 @@ def test_trainer_step_follows_the_gpipe_timeline_per_stage(trainer):
     np.testing.assert_allclose(f[:s], f[s:])  # the two replicas alike
     np.testing.assert_allclose([f[1], b[1]], [f[2], b[2]])  # middle stages: blocks alone
     assert f[3] > f[1] and b[3] > b[1] and f[0] > f[1] and b[0] > b[1]
+    # One loss per microbatch on the last stage, one embedding per tick on stage 0: the
+    # difference to a middle stage over the ticks is the roofline of those ops as the
+    # program counts them (on every tick, at the costliest branch; compute-bound here).
+    from jaxcomm.pipeline import FIRST_SCOPE, LAST_SCOPE
+
+    cost = jaxcomm.program_cost(trainer.step_programs(False)[0][0])
+
+    def scoped(scope, backward):
+        def select(op):
+            part = "transpose(" in op if backward else ("jvp(" in op and "transpose(" not in op)
+            return scope in op and part
+
+        return trainer.compute_model.seconds(cost.per_device(select=select))
+
+    head_f, head_b = scoped(LAST_SCOPE, False)[3], scoped(LAST_SCOPE, True)[3]
+    assert ticks * (f[3] - f[1]) == pytest.approx(head_f, rel=1e-6)
+    assert ticks * (b[3] - b[1]) == pytest.approx(head_b, rel=1e-6)
+    assert ticks * (f[0] - f[1]) == pytest.approx(scoped(FIRST_SCOPE, False)[0], rel=1e-6)
+    # The program's own compute runs the loss on the M ticks that carry a microbatch only.
+    busy = trainer._tick_busy(False)
+    np.testing.assert_allclose(busy[:3], ticks * (f + b)[:3], rtol=1e-9)
+    extra = (ticks - m) * (head_f + head_b) / ticks
+    assert busy[3] == pytest.approx(ticks * (f[3] + b[3]) - extra, rel=1e-6)
     assert (f > 0).all() and (b > 0).all()
     assert 1.5 < b[1] / f[1] < 3.5  # a backward costs about two forwards
     # Every matmul of the step is in the forward or the backward (the optimizer has none).
@@ -176,6 +199,22 @@ def test_a_slow_stage_slows_the_pipeline_as_the_timeline_says(trainer):
     assert slow > base
 
 
+def test_per_message_backward_times_by_hand():
+    """S = 3, M = 2, f = b = 1, forward messages free; backward messages differ per link
+    and microbatch: link 2 -> 1 takes 3 s for microbatch 1 and 0 for 0, link 1 -> 0 takes
+    0 s for microbatch 1 and 4 s for microbatch 0. Forwards: stage 0 [0,1] [1,2], stage 1
+    [1,2] [2,3], stage 2 [2,3] [3,4]. Backwards (microbatch 1 first): stage 2 [4,5] sends
+    mb 1 to stage 1, arriving 8 (and blocking stage 2 until then), then mb 0 [8,9] arriving
+    9; stage 1 (free at 4): mb 1 [8,9] arriving at stage 0 at 9, mb 0 [9,10] arriving 14;
+    stage 0 (free at 2): mb 1 [9,10], mb 0 [14,15]. All messages free: (M + S - 1)(f + b) = 8."""
+    tb = [[0.0, 0.0], [0.0, 0.0]]  # [link s+1 -> s for s = 0, 1][microbatch]
+    tb[1][1] = 3.0  # link 2 -> 1, microbatch 1
+    tb[0][0] = 4.0  # link 1 -> 0, microbatch 0
+    line = jaxcomm.gpipe_timeline(3, 2, 1.0, 1.0, 0.0, tb)
+    assert line.seconds == 15.0
+    assert jaxcomm.gpipe_timeline(3, 2, 1.0, 1.0, 0.0, 0.0).seconds == 8.0
+
+
 def test_per_message_transfer_times_by_hand():
     """One slow message on the critical path: S = 2, M = 2, f = b = 1, every message free
     except microbatch 1's forward message (5 s). Stage 0: forwards [0, 1], [1, 2], its
@@ -205,3 +244,34 @@ def test_message_latencies_are_seeded_per_message():
     many = s.message_latencies(0, (200_000,), net)
     assert abs(many.mean() / 1e-3 - 1.5) < 0.01
     np.testing.assert_array_equal(Stragglers().message_latencies(0, (3,), net), [1e-3] * 3)
+
+
+def test_the_pipeline_step_draws_each_message_latency(trainer):
+    """With latency jitter the trainer's step is the timeline of each replica with each
+    boundary message's own drawn latency."""
+    cfg = trainer.cfg
+    s, m, w = cfg.stages, cfg.microbatches, cfg.workers
+    network = Network(latency_s=2e-3, bandwidth_bps=1e8)
+    traffic = trainer.step_audit(False)
+    f, b, rest = trainer._tick_seconds(False)
+    fw_msg, bw_msg = trainer._message_bytes(False)
+    trainer.stragglers = jaxcomm.Stragglers(seed=5, latency_jitter=1.0)
+    try:
+        step, _, _ = trainer.simulate_step(False, traffic, network, 3, overlap=False)
+        lat = trainer.stragglers.message_latencies(3, (w, 2, s - 1, m), network)
+        lines = []
+        for r in range(w):
+            idx = r * s + np.arange(s)
+            line = jaxcomm.gpipe_timeline(
+                s, m, f[idx], b[idx], lat[r, 0] + fw_msg * network.beta, lat[r, 1] + bw_msg * 8e-8
+            )
+            lines.append(line.seconds + rest[idx].max())
+        rounds = traffic.rounds - 2 * (m + s - 2)
+        path = traffic.path_bytes - (m + s - 2) * (fw_msg + bw_msg)
+        busy = int(np.argmax(rounds * 2e-3 + path * 8e-8))
+        other = trainer.stragglers.round_latency(3, int(rounds[busy]), w, network, stream=1)
+        assert step == pytest.approx(max(lines) + other + path[busy] * 8e-8, rel=1e-9)
+        uniform = jaxcomm.gpipe_timeline(s, m, f[:s], b[:s], 2e-3 + fw_msg * 8e-8, 2e-3)
+        assert max(lines) > uniform.seconds  # the jitter only delays
+    finally:
+        trainer.stragglers = None

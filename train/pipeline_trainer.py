@@ -134,6 +134,7 @@ class PipelineTrainer(Trainer):
                 f"{jax.device_count()}"
             )
         self._ticks: dict[Any, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._busy: dict[Any, np.ndarray] = {}
         super().__init__(cfg, abstract=abstract)
 
     # The data loader shards over data replicas only; stages share a replica's batch.
@@ -609,7 +610,7 @@ class PipelineTrainer(Trainer):
         # messages on the same links; ``overlap`` hides messages behind compute, not behind
         # other messages.
         seconds = pipe + other
-        compute = float(np.max((ticks * (f + b) + rest) * factors))
+        compute = float(np.max((self._tick_busy(key, branches) + rest) * factors))
         comm = p2p_rounds * latency + (ticks - 1) * (fw_msg + bw_msg) * network.beta + other
         return seconds, compute, comm
 
@@ -639,7 +640,8 @@ class PipelineTrainer(Trainer):
         which the cost model counts at its costliest branch on every device; their ops
         (named :data:`~jaxcomm.pipeline.FIRST_SCOPE` and ``LAST_SCOPE``) are taken out
         again where they do not run: the input function runs on every tick of stage 0
-        only, the loss on the ``M`` ticks of the last stage that carry a microbatch."""
+        only, the loss on the ``M`` ticks of the last stage that carry a microbatch, so the
+        last stage's ``f`` and ``b`` hold one loss per microbatch."""
         cache = (key, tuple(sorted((branches or {}).items())))
         if cache in self._ticks:
             return self._ticks[cache]
@@ -660,34 +662,54 @@ class PipelineTrainer(Trainer):
                 **{k: sum(w * getattr(c, k) for w, c in terms) for k in _COST_FIELDS}
             )
 
-        total = part(None)
-        fw = part(lambda op: "jvp(" in op and "transpose(" not in op)
-        bw = part(lambda op: "transpose(" in op)
-        # Where the stage conditionals' branches run: share of the counted executions.
         stage = np.arange(n) % self.stages
-        runs = {
-            FIRST_SCOPE: (stage == 0).astype(np.float64),
-            LAST_SCOPE: np.where(stage == self.stages - 1, self.cfg.microbatches / ticks, 0.0),
-        }
-        for scope, share_run in runs.items():
-            extra = 1.0 - share_run
-            in_fw = part(lambda op, sc=scope: sc in op and "jvp(" in op and "transpose(" not in op)
-            in_bw = part(lambda op, sc=scope: sc in op and "transpose(" in op)
-            fw = combine((1, fw), (-extra, in_fw))
-            bw = combine((1, bw), (-extra, in_bw))
-            total = combine((1, total), (-extra, in_fw), (-extra, in_bw))
-        unnamed = part(lambda op: op == "")
-        share = fw.matmul_flops / np.maximum(fw.matmul_flops + bw.matmul_flops, 1.0)
-        other = combine((1, total), (-1, fw), (-1, bw), (-1, unnamed))
-        fw, bw = combine((1, fw), (share, unnamed)), combine((1, bw), (1 - share, unnamed))
+        first = (stage == 0).astype(np.float64)  # the input function: every tick of stage 0
+        last = (stage == self.stages - 1).astype(np.float64)
+
+        def split(last_share):
+            """Forward, backward and other costs with the stage conditionals' ops kept at
+            ``last_share`` of its counted executions on each device (the input function at
+            its own share; the program counts each at its costliest branch everywhere)."""
+            total = part(None)
+            fw = part(lambda op: "jvp(" in op and "transpose(" not in op)
+            bw = part(lambda op: "transpose(" in op)
+            for scope, share_run in ((FIRST_SCOPE, first), (LAST_SCOPE, last_share)):
+                extra = 1.0 - share_run
+                in_fw = part(
+                    lambda op, sc=scope: sc in op and "jvp(" in op and "transpose(" not in op
+                )
+                in_bw = part(lambda op, sc=scope: sc in op and "transpose(" in op)
+                fw = combine((1, fw), (-extra, in_fw))
+                bw = combine((1, bw), (-extra, in_bw))
+                total = combine((1, total), (-extra, in_fw), (-extra, in_bw))
+            unnamed = part(lambda op: op == "")
+            share = fw.matmul_flops / np.maximum(fw.matmul_flops + bw.matmul_flops, 1.0)
+            other = combine((1, total), (-1, fw), (-1, bw), (-1, unnamed))
+            fw, bw = combine((1, fw), (share, unnamed)), combine((1, bw), (1 - share, unnamed))
+            return fw, bw, other
+
+        # Per microbatch (the timeline's f and b): the loss runs once per microbatch on the
+        # last stage, so it counts fully there; the program itself runs it on M of its
+        # ticks only, which is what its compute time counts.
+        fw, bw, other = split(last)
         f[main[1]] += model.seconds(fw) / ticks
         b[main[1]] += model.seconds(bw) / ticks
         rest[main[1]] += model.seconds(other)
+        fw, bw, _ = split(last * self.cfg.microbatches / ticks)
+        busy = np.zeros(n)
+        busy[main[1]] += model.seconds(fw) + model.seconds(bw)
+        self._busy[cache] = busy
         for program, index in owned:
             c = jaxcomm.program_cost(program)
             rest[index] += model.seconds(c.per_device(mine(c)))
         self._ticks[cache] = (f, b, rest)
         return self._ticks[cache]
+
+    def _tick_busy(self, key: Any, branches: Any = None) -> np.ndarray:
+        """Per device, roofline seconds of all the ticks of the program (the loss counted
+        on the ``M`` ticks that run it), the compute the step's ``compute`` reports."""
+        self._tick_seconds(key, branches)
+        return self._busy[(key, tuple(sorted((branches or {}).items())))]
 
     def _step_extras(self) -> dict[str, float]:
         """Message-buffer host time, in seconds: ``buffer_prefetch_s`` preparing the next
