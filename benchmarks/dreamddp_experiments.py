@@ -67,6 +67,9 @@ LOCAL = {
 }
 
 
+SEED = [0]  # set from --seed
+
+
 def config(name: str, out: Path, steps: int, **kw) -> Config:
     """One run's config; ``kw`` overrides."""
     run_dir = out / "runs" / name
@@ -80,7 +83,7 @@ def config(name: str, out: Path, steps: int, **kw) -> Config:
         workers=8,
         global_batch=64,
         steps=steps,
-        seed=0,
+        seed=SEED[0],
         optimizer="adam",
         lr=3e-3,
         aggregator="ring",
@@ -111,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="benchmarks/results/dreamddp")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--quick", action="store_true", help="40 steps")
+    ap.add_argument("--seed", type=int, default=0, help="seeds the init and the data order")
     ap.add_argument(
         "--render", action="store_true", help="rewrite experiments.md from experiments.json"
     )
@@ -120,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         (Path(args.out) / "experiments.md").write_text(render(record))
         return 0
     steps = 40 if args.quick else args.steps
+    SEED[0] = args.seed
     t0 = time.time()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -169,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     record = summarise(runs, times)
     record["meta"] = run_meta(argv, t0)
     record["steps"] = steps
+    record["seed"] = args.seed
     record["networks"] = NETWORKS
     record["profile"] = profile_record(runs)
     for run in runs.values():  # the checkpoints are large and not results
@@ -248,7 +254,8 @@ def render(record: dict) -> str:
         f"{meta.get('wall_s', 0) / 60:.0f} min).",
         "",
         f"GPT (4 layers, width 128, 867K parameters) on the embedded Shakespeare text, 8 "
-        f"workers, global batch 64, Adam lr 3e-3, {record['steps']} steps; simulated time on "
+        f"workers, global batch 64, Adam lr 3e-3, {record['steps']} steps, seed "
+        f"{record.get('seed', 0)}; simulated time on "
         "V100s (the roofline of the compiled step) and the alpha-beta model of each network "
         "at 0.1 ms latency. Local methods follow DreamDDP's iteration timeline (each "
         "averaged layer's all-reduce starts after its backward and after the previous "

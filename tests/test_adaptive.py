@@ -203,6 +203,28 @@ def test_a_search_leaves_every_piece_of_state_bit_identical(tmp_path):
     assert trainer.controller.ratio in trainer.controller.candidates
 
 
+def test_trial_steps_draw_their_own_stragglers(tmp_path):
+    """With stragglers, each candidate's trial steps are charged with their own draws
+    (stream 2 + candidate), not with those of the training steps that follow."""
+    trainer = AdaptiveTrainer(_cfg(tmp_path, steps=1, stragglers={"seed": 4, "compute_sigma": 0.5}))
+    trainer.run()
+    streams = []
+    simulate = trainer.simulate_logged
+
+    def record(*args, stream=0, **kw):
+        streams.append((args[2], stream))
+        return simulate(*args, stream=stream, **kw)
+
+    trainer.simulate_logged = record
+    trainer.search(Network(1e-3, 1e9))
+    n = len(trainer.controller.candidates)
+    steps = trainer.controller.trial_steps
+    want = [(trainer.step + i, 2 + c) for c in range(n) for i in range(steps)]
+    assert streams == want
+    s = trainer.stragglers
+    assert not np.array_equal(s.compute_factors(1, 8), s.compute_factors(1, 8, stream=2))
+
+
 def test_ratio_and_collective_are_logged_and_switch_with_the_network(tmp_path):
     cfg = _cfg(tmp_path)
     AdaptiveTrainer(cfg).run()
