@@ -1,9 +1,10 @@
 """Time and size of the jaxcomm wire codecs against a plain device copy, in one run.
 
 For a float32 array of ``--size`` elements drawn from a standard normal distribution (numpy,
-seed 0), and for each codec case (stochastic symmetric quantization at 1, 2, 4 and 8 bits with
-512-element buckets; signs without and with a scale; top-k at ratios 0.01 and 0.001 with
-``method="exact"`` and ``"approx"``), this script measures:
+seed 0), and for each codec case (stochastic quantization at every width 1-8 with 512-element
+buckets, symmetric, and min/max at 2, 4 and 8 bits; signs without and with a scale; SSDM's
+stochastic sign; one Marsit merge of sign words, m = 4; top-k at ratios 0.1, 0.01 and 0.001
+with ``method="exact"``, ``"approx"`` and ``"threshold"``), this script measures:
 
 * **time**: ``jax.jit`` of ``x, key -> decode(encode(x, key))`` (signs and top-k ignore the
   key) and of ``encode`` alone, each compiled ahead of time (``.lower().compile()``) and
@@ -19,8 +20,13 @@ seed 0), and for each codec case (stochastic symmetric quantization at 1, 2, 4 a
   this JAX version). The script checks that the compiled HLO contains a ``copy`` and that the
   output buffer is not the input buffer, and stops if either fails.
 * **bytes**: ``jaxcomm.payload_bytes`` of the payload, checked against the formula
-  (``ceil(n*b/8) + 4*ceil(n/512)`` for quantization, ``ceil(n/8)`` (+4 with a scale) for
-  signs, ``8*k`` with ``k = ceil(ratio*n)`` for top-k); a mismatch stops the script.
+  (``ceil(n*b/8) + 4*ceil(n/512)`` for quantization, twice the scales for min/max,
+  ``ceil(n/8)`` (+4 with a scale) for signs, ``8*k`` with ``k = ceil(ratio*n)`` for top-k);
+  a mismatch stops the script.
+* **memory share**: the least traffic an encode+decode needs (read ``x``, write and read the
+  payload, write the decoded array: ``8n + 2 * payload bytes``) per second, as a share of
+  the copy's ``8n`` bytes per second in the same round. On a GPU the copy runs near the
+  HBM bandwidth, so this is the codec's fraction of it.
 * **error**: relative L2 error ``||x_hat - x|| / ||x||`` of the decoded array, in float64.
 
 Results go to ``--out``: ``codecs.json`` (raw times of every round, machine, command),
@@ -98,25 +104,32 @@ class Result:
     codec_median_s: float
     time_ratio: float
     encode_time_ratio: float
+    memory_share: float
 
 
 def make_cases(n: int) -> list[Case]:
     """The benchmarked codec configurations for ``n`` elements."""
     cases: list[Case] = []
-    for bits in (1, 2, 4, 8):
+    for bits in range(1, 9):
+        for symmetric in (True, False):
+            if not symmetric and bits not in (2, 4, 8):
+                continue
 
-        def enc(x: jax.Array, key: jax.Array, bits: int = bits) -> Any:
-            return jaxcomm.quantize(x, key, bits=bits, bucket_size=BUCKET, stochastic=True)
+            def enc(x: jax.Array, key: jax.Array, bits: int = bits, sym: bool = symmetric) -> Any:
+                return jaxcomm.quantize(
+                    x, key, bits=bits, bucket_size=BUCKET, stochastic=True, symmetric=sym
+                )
 
-        cases.append(
-            Case(
-                f"quantize {bits}-bit",
-                enc,
-                jaxcomm.dequantize,
-                -(-n * bits // 8) + 4 * -(-n // BUCKET),
-                f"ceil(n*{bits}/8) + 4*ceil(n/{BUCKET})",
+            scales = 1 if symmetric else 2
+            cases.append(
+                Case(
+                    f"quantize {bits}-bit" + ("" if symmetric else " min/max"),
+                    enc,
+                    jaxcomm.dequantize,
+                    -(-n * bits // 8) + 4 * scales * -(-n // BUCKET),
+                    f"ceil(n*{bits}/8) + {4 * scales}*ceil(n/{BUCKET})",
+                )
             )
-        )
     for scale in (False, True):
 
         def enc(x: jax.Array, key: jax.Array, scale: bool = scale) -> Any:
@@ -132,9 +145,31 @@ def make_cases(n: int) -> list[Case]:
                 "ceil(n/8) + 4" if scale else "ceil(n/8)",
             )
         )
-    for ratio in (0.01, 0.001):
+    cases.append(
+        Case(
+            "stochastic sign (SSDM)",
+            jaxcomm.stochastic_sign_encode,
+            jaxcomm.sign_decode,
+            -(-n // 8) + 4,
+            "ceil(n/8) + 4",
+        )
+    )
+
+    def merge(x: jax.Array, key: jax.Array) -> Any:
+        # One Marsit hop: this worker's sign bits merged into received bits (the signs of
+        # a shifted copy), m = 4 workers; the merged words are what the next hop sends.
+        own = jaxcomm.pack_bits(x > 0)
+        received = jaxcomm.pack_bits(jnp.roll(x, 1) > 0)
+        return jaxcomm.SignCode(
+            jaxcomm.sign_merge(received, own, key, 4), None, tuple(x.shape), "float32"
+        )
+
+    cases.append(
+        Case("sign merge (Marsit, m=4)", merge, jaxcomm.sign_decode, -(-n // 8), "ceil(n/8)")
+    )
+    for ratio in (0.1, 0.01, 0.001):
         k = max(1, math.ceil(ratio * n))
-        for method in ("exact", "approx"):
+        for method in ("exact", "approx", "threshold"):
 
             def enc(
                 x: jax.Array, key: jax.Array, ratio: float = ratio, method: str = method
@@ -238,6 +273,7 @@ def run_case(
         codec_median_s=codec_m,
         time_ratio=codec_m / copy_m,
         encode_time_ratio=enc_m / copy_m,
+        memory_share=(8 * n + 2 * nbytes) / (8 * n) * copy_m / codec_m,
     )
 
 
@@ -293,8 +329,8 @@ def write_md(path: Path, meta: dict[str, Any], results: list[Result]) -> None:
         "",
         "| codec | payload bytes | bytes ratio vs fp32 | bits/elem | encode ms "
         "| encode+decode ms | copy ms | encode / copy | encode+decode / copy "
-        "| relative error | repeats |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| memory share | relative error | repeats |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         reps = f"{r.repeats} (reduced)" if r.reduced_repeats else str(r.repeats)
@@ -302,7 +338,7 @@ def write_md(path: Path, meta: dict[str, Any], results: list[Result]) -> None:
             f"| {r.name} | {r.payload_bytes:,} | {r.bytes_ratio:.5f} | {r.bits_per_element:.3f} "
             f"| {1e3 * r.encode_median_s:.1f} | {1e3 * r.codec_median_s:.1f} "
             f"| {1e3 * r.copy_median_s:.1f} | {r.encode_time_ratio:.2f} | {r.time_ratio:.2f} "
-            f"| {r.rel_error:.4f} | {reps} |"
+            f"| {r.memory_share:.2f} | {r.rel_error:.4f} | {reps} |"
         )
     copies = [t for r in results for t in r.copy_s]
     reduced = [r.name for r in results if r.reduced_repeats]
@@ -313,8 +349,11 @@ def write_md(path: Path, meta: dict[str, Any], results: list[Result]) -> None:
         "untimed call. Ratios divide by the copy median of the same case. The copy is "
         "`jax.jit(jnp.copy)` without donation (checked to compile to an HLO `copy` into a "
         "new buffer). Payload bytes are `jaxcomm.payload_bytes` and were checked against "
-        "the formulas (quantize `ceil(n*b/8) + 4*ceil(n/512)`, sign `ceil(n/8)` (+4 with a "
-        "scale), top-k `8*k`). Relative error is `||x_hat - x|| / ||x||` in float64.",
+        "the formulas (quantize `ceil(n*b/8) + 4*ceil(n/512)`, twice the scales for min/max, "
+        "sign `ceil(n/8)` (+4 with a scale), top-k `8*k`). Relative error is "
+        "`||x_hat - x|| / ||x||` in float64. Memory share: `(8n + 2 * payload bytes) / "
+        "(encode+decode time)` over `8n / (copy time)`, the codec's least traffic per second "
+        "as a share of the copy's.",
         "",
         f"Copy rounds over the whole run: median {1e3 * statistics.median(copies):.1f} ms, "
         f"range {1e3 * min(copies):.1f}-{1e3 * max(copies):.1f} ms ({len(copies)} rounds); "

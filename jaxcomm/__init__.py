@@ -122,3 +122,4 @@ from jaxcomm.pipeline import (
     pipeline_ticks,
 )
 from jaxcomm.profiler import LayerProfile, profile_layers
+from jaxcomm.rng import hash_bits, stochastic_round

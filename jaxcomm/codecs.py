@@ -26,10 +26,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxcomm._checks import check_choice, check_finite_if_concrete, check_int
+from jaxcomm.rng import stochastic_round
 
 __all__ = [
+    "AUTO_THRESHOLD_ABOVE",
+    "SELECTIONS",
     "Quantized",
     "SignCode",
     "TopK",
@@ -42,6 +46,7 @@ __all__ = [
     "sign_encode",
     "sign_decode",
     "topk_encode",
+    "topk_indices",
     "topk_gather",
     "topk_decode",
     "payload_bytes",
@@ -104,22 +109,32 @@ def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
         shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).astype(jnp.uint8)
         # Fields do not overlap, so the sum is a bitwise OR.
         return jnp.sum(jnp.left_shift(codes, shifts), axis=-1, dtype=jnp.uint8)
-    # Other widths: 8 codes fill exactly `bits` bytes; each byte gathers the (at most two)
-    # codes overlapping it with static shifts, so no per-bit intermediate is formed.
+    # Other widths: 8 codes fill exactly `bits` bytes (at most 56 bits). Each group of 8 is
+    # summed into two uint32 words (fields are disjoint, so the sum is an OR; a shift by 32
+    # or more gives 0 in XLA) and the words are cut into bytes. Summing reads every code
+    # once; gathering each byte from the codes that overlap it would make XLA fuse the
+    # code's producer (a whole quantizer) into every byte that reads it.
     pad = (-n) % 8
     if pad:
         codes = jnp.pad(codes, [(0, 0)] * len(lead) + [(0, pad)])
     group = codes.reshape(*lead, -1, 8).astype(jnp.uint32)
-    out = []
-    for k in range(bits):
-        acc = jnp.zeros(group.shape[:-1], jnp.uint32)
-        for j in range(8):
-            shift = j * bits - 8 * k
-            if -bits < shift < 8:
-                part = group[..., j]
-                acc = acc | (part << shift if shift >= 0 else part >> -shift)
-        out.append((acc & 0xFF).astype(jnp.uint8))
-    packed = jnp.stack(out, axis=-1).reshape(*lead, -1)
+    pos = jnp.arange(8, dtype=jnp.uint32) * jnp.uint32(bits)  # bit offset of each code
+    low = group << pos
+    if bits < 4:
+        lo, hi = jnp.sum(low, axis=-1, dtype=jnp.uint32), None
+    else:
+        spill = jnp.where(pos >= 32, group << (pos - 32), group >> (jnp.uint32(32) - pos))
+        # One reduction with two outputs: two separate sums would each recompute the
+        # codes' producer (for a quantizer, the whole quantizer).
+        zero = jnp.uint32(0)
+        lo, hi = lax.reduce(
+            (low, spill),
+            (zero, zero),
+            lambda a, b: (a[0] | b[0], a[1] | b[1]),
+            (group.ndim - 1,),
+        )
+    out = [((lo if k < 4 else hi) >> (8 * (k % 4))) & 0xFF for k in range(bits)]
+    packed = jnp.stack(out, axis=-1).astype(jnp.uint8).reshape(*lead, -1)
     return packed[..., : -(-n * bits // 8)]
 
 
@@ -138,22 +153,29 @@ def unpack_codes(packed: jax.Array, bits: int, n: int) -> jax.Array:
         mask = jnp.uint8((1 << bits) - 1)
         codes = jnp.right_shift(packed[..., None], shifts) & mask
         return codes.reshape(*lead, -1)[..., :n]
+    # Other widths: each group of `bits` bytes holds 8 codes; gather it into two uint32
+    # words (one read of every byte, as in pack_codes) and cut the codes out of the words.
     nbytes = packed.shape[-1]
     pad = (-nbytes) % bits
     if pad:
         packed = jnp.pad(packed, [(0, 0)] * len(lead) + [(0, pad)])
     group = packed.reshape(*lead, -1, bits).astype(jnp.uint32)
+    at = jnp.arange(bits, dtype=jnp.uint32) * 8  # bit offset of each byte in the group
+    lo = jnp.sum(group << at, axis=-1, dtype=jnp.uint32)
+    hi = None
+    if bits > 4:
+        high = jnp.where(at >= 32, group << (at - 32), jnp.uint32(0))
+        hi = jnp.sum(high, axis=-1, dtype=jnp.uint32)
     mask = jnp.uint32((1 << bits) - 1)
-    codes = []
-    for j in range(8):
-        acc = jnp.zeros(group.shape[:-1], jnp.uint32)
-        for k in range(bits):
-            shift = 8 * k - j * bits
-            if -8 < shift < bits:
-                part = group[..., k]
-                acc = acc | (part << shift if shift >= 0 else part >> -shift)
-        codes.append((acc & mask).astype(jnp.uint8))
-    return jnp.stack(codes, axis=-1).reshape(*lead, -1)[..., :n]
+    pos = jnp.arange(8, dtype=jnp.uint32) * jnp.uint32(bits)  # bit offset of each code
+    # Broadcast shifts (one elementwise op over [groups, 8]) rather than a stack of eight
+    # slices, which XLA would fuse as a per-element select between eight operands.
+    codes = lo[..., None] >> pos
+    if hi is not None:
+        high = jnp.where(pos >= 32, hi[..., None] >> (pos - 32), hi[..., None] << (32 - pos))
+        codes = jnp.where(pos == 0, codes, codes | high)
+    codes = (codes & mask).astype(jnp.uint8)
+    return codes.reshape(*lead, -1)[..., :n]
 
 
 # --------------------------------------------------------------------------- payloads
@@ -273,8 +295,7 @@ def _quantize(x, key, bits, bucket_size, stochastic, symmetric):
         y = (xb * 0.5 - lo[:, None] * 0.5) / safe[:, None] * levels
         scale, offset = hi, lo
     if stochastic:
-        u = jax.random.uniform(key, xb.shape, jnp.float32)
-        q = jnp.floor(y + u)
+        q = stochastic_round(y, key)
     else:
         q = jnp.round(y)
     q = jnp.clip(q, 0.0, levels).astype(jnp.uint8).reshape(-1)[:n]
@@ -380,6 +401,76 @@ def sign_decode(code: SignCode) -> jax.Array:
 # --------------------------------------------------------------------------- top-k
 
 
+SELECTIONS = ("auto", "exact", "approx", "threshold")
+# Above this share of entries a threshold search beats lax.top_k (a sort on CPU): measured by
+# benchmarks/topk_selection.py, 1M-64M float32 on CPU, threshold 2.4-10x faster at 10%, about
+# even at 1%, 4-8x slower at 0.1% (results/artopk/topk_selection.md). Not measured on a GPU.
+AUTO_THRESHOLD_ABOVE = 0.02
+
+
+def _threshold_indices(mag: jax.Array, k: int, rounds: int) -> jax.Array:
+    """``k`` indices of large ``mag`` entries from a bisection on the threshold.
+
+    Keeps ``lo`` with ``count(mag >= lo) >= k`` and ``hi`` with ``count(mag >= hi) < k``;
+    after ``rounds`` halvings every entry ``>= hi`` is taken, and the rest of the ``k`` are
+    the first entries (by index) in ``[lo, hi)``. Exact top-k (up to ties) once the bracket
+    separates the k-th and (k+1)-th largest magnitudes.
+    """
+    top = jnp.max(mag)
+    hi0 = jnp.nextafter(top, jnp.float32(jnp.inf))
+
+    def halve(_, bracket):
+        lo, hi = bracket
+        mid = 0.5 * (lo + hi)
+        enough = jnp.sum(mag >= mid, dtype=jnp.int32) >= k
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+
+    lo, hi = lax.fori_loop(0, rounds, halve, (jnp.zeros_like(top), hi0))
+    above = mag >= hi  # fewer than k entries: all taken
+    between = (mag >= lo) & ~above  # the rest of the k, lowest indices first
+    c_above = jnp.cumsum(above, dtype=jnp.int32)
+    c_between = jnp.cumsum(between, dtype=jnp.int32)
+    # Slot j holds the (j+1)-th entry of `above`, then of `between`: k binary searches on
+    # the running counts instead of a scatter of all d entries.
+    j = jnp.arange(k, dtype=jnp.int32)
+    n_above = c_above[-1]
+    first = jnp.searchsorted(c_above, j + 1, side="left", method="scan_unrolled")
+    rest = jnp.searchsorted(c_between, j + 1 - n_above, side="left", method="scan_unrolled")
+    return jnp.where(j < n_above, first, rest).astype(jnp.int32)
+
+
+def topk_indices(x: jax.Array, k: int, *, method: str = "exact", rounds: int = 25) -> jax.Array:
+    """``int32[k]`` indices of the ``k`` largest-magnitude entries of a flat array.
+
+    Args:
+      x: ``f32[d]``.
+      k: entries to keep, ``1 <= k <= d``.
+      method: ``"auto"`` (``"threshold"`` with 25 rounds when ``k / d`` exceeds
+        :data:`AUTO_THRESHOLD_ABOVE`, else ``"exact"``: the faster of the two as measured),
+        ``"exact"`` (``lax.top_k``: exact, ties to the lower index), ``"approx"``
+        (``lax.approx_max_k``: exact on CPU and GPU, recall about 0.95 on TPU) or
+        ``"threshold"`` (bisection on a magnitude threshold for ``rounds`` rounds, then
+        one pass that compacts the entries above it: exact once the bisection separates
+        the k-th and (k+1)-th magnitudes, which 25 rounds do unless they are within
+        ``max|x| / 2**25`` of each other; then the remaining slots go to the lowest indices
+        inside the final bracket).
+      rounds: bisection rounds of ``"threshold"``.
+    """
+    check_choice("method", method, SELECTIONS)
+    x = jnp.ravel(x)
+    k = check_int("k", k, lo=1, hi=x.shape[0])
+    mag = jnp.abs(x)
+    if method == "auto":
+        method, rounds = (
+            ("threshold", 25) if k > AUTO_THRESHOLD_ABOVE * x.shape[0] else ("exact", 0)
+        )
+    if method == "exact":
+        return lax.top_k(mag, k)[1].astype(jnp.int32)
+    if method == "approx":
+        return lax.approx_max_k(mag, k)[1].astype(jnp.int32)
+    return _threshold_indices(mag, k, check_int("rounds", rounds, lo=1))
+
+
 def _resolve_k(d: int, k: int | None, ratio: float | None) -> int:
     if (k is None) == (ratio is None):
         raise ValueError(f"give exactly one of k and ratio, got k={k!r}, ratio={ratio!r}")
@@ -391,7 +482,7 @@ def _resolve_k(d: int, k: int | None, ratio: float | None) -> int:
 
 
 def topk_encode(
-    x: jax.Array, *, k: int | None = None, ratio: float | None = None, method: str = "exact"
+    x: jax.Array, *, k: int | None = None, ratio: float | None = None, method: str = "auto"
 ) -> TopK:
     """The ``k`` largest-magnitude entries of ``x`` (flattened) with their ``int32`` indices.
 
@@ -399,23 +490,19 @@ def topk_encode(
       x: float array of any shape, ``d`` elements.
       k: entries to keep, in ``[1, d]``; or
       ratio: keep ``ceil(ratio * d)`` entries, ratio in ``(0, 1]``.
-      method: ``"exact"`` (``lax.top_k``) or ``"approx"`` (``lax.approx_max_k``, faster on
-        accelerators, exact on CPU).
+      method: the selection, one of :data:`SELECTIONS` (see :func:`topk_indices`):
+        ``"auto"`` (a threshold search above 2% of entries, else ``lax.top_k``),
+        ``"exact"``, ``"approx"`` or ``"threshold"``.
 
     Returns:
       :class:`TopK` of ``k * (itemsize + 4)`` bytes.
     """
     x = jnp.asarray(x)
     check_finite_if_concrete("x", x)
-    check_choice("method", method, ("exact", "approx"))
+    check_choice("method", method, SELECTIONS)
     flat = x.reshape(-1)
     k = _resolve_k(flat.shape[0], k, ratio)
-    mag = jnp.abs(flat)
-    if method == "exact":
-        _, idx = jax.lax.top_k(mag, k)
-    else:
-        _, idx = jax.lax.approx_max_k(mag, k)
-    idx = idx.astype(jnp.int32)
+    idx = topk_indices(flat, k, method=method)
     return TopK(flat[idx], idx, tuple(x.shape), jnp.dtype(x.dtype).name)
 
 

@@ -48,6 +48,7 @@ from jaxcomm.collectives import (
     split_segments,
 )
 from jaxcomm.network import CommLog, Wire, empty_log, log_wire
+from jaxcomm.rng import hash_bits
 
 __all__ = [
     "MarsitState",
@@ -70,8 +71,9 @@ def bernoulli_words(key: jax.Array, p: jax.Array | float, shape: tuple[int, ...]
     rounding ``p * 2^K`` up with probability equal to its fractional part (one uniform draw
     shared by the call), so each bit's marginal is exactly Bernoulli(``p``); the shared
     rounding only correlates bits through a probability shift below ``2^-16``. No
-    per-element float is formed; random words are drawn as ``uint32`` (several times faster
-    than ``uint8`` draws on CPU) and viewed as bytes.
+    per-element float is formed; the fair words come from :func:`jaxcomm.rng.hash_bits` (a
+    counter-based hash, each word exactly uniform over keys; several times cheaper than
+    threefry words) and are viewed as bytes.
 
     Args:
       key: PRNG key.
@@ -88,7 +90,7 @@ def bernoulli_words(key: jax.Array, p: jax.Array | float, shape: tuple[int, ...]
 
     size = math.prod(shape)
     words = -(-size // 4)
-    fair = jax.random.bits(k_bits, (_PRECISION, words), jnp.uint32)
+    fair = hash_bits(k_bits, (_PRECISION, words))
     r = jnp.zeros((words,), jnp.uint32)
     for j in range(_PRECISION, 0, -1):  # digits of p, least significant first
         bit = (jnp.right_shift(digits, _PRECISION - j) & 1) == 1

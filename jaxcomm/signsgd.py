@@ -55,6 +55,7 @@ from jaxcomm.collectives import (
     split_segments,
 )
 from jaxcomm.network import CommLog, empty_log, log_wire
+from jaxcomm.rng import bernoulli
 
 __all__ = [
     "SignMVState",
@@ -95,7 +96,7 @@ def stochastic_sign_encode(x: jax.Array, key: jax.Array) -> SignCode:
     norm = jnp.sqrt(jnp.sum(xf * xf))  # f32[]
     safe = jnp.where(norm > 0, norm, 1.0)
     p_plus = 0.5 + 0.5 * xf / safe  # f32[..., n], in [0, 1]
-    plus = jax.random.uniform(key, xf.shape, jnp.float32) < p_plus  # bool[..., n]
+    plus = bernoulli(key, p_plus)  # bool[..., n], P(True) = p_plus to within 2**-24
     return SignCode(pack_bits(plus), norm, tuple(x.shape), jnp.dtype(x.dtype).name)
 
 

@@ -35,7 +35,7 @@ from jax.flatten_util import ravel_pytree
 
 from jaxcomm._checks import axis_size, check_choice, check_float, check_int
 from jaxcomm.aggregate import worker_state
-from jaxcomm.codecs import TopK
+from jaxcomm.codecs import AUTO_THRESHOLD_ABOVE, SELECTIONS, TopK, topk_indices
 from jaxcomm.collectives import (
     all_gather,
     all_gather_wire,
@@ -70,80 +70,9 @@ __all__ = [
     "topk_indices",
 ]
 
-SELECTIONS = ("auto", "exact", "approx", "threshold")
-# Above this share of entries a threshold search beats lax.top_k (a sort on CPU): measured by
-# benchmarks/topk_selection.py, 1M-64M float32 on CPU, threshold 2.4-10x faster at 10%, about
-# even at 1%, 4-8x slower at 0.1% (results/artopk/topk_selection.md). Not measured on a GPU.
-AUTO_THRESHOLD_ABOVE = 0.02
 # jax.named_scope of AR-Topk's broadcast from a traced root: the `branches=` key that
 # resolves its lax.switch in jaxcomm.wire_audit (branch r = root r).
 ROOT_SCOPE = "ar_topk_root"
-
-
-# --------------------------------------------------------------------------- selection
-
-
-def _threshold_indices(mag: jax.Array, k: int, rounds: int) -> jax.Array:
-    """``k`` indices of large ``mag`` entries from a bisection on the threshold.
-
-    Keeps ``lo`` with ``count(mag >= lo) >= k`` and ``hi`` with ``count(mag >= hi) < k``;
-    after ``rounds`` halvings every entry ``>= hi`` is taken, and the rest of the ``k`` are
-    the first entries (by index) in ``[lo, hi)``. Exact top-k (up to ties) once the bracket
-    separates the k-th and (k+1)-th largest magnitudes.
-    """
-    top = jnp.max(mag)
-    hi0 = jnp.nextafter(top, jnp.float32(jnp.inf))
-
-    def halve(_, bracket):
-        lo, hi = bracket
-        mid = 0.5 * (lo + hi)
-        enough = jnp.sum(mag >= mid, dtype=jnp.int32) >= k
-        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
-
-    lo, hi = lax.fori_loop(0, rounds, halve, (jnp.zeros_like(top), hi0))
-    above = mag >= hi  # fewer than k entries: all taken
-    between = (mag >= lo) & ~above  # the rest of the k, lowest indices first
-    c_above = jnp.cumsum(above, dtype=jnp.int32)
-    c_between = jnp.cumsum(between, dtype=jnp.int32)
-    # Slot j holds the (j+1)-th entry of `above`, then of `between`: k binary searches on
-    # the running counts instead of a scatter of all d entries.
-    j = jnp.arange(k, dtype=jnp.int32)
-    n_above = c_above[-1]
-    first = jnp.searchsorted(c_above, j + 1, side="left", method="scan_unrolled")
-    rest = jnp.searchsorted(c_between, j + 1 - n_above, side="left", method="scan_unrolled")
-    return jnp.where(j < n_above, first, rest).astype(jnp.int32)
-
-
-def topk_indices(x: jax.Array, k: int, *, method: str = "exact", rounds: int = 25) -> jax.Array:
-    """``int32[k]`` indices of the ``k`` largest-magnitude entries of a flat array.
-
-    Args:
-      x: ``f32[d]``.
-      k: entries to keep, ``1 <= k <= d``.
-      method: ``"auto"`` (``"threshold"`` with 25 rounds when ``k / d`` exceeds
-        :data:`AUTO_THRESHOLD_ABOVE`, else ``"exact"``: the faster of the two as measured),
-        ``"exact"`` (``lax.top_k``: exact, ties to the lower index), ``"approx"``
-        (``lax.approx_max_k``: exact on CPU and GPU, recall about 0.95 on TPU) or
-        ``"threshold"`` (bisection on a magnitude threshold for ``rounds`` rounds, then
-        one pass that compacts the entries above it: exact once the bisection separates
-        the k-th and (k+1)-th magnitudes, which 25 rounds do unless they are within
-        ``max|x| / 2**25`` of each other; then the remaining slots go to the lowest indices
-        inside the final bracket).
-      rounds: bisection rounds of ``"threshold"``.
-    """
-    check_choice("method", method, SELECTIONS)
-    x = jnp.ravel(x)
-    k = check_int("k", k, lo=1, hi=x.shape[0])
-    mag = jnp.abs(x)
-    if method == "auto":
-        method, rounds = (
-            ("threshold", 25) if k > AUTO_THRESHOLD_ABOVE * x.shape[0] else ("exact", 0)
-        )
-    if method == "exact":
-        return lax.top_k(mag, k)[1].astype(jnp.int32)
-    if method == "approx":
-        return lax.approx_max_k(mag, k)[1].astype(jnp.int32)
-    return _threshold_indices(mag, k, check_int("rounds", rounds, lo=1))
 
 
 def compression_gain(compressed: Any, error_fed: Any) -> jax.Array:

@@ -177,10 +177,14 @@ class AdaptiveTrainer(Trainer):
     def _after_step(self) -> None:
         self.controller.observe(_gain(self.opt_state))
 
-    def _step_extras(self) -> dict[str, Any]:
+    def _lags(self) -> bool:
+        # The controller reads each step's gain before it decides on the next step.
+        return False
+
+    def _step_extras(self, report: dict[str, Any]) -> dict[str, Any]:
         ratio, collective = self._program_key()
         return {
-            **super()._step_extras(),
+            **super()._step_extras(report),
             "ratio": ratio,
             "collective": collective,
             "search": self._event,

@@ -81,6 +81,11 @@ class Config:
         ``keep_checkpoints`` newest kept.
       out_dir: where metrics, plots and checkpoints go ("" means ``runs/<name>``).
       progress: show a progress bar.
+      async_steps: dispatch step ``t + 1`` before reading step ``t``'s metrics on the host
+        (read one step late; a checkpoint or evaluation step is read before the next is
+        dispatched). ``false`` waits for every step. Trainers whose host work feeds the
+        next step (the pipeline's message buffers, the adaptive ratio's controller) always
+        wait.
       train_samples: train on the first N samples only (0: all), e.g. to fine-tune over
         several epochs of the same samples.
       stages: pipeline stages (``gpt`` only; 1 = pure data parallelism); the mesh is
@@ -132,6 +137,7 @@ class Config:
     keep_checkpoints: int = 3
     out_dir: str = ""
     progress: bool = True
+    async_steps: bool = True
     train_samples: int = 0
     stages: int = 1
     microbatches: int = 4

@@ -55,6 +55,12 @@ def _mean_and_divergence(params: Any) -> tuple[Any, jax.Array]:
     return mean, sum(jax.tree.leaves(sq))
 
 
+@jax.jit
+def _divergence(params: Any) -> jax.Array:
+    """``f32[]``: the divergence of :func:`_mean_and_divergence` alone."""
+    return _mean_and_divergence(params)[1]
+
+
 class LocalSGDTrainer(Trainer):
     """:class:`~train.trainer.Trainer` with a local SGD sync wrapper (see module)."""
 
@@ -63,7 +69,6 @@ class LocalSGDTrainer(Trainer):
         self.compute_device = cfg.roofline()  # None: layers timed on this host
         if not self.sync:
             raise ValueError("LocalSGDTrainer needs a config with sync settings")
-        self._divergence = 0.0
         super().__init__(cfg, **kwargs)
 
     # ------------------------------------------------------------------ schedule
@@ -176,13 +181,15 @@ class LocalSGDTrainer(Trainer):
 
     # ------------------------------------------------------------------ the averaged model
 
-    def _after_step(self) -> None:
-        _, div = _mean_and_divergence(self.params)
-        self._divergence = float(div)
+    def _report(self, params: Any, opt_state: Any) -> dict[str, Any]:
+        # The divergence is computed on the devices beside the step, so that reading it
+        # does not stall the loop.
+        return {**super()._report(params, opt_state), "divergence": _divergence(params)}
 
-    def _step_extras(self) -> dict[str, Any]:
+    def _step_extras(self, report: dict[str, Any]) -> dict[str, Any]:
         group = self.sync_schedule.groups[(self.step - 1) % self.sync_schedule.period]
-        return {"divergence": self._divergence, "sync_layers": len(group)}
+        div = float(report["divergence"])
+        return {**super()._step_extras(report), "divergence": div, "sync_layers": len(group)}
 
     def _eval_params(self) -> Any:
         mean = _mean_and_divergence(self.params)[0]

@@ -711,7 +711,12 @@ class PipelineTrainer(Trainer):
         self._tick_seconds(key, branches)
         return self._busy[(key, tuple(sorted((branches or {}).items())))]
 
-    def _step_extras(self) -> dict[str, float]:
+    def _lags(self) -> bool:
+        # The step already overlaps the next step's host work (batch, buffer reads) with
+        # its own devices, and its new messages are written to the host buffer after it.
+        return False
+
+    def _step_extras(self, report: dict[str, Any]) -> dict[str, float]:
         """Message-buffer host time, in seconds: ``buffer_prefetch_s`` preparing the next
         step (reads waited on, host arrays built, copies issued) while this one ran,
         ``buffer_exposed_s`` the part of the buffer work the devices waited for (a prefetch

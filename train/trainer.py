@@ -11,10 +11,21 @@ the aggregator's :class:`~jaxcomm.network.CommLog`, i.e. measured payload sizes)
 measured step time on this machine (``compute_s``), the modelled communication time of those
 bytes under the configured network (``comm_s``), and the simulated wall clock. On 8
 simulated CPU devices ``compute_s`` is the time of all 8 workers sharing the host's cores.
+
+The host loop does not wait between steps (``async_steps``, the default): step ``t + 1`` is
+dispatched before step ``t``'s metrics, finite flag and traffic logs are read, the next batch
+is loaded and copied to the devices while a step runs, and the logs are copied out of the
+state by a small program queued behind the step (the next step donates that state). A step
+whose state the host needs (a checkpoint, an evaluation) is read before anything follows it,
+so a non-finite step still stops the run at that step with the last checkpoint intact. With
+lagged steps ``compute_s`` is the time from the host seeing step ``t - 1`` finish (or from
+dispatching step ``t``, if later) to seeing step ``t`` finish: while the devices stay busy
+that is their time per step; host jitter shifts single steps but not the sum.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -124,6 +135,24 @@ def host_finite(*flags: Any) -> bool:
 def _all_finite(tree: Any) -> jax.Array:
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+@dataclasses.dataclass
+class _Flight:
+    """A dispatched step as the host loop holds it until reading it.
+
+    ``metrics``, ``finite`` and ``report`` are the step's device outputs (``report``:
+    :meth:`Trainer._report`); ``dispatched_at`` is ``time.perf_counter()`` at dispatch;
+    ``compute_s`` is set when the step was run synchronously.
+    """
+
+    step: int
+    metrics: Any
+    finite: Any
+    report: dict[str, Any]
+    extra_logs: list
+    dispatched_at: float
+    compute_s: float | None
 
 
 class Trainer:
@@ -475,12 +504,72 @@ class Trainer:
         return self._modelled[key]
 
     def _step_once(self, compiled: Callable) -> tuple:
-        """One step: ``(params, opt_state, metrics, finite, compute_s, extra_logs)``."""
-        batch = self._put_batch(self.loader.next())
+        """One synchronous step: ``(params, opt_state, metrics, finite, compute_s,
+        extra_logs)``; ``compute_s`` is dispatch to the new state being ready."""
+        batch = self._next_batch()
         t0 = time.perf_counter()
         params, opt_state, metrics, finite = compiled(self.params, self.opt_state, batch)
         jax.block_until_ready((params, opt_state))
         return params, opt_state, metrics, finite, time.perf_counter() - t0, []
+
+    # ------------------------------------------------------------------ the host loop
+
+    def _lags(self) -> bool:
+        """Hook: whether step ``t + 1`` may be dispatched before step ``t`` is read on the
+        host (``cfg.async_steps``). Trainers whose host work between steps feeds the next
+        step (a host-side message buffer, a ratio search) return False."""
+        return self.cfg.async_steps
+
+    def _batch_at(self, position: int) -> dict[str, jax.Array]:
+        return self._put_batch(self.train_data.get(self.loader.batch_ids(position)))
+
+    def _next_batch(self) -> dict[str, jax.Array]:
+        """The device batch at the loader's position (the prefetched one when it is that
+        position's), advancing the loader."""
+        pos = self.loader.position
+        fetched, self._prefetched = getattr(self, "_prefetched", None), None
+        batch = fetched[1] if fetched is not None and fetched[0] == pos else self._batch_at(pos)
+        self.loader.position = pos + 1
+        return batch
+
+    def _prefetch(self) -> None:
+        """Load the next batch and start its copy to the devices (``device_put`` is
+        asynchronous), keyed by its loader position."""
+        self._prefetched = (self.loader.position, self._batch_at(self.loader.position))
+
+    def _report(self, params: Any, opt_state: Any) -> dict[str, Any]:
+        """Hook: what the host reads of a step besides its metrics, as device values taken
+        from the step's new state: its traffic logs and a top-k aggregator's gain and root.
+        With lagged steps they are copied out by a small program dispatched right after
+        the step, before the next step donates the state they live in."""
+        topk = [
+            (s.gain, s.root)
+            for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, TopkState))
+            if isinstance(s, TopkState)
+        ]
+        return {"logs": find_logs(opt_state), "topk": topk[:1]}
+
+    def _launch(self, compiled: Callable, step: int) -> _Flight:
+        """Dispatch step ``step`` (1-based) and take its new state; returns what the host
+        reads of it later. Lagged: nothing waits; synchronous: the step is finished."""
+        if not self._lagging:
+            params, opt_state, metrics, finite, compute_s, extra = self._step_once(compiled)
+            self.params, self.opt_state = params, opt_state
+            report = {**self._report(params, opt_state), "logs": self._state_logs()}
+            return _Flight(step, metrics, finite, report, list(extra), 0.0, compute_s)
+        batch = self._next_batch()
+        t0 = time.perf_counter()
+        params, opt_state, metrics, finite = compiled(self.params, self.opt_state, batch)
+        report = self._copy_report(self._report(params, opt_state))
+        self.params, self.opt_state = params, opt_state
+        if step < self.cfg.steps:
+            self._prefetch()  # host work while the devices run the step
+        return _Flight(step, metrics, finite, report, [], t0, None)
+
+    def _copy_report(self, report: Any) -> Any:
+        if getattr(self, "_copy_program", None) is None:
+            self._copy_program = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+        return self._copy_program(report)
 
     def _state_logs(self) -> list[CommLog]:
         """Hook: the traffic logs kept in the optimizer state (per-worker leading axes)."""
@@ -499,14 +588,14 @@ class Trainer:
     def _before_step(self) -> None:
         """Hook run before each training step (e.g. a search that changes the step)."""
 
-    def _step_extras(self) -> dict[str, float]:
-        """Hook: extra per-step metrics for the JSONL row: a top-k aggregator's compression
-        gain (mean over workers) and root (-1: all-gather)."""
+    def _step_extras(self, report: dict[str, Any]) -> dict[str, float]:
+        """Hook: extra per-step metrics for the JSONL row from the step's :meth:`_report`:
+        a top-k aggregator's compression gain (mean over workers) and root (-1:
+        all-gather)."""
         out: dict[str, float] = {}
-        for s in jax.tree.leaves(self.opt_state, is_leaf=lambda x: isinstance(x, TopkState)):
-            if isinstance(s, TopkState):
-                out["gain"] = float(np.mean(np.asarray(s.gain)))
-                out["root"] = int(np.asarray(s.root).reshape(-1)[0])
+        for gain, root in report.get("topk", []):
+            out["gain"] = float(np.mean(np.asarray(gain)))
+            out["root"] = int(np.asarray(root).reshape(-1)[0])
         return out
 
     def _summary_extras(self) -> dict[str, Any]:
@@ -538,56 +627,30 @@ class Trainer:
 
         compiled = self._compile()
         wall0 = time.perf_counter()
-        last: dict[str, Any] = {}
+        self._lagging = self._lags()
+        self._prefetched = None
+        self._last_ready = None
+        self._last: dict[str, Any] = {}
         bar = _progress(cfg, self.step)
+        flights: collections.deque[_Flight] = collections.deque()
+        dispatched = self.step
         with metrics_path.open("a") as out:
-            while self.step < cfg.steps:
-                self._before_step()
-                params, opt_state, metrics, finite, compute_s, extra = self._step_once(compiled)
-                metrics, finite = host_metrics(metrics), host_finite(finite)
-                if not finite:
-                    raise FloatingPointError(
-                        f"step {self.step + 1}: loss, gradients or parameters became non-finite "
-                        f"(loss={float(metrics['loss'])}); the last checkpoint is kept intact"
-                    )
-                self.params, self.opt_state = params, opt_state
-                self.step += 1
-                self._after_step()
-                # Every collective of the step (e.g. pipeline p2p and data-parallel all-reduce),
-                # per device; the busiest device's bytes and time are reported.
-                traffic = step_traffic(self._state_logs() + list(extra))
-                self.last_traffic = traffic
-                network = self.schedule.at(self.step - 1)
-                sent = int(traffic.sent.max())
-                seconds, step_s, comm_s = self.simulate_logged(
-                    traffic, network, self.step - 1, measured_s=compute_s
-                )
-                sim = self.clock.advance(seconds)
-                last = {
-                    "step": self.step,
-                    **{k: float(v) for k, v in metrics.items()},
-                    "sent_bytes": sent,
-                    "compute_s": compute_s,
-                    "sim_compute_s": step_s,
-                    "comm_s": comm_s,
-                    "sim_step_s": seconds,
-                    "sim_time_s": sim,
-                    "latency_s": network.latency_s,
-                    "bandwidth_bps": network.bandwidth_bps,
-                    "wire": traffic.wire_record(network),
-                    **self._step_extras(),
-                }
-                if cfg.eval_every and self.step % cfg.eval_every == 0:
-                    last.update({f"valid_{k}": v for k, v in self.evaluate().items()})
-                out.write(json.dumps(last) + "\n")
-                out.flush()
-                if metrics_cb is not None:
-                    metrics_cb(last)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{last['loss']:.3f}", sim=f"{sim:.1f}s")
-                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                    self.save(manager)
+            while dispatched < cfg.steps or flights:
+                if dispatched < cfg.steps:
+                    self._before_step()
+                    dispatched += 1
+                    flights.append(self._launch(compiled, dispatched))
+                # Read a step once the next is queued behind it; read at once when its
+                # state is needed on the host (a checkpoint, an evaluation: the next step
+                # would donate it), when no step follows, or when not lagging.
+                while flights and (
+                    len(flights) > 1
+                    or not self._lagging
+                    or dispatched == cfg.steps
+                    or self._needs_state(flights[0].step)
+                ):
+                    self._accept(flights.popleft(), out, manager, bar, metrics_cb)
+        last = self._last
         if bar is not None:
             bar.close()
         if manager.latest_step() != self.step:
@@ -614,6 +677,75 @@ class Trainer:
 
         plot_metrics(metrics_path, run_dir / "loss.png", title=cfg.name)
         return summary
+
+    def _needs_state(self, step: int) -> bool:
+        """Whether step ``step``'s accepted state is read on the host (checkpoint, eval)."""
+        cfg = self.cfg
+        return bool(
+            (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+            or (cfg.eval_every and step % cfg.eval_every == 0)
+        )
+
+    def _accept(self, flight: _Flight, out: Any, manager: Any, bar: Any, metrics_cb: Any) -> None:
+        """Read a dispatched step on the host: stop on non-finite values, log its traffic,
+        metrics and simulated time, evaluate and checkpoint when due."""
+        cfg = self.cfg
+        metrics, finite = host_metrics(flight.metrics), host_finite(flight.finite)
+        if flight.compute_s is None:
+            # Lagged: the step's time is from when the host saw the previous step finish
+            # (or dispatched this one, if later) to when it sees this one finish. While the
+            # devices stay busy that is their time per step; host jitter moves single
+            # steps, not the sum.
+            jax.block_until_ready(flight.report)
+            ready = time.perf_counter()
+            start = flight.dispatched_at
+            if self._last_ready is not None:
+                start = max(start, self._last_ready)
+            compute_s, self._last_ready = ready - start, ready
+        else:
+            compute_s = flight.compute_s
+        if not finite:
+            raise FloatingPointError(
+                f"step {flight.step}: loss, gradients or parameters became non-finite "
+                f"(loss={float(metrics['loss'])}); the last checkpoint is kept intact"
+            )
+        self.step = flight.step
+        self._after_step()
+        # Every collective of the step (e.g. pipeline p2p and data-parallel all-reduce),
+        # per device; the busiest device's bytes and time are reported.
+        traffic = step_traffic(list(flight.report["logs"]) + list(flight.extra_logs))
+        self.last_traffic = traffic
+        network = self.schedule.at(self.step - 1)
+        seconds, step_s, comm_s = self.simulate_logged(
+            traffic, network, self.step - 1, measured_s=compute_s
+        )
+        sim = self.clock.advance(seconds)
+        last = {
+            "step": self.step,
+            **{k: float(v) for k, v in metrics.items()},
+            "sent_bytes": int(traffic.sent.max()),
+            "compute_s": compute_s,
+            "sim_compute_s": step_s,
+            "comm_s": comm_s,
+            "sim_step_s": seconds,
+            "sim_time_s": sim,
+            "latency_s": network.latency_s,
+            "bandwidth_bps": network.bandwidth_bps,
+            "wire": traffic.wire_record(network),
+            **self._step_extras(flight.report),
+        }
+        if cfg.eval_every and self.step % cfg.eval_every == 0:
+            last.update({f"valid_{k}": v for k, v in self.evaluate().items()})
+        out.write(json.dumps(last) + "\n")
+        out.flush()
+        self._last = last
+        if metrics_cb is not None:
+            metrics_cb(last)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{last['loss']:.3f}", sim=f"{sim:.1f}s")
+        if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+            self.save(manager)
 
     def num_params(self) -> int:
         """Parameters of the model (one worker's copy)."""

@@ -1,0 +1,162 @@
+"""The trainer's host loop: step t + 1 is queued before step t is read, batches are
+prefetched, a non-finite step still stops the run at that step, lagging changes nothing."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+import train.trainer as trainer_mod
+from train.config import Config
+from train.localsgd import LocalSGDTrainer
+from train.trainer import Trainer
+
+MLP = dict(task="mlp", model={"features": [16]}, dataset="digits", lr=0.05, optimizer="sgd")
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(
+        name="t",
+        workers=8,
+        global_batch=16,
+        aggregator="ring",
+        progress=False,
+        out_dir=str(tmp_path / "run"),
+    )
+    return Config(**{**base, **kw})
+
+
+class _Recorder:
+    """Wraps a trainer's compiled step and the host reads to log their order."""
+
+    def __init__(self, trainer, monkeypatch):
+        self.events = []
+        self.trainer = trainer
+        compile_ = trainer._compile
+
+        def compile_and_wrap():
+            program = compile_()
+
+            def step(*args):
+                self.events.append(("dispatch", trainer.loader.position))
+                return program(*args)
+
+            return step
+
+        monkeypatch.setattr(trainer, "_compile", compile_and_wrap)
+        accept = trainer._accept
+
+        def accept_and_log(flight, *args):
+            self.events.append(("read", flight.step))
+            return accept(flight, *args)
+
+        monkeypatch.setattr(trainer, "_accept", accept_and_log)
+
+
+def _rows(cfg):
+    return [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_next_step_is_queued_before_a_step_is_read(tmp_path, monkeypatch):
+    cfg = _cfg(tmp_path, steps=7, checkpoint_every=4, eval_every=0, **MLP)
+    trainer = Trainer(cfg)
+    rec = _Recorder(trainer, monkeypatch)
+    trainer.run()
+    order = rec.events
+    dispatch_at = {}  # step number -> index of its dispatch in the event log
+    n = 0
+    for i, (kind, _) in enumerate(order):
+        if kind == "dispatch":
+            n += 1
+            dispatch_at[n] = i
+    read_at = {step: i for i, (kind, step) in enumerate(order) if kind == "read"}
+    assert sorted(read_at) == list(range(1, 8))
+    for t in range(1, 8):
+        if t in (4, 7):  # a checkpoint step, the last step: read before anything follows
+            assert t + 1 not in dispatch_at or dispatch_at[t + 1] > read_at[t]
+        else:
+            assert dispatch_at[t + 1] < read_at[t], (t, order)
+
+
+def test_synchronous_loop_reads_each_step_first(tmp_path, monkeypatch):
+    cfg = _cfg(tmp_path, steps=4, checkpoint_every=0, async_steps=False, **MLP)
+    trainer = Trainer(cfg)
+    rec = _Recorder(trainer, monkeypatch)
+    trainer.run()
+    kinds = [k for k, _ in rec.events]
+    assert kinds == ["dispatch", "read"] * 4
+
+
+@pytest.mark.parametrize("cls, extra", [(Trainer, {}), (LocalSGDTrainer, {})])
+def test_lagged_and_synchronous_runs_are_identical(tmp_path, cls, extra):
+    kw = dict(steps=6, checkpoint_every=4, eval_every=3, **MLP)
+    if cls is LocalSGDTrainer:
+        kw.update(aggregator="none", sync={"method": "local_sgd", "period": 2})
+    runs = []
+    for lag in (True, False):
+        cfg = _cfg(tmp_path / str(lag), async_steps=lag, **kw)
+        t = cls(cfg)
+        t.run()
+        runs.append((t, _rows(cfg)))
+    (a, rows_a), (b, rows_b) = runs
+    drop = ("compute_s", "sim_step_s", "sim_time_s", "sim_compute_s")
+    strip = [
+        [{k: v for k, v in r.items() if k not in drop} for r in rows] for rows in (rows_a, rows_b)
+    ]
+    assert strip[0] == strip[1]
+    assert len(rows_a) == 6 and "valid_loss" in rows_a[2]
+    if cls is LocalSGDTrainer:
+        assert rows_a[0]["divergence"] > 1e-4 > 1e6 * rows_a[1]["divergence"]
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_batches_are_prefetched_and_resume_sees_the_right_position(tmp_path, monkeypatch):
+    """Each step's batch is the loader's batch of that step, loaded while the previous step
+    ran; a checkpoint stores the position of the first batch not yet trained on."""
+    cfg = _cfg(tmp_path, steps=5, checkpoint_every=2, **MLP)
+    trainer = Trainer(cfg)
+    got = []
+    put = trainer._put_batch
+
+    def record(batch):
+        got.append(np.asarray(batch["ids"]).copy())
+        return put(batch)
+
+    monkeypatch.setattr(trainer, "_put_batch", record)
+    prefetch = trainer._prefetch
+    calls = []
+    monkeypatch.setattr(trainer, "_prefetch", lambda: (calls.append(1), prefetch())[1])
+    trainer.run()
+    # Compile reads batch 0 once; then one load per step, the first four prefetched.
+    assert len(calls) == 4
+    want = [trainer.train_data.get(trainer.loader.batch_ids(p))["ids"] for p in range(5)]
+    for g, w in zip(got[1:6], want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    # The step-4 checkpoint was written while batch 4 sat prefetched: it stores position 4.
+    shutil.rmtree(cfg.run_dir / "checkpoints" / "5")
+    more = Trainer(cfg)
+    assert more.restore(more._manager())
+    assert more.step == 4 and more.loader.position == 4
+
+
+def test_nonfinite_step_stops_there_with_lag(tmp_path, monkeypatch):
+    """Step 7 turns non-finite while step 8 is already queued: the run stops naming step 7,
+    logs steps 1-6 only and keeps the step-6 checkpoint as the newest."""
+    cfg = _cfg(tmp_path, steps=12, checkpoint_every=3, **MLP)
+    trainer = Trainer(cfg)
+    real = trainer_mod.host_finite
+    seen = []
+
+    def finite(*flags):
+        seen.append(1)
+        return real(*flags) and len(seen) != 7
+
+    monkeypatch.setattr(trainer_mod, "host_finite", finite)
+    with pytest.raises(FloatingPointError, match="step 7:"):
+        trainer.run()
+    assert [r["step"] for r in _rows(cfg)] == list(range(1, 7))
+    again = Trainer(cfg)
+    assert again.restore(again._manager()) and again.step == 6
