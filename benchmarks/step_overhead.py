@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out / "step_overhead.png", dpi=120)
-    print("\n".join(lines[7 : 7 + len(rows)]))
+    table = lines.index("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("\n".join(lines[table - 1 : table + 1 + len(rows)]))
     print(f"wrote {args.out}/step_overhead.{{json,md,png}}")
 
 

@@ -48,6 +48,12 @@ class AdaptiveTrainer(Trainer):
     """:class:`~train.trainer.Trainer` whose AR-Topk ratio and collective adapt (see module)."""
 
     def __init__(self, cfg: Config, **kwargs: Any):
+        if jax.process_count() > 1:
+            raise ValueError(
+                f"the adaptive-ratio trainer runs in one process (this run has "
+                f"{jax.process_count()}): its trial steps time the host; run it without "
+                "train.launch"
+            )
         self.controller = cfg.adaptive_model()
         if self.controller is None:
             raise ValueError("AdaptiveTrainer needs a config with adaptive settings")

@@ -36,10 +36,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.no_progress:
         cfg = load_config(args.config, [*args.overrides, "progress=false"])
-    # Simulated CPU devices must be requested before JAX initialises its backends.
-    flag = f"--xla_force_host_platform_device_count={cfg.workers * cfg.stages}"
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    from train import distributed
+
+    if distributed.requested():
+        # One of several processes (train.launch or a cluster's launcher): it owns the
+        # devices its environment gives it, and the mesh spans every process's devices.
+        try:
+            distributed.initialize()
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    else:
+        # Simulated CPU devices must be requested before JAX initialises its backends.
+        flag = f"--xla_force_host_platform_device_count={cfg.workers * cfg.stages}"
+        if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
     from train.trainer import Trainer
 
     if cfg.stages > 1:
@@ -53,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(_format_summary(summary))
-    print(f"metrics, plot and checkpoints in {cfg.run_dir}/")
+    if distributed.is_primary():
+        print(_format_summary(summary))
+        print(f"metrics, plot and checkpoints in {cfg.run_dir}/")
     return 0
 
 

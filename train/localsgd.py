@@ -42,6 +42,7 @@ from jaxcomm.localsgd import SYNC_SCOPE, layer_comm_s, layer_wires, sync_branch
 from jaxcomm.network import Network
 from models import layer_groups
 from train.config import Config
+from train.distributed import to_host
 from train.trainer import AXIS, Trainer, make_optimizer
 
 __all__ = ["LocalSGDTrainer"]
@@ -197,7 +198,7 @@ class LocalSGDTrainer(Trainer):
 
     def model_params(self) -> Any:
         """The worker-averaged model in the model's own layout."""
-        return jax.tree.map(lambda a: np.asarray(a)[0], self._eval_params())
+        return jax.tree.map(lambda a: a[0], to_host(self._eval_params()))
 
     def _summary_extras(self) -> dict[str, Any]:
         return {"schedule": str(self.sync_schedule), "profile": self.profile.method}

@@ -127,6 +127,12 @@ class PipelineTrainer(Trainer):
     """:class:`~train.trainer.Trainer` over a ``data x stage`` mesh with boundary codecs."""
 
     def __init__(self, cfg: Config, *, abstract: bool = False):
+        if jax.process_count() > 1:
+            raise ValueError(
+                f"the pipeline trainer runs in one process (this run has "
+                f"{jax.process_count()}): its message buffers and stage programs are not yet "
+                "split across processes; run stages > 1 without train.launch"
+            )
         self.stages = cfg.stages
         if cfg.workers * cfg.stages > jax.device_count():
             raise ValueError(

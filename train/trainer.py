@@ -56,6 +56,7 @@ from jaxcomm.sparse import TopkState
 from models import build_task
 from train.config import DENSE_AGGREGATORS, Config
 from train.data import Loader, Subset, get_dataset, shard
+from train.distributed import is_primary, to_host
 
 __all__ = [
     "Trainer",
@@ -168,9 +169,20 @@ class Trainer:
                 f"{jax.device_count()}; on CPU set XLA_FLAGS="
                 f"--xla_force_host_platform_device_count={cfg.workers} before JAX starts"
             )
+        if jax.process_count() > 1 and cfg.workers != jax.device_count():
+            raise ValueError(
+                f"workers={cfg.workers} must use every device of a multi-process run "
+                f"({jax.process_count()} processes, {jax.device_count()} devices)"
+            )
         self.cfg = cfg
         self.n = cfg.workers
         self.mesh = jax.make_mesh((self.n,), (AXIS,), devices=jax.devices()[: self.n])
+        me = jax.process_index()
+        # Mesh rows (workers) whose device this process owns, and those devices.
+        self._local_rows = [
+            i for i, d in enumerate(self.mesh.devices.flat) if d.process_index == me
+        ]
+        self._local_devices = [self.mesh.devices.flat[i] for i in self._local_rows]
         self.task = build_task(cfg.task, **cfg.model)
         data_kwargs = {"seq_len": self.task.module.cfg.seq_len} if cfg.task == "gpt" else {}
         self.train_data = get_dataset(cfg.dataset, "train", **data_kwargs)
@@ -224,10 +236,14 @@ class Trainer:
         if self.abstract:
             stacked = structs(params, self.sharded, lead=(self.n,))
             return stacked, structs(jax.eval_shape(init, stacked), self.sharded)
-        stacked = jax.tree_util.tree_map(
-            lambda a: jax.device_put(jnp.broadcast_to(a, (self.n, *a.shape)), self.sharded),
-            params,
-        )
+
+        def spread(a: Any) -> jax.Array:
+            # Built from each process's own devices' slices (the init is the same on
+            # every process), so it also works when the mesh spans several processes.
+            full = np.broadcast_to(np.asarray(a), (self.n, *a.shape))
+            return jax.make_array_from_callback(full.shape, self.sharded, lambda i: full[i])
+
+        stacked = jax.tree_util.tree_map(spread, params)
         return stacked, init(stacked)
 
     def _build_step(self, tx: optax.GradientTransformation | None = None) -> Callable:
@@ -265,7 +281,22 @@ class Trainer:
         return jax.jit(f)
 
     def _put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        return {k: jax.device_put(v, self.sharded) for k, v in shard(batch, self.n).items()}
+        """A global batch ``[B, ...]`` as ``[N, B / N, ...]`` arrays sharded over workers;
+        each process copies only its own workers' rows to its devices."""
+        if jax.process_count() == 1:
+            return {k: jax.device_put(v, self.sharded) for k, v in shard(batch, self.n).items()}
+        rows = self._local_rows
+        return self._put_local({k: v[rows] for k, v in shard(batch, self.n).items()})
+
+    def _put_local(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """This process's rows ``[local workers, B / N, ...]`` (in mesh order) as global
+        ``[N, B / N, ...]`` arrays."""
+        out = {}
+        for k, v in local.items():
+            parts = [jax.device_put(v[j : j + 1], d) for j, d in enumerate(self._local_devices)]
+            shape = (self.n, *v.shape[1:])
+            out[k] = jax.make_array_from_single_device_arrays(shape, self.sharded, parts)
+        return out
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -358,7 +389,7 @@ class Trainer:
         params = self._eval_params()
         for _ in range(count):
             m = self._eval_step(params, self._put_batch(loader.next()))
-            for k, v in m.items():
+            for k, v in to_host(m).items():
                 totals[k] = totals.get(k, 0.0) + float(v) / count
         return totals
 
@@ -521,7 +552,13 @@ class Trainer:
         return self.cfg.async_steps
 
     def _batch_at(self, position: int) -> dict[str, jax.Array]:
-        return self._put_batch(self.train_data.get(self.loader.batch_ids(position)))
+        ids = self.loader.batch_ids(position)
+        if jax.process_count() == 1:
+            return self._put_batch(self.train_data.get(ids))
+        # Each process loads only its own workers' samples.
+        rows = shard({"ids": ids}, self.n)["ids"][self._local_rows]
+        local = self.train_data.get(rows.reshape(-1))
+        return self._put_local({k: v.reshape(*rows.shape, *v.shape[1:]) for k, v in local.items()})
 
     def _next_batch(self) -> dict[str, jax.Array]:
         """The device batch at the loader's position (the prefetched one when it is that
@@ -614,6 +651,7 @@ class Trainer:
                 f"{manager.latest_step()}); pass --resume to continue it or choose another out_dir"
             )
         resumed = self.restore(manager) if resume else False
+        primary = is_primary()
         metrics_path = run_dir / "metrics.jsonl"
         kept = []
         if resumed and metrics_path.exists():
@@ -622,8 +660,9 @@ class Trainer:
                 for line in metrics_path.read_text().splitlines()
                 if line and json.loads(line).get("step", 0) <= self.step
             ]
-        metrics_path.write_text("".join(line + "\n" for line in kept))
-        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        if primary:  # files are written once, by process 0
+            metrics_path.write_text("".join(line + "\n" for line in kept))
+            (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
 
         compiled = self._compile()
         wall0 = time.perf_counter()
@@ -631,10 +670,10 @@ class Trainer:
         self._prefetched = None
         self._last_ready = None
         self._last: dict[str, Any] = {}
-        bar = _progress(cfg, self.step)
+        bar = _progress(cfg, self.step) if primary else None
         flights: collections.deque[_Flight] = collections.deque()
         dispatched = self.step
-        with metrics_path.open("a") as out:
+        with open(metrics_path if primary else os.devnull, "a") as out:
             while dispatched < cfg.steps or flights:
                 if dispatched < cfg.steps:
                     self._before_step()
@@ -671,11 +710,13 @@ class Trainer:
             "wall_s": time.perf_counter() - wall0,
             **self._summary_extras(),
         }
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        save_model_params(run_dir / "params.msgpack", self.model_params())
-        from train.plot import plot_metrics
+        model = self.model_params()  # on every process: a collective read when multi-process
+        if primary:
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            save_model_params(run_dir / "params.msgpack", model)
+            from train.plot import plot_metrics
 
-        plot_metrics(metrics_path, run_dir / "loss.png", title=cfg.name)
+            plot_metrics(metrics_path, run_dir / "loss.png", title=cfg.name)
         return summary
 
     def _needs_state(self, step: int) -> bool:
@@ -690,7 +731,6 @@ class Trainer:
         """Read a dispatched step on the host: stop on non-finite values, log its traffic,
         metrics and simulated time, evaluate and checkpoint when due."""
         cfg = self.cfg
-        metrics, finite = host_metrics(flight.metrics), host_finite(flight.finite)
         if flight.compute_s is None:
             # Lagged: the step's time is from when the host saw the previous step finish
             # (or dispatched this one, if later) to when it sees this one finish. While the
@@ -704,6 +744,9 @@ class Trainer:
             compute_s, self._last_ready = ready - start, ready
         else:
             compute_s = flight.compute_s
+        # One read of everything the host needs (an all-gather when multi-process).
+        fetched, finite, report = to_host((flight.metrics, flight.finite, flight.report))
+        metrics, finite = host_metrics(fetched), host_finite(finite)
         if not finite:
             raise FloatingPointError(
                 f"step {flight.step}: loss, gradients or parameters became non-finite "
@@ -713,7 +756,7 @@ class Trainer:
         self._after_step()
         # Every collective of the step (e.g. pipeline p2p and data-parallel all-reduce),
         # per device; the busiest device's bytes and time are reported.
-        traffic = step_traffic(list(flight.report["logs"]) + list(flight.extra_logs))
+        traffic = step_traffic(list(report["logs"]) + list(to_host(flight.extra_logs)))
         self.last_traffic = traffic
         network = self.schedule.at(self.step - 1)
         seconds, step_s, comm_s = self.simulate_logged(
@@ -732,7 +775,7 @@ class Trainer:
             "latency_s": network.latency_s,
             "bandwidth_bps": network.bandwidth_bps,
             "wire": traffic.wire_record(network),
-            **self._step_extras(flight.report),
+            **self._step_extras(report),
         }
         if cfg.eval_every and self.step % cfg.eval_every == 0:
             last.update({f"valid_{k}": v for k, v in self.evaluate().items()})
@@ -758,7 +801,7 @@ class Trainer:
 
     def worker_params(self, worker: int = 0) -> Any:
         """Parameters of one worker as host numpy arrays."""
-        return jax.tree_util.tree_map(lambda a: np.asarray(a)[worker], self.params)
+        return jax.tree_util.tree_map(lambda a: a[worker], to_host(self.params))
 
     def model_params(self) -> Any:
         """Worker 0's parameters in the model's own layout (what ``init_params`` loads)."""

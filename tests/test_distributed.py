@@ -1,0 +1,166 @@
+"""Multi-process training through train.launch (gloo on CPU) and the launcher's faults."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+from flax import serialization
+
+from train import launch as launch_mod
+from train.config import load_config
+from train.trainer import Trainer
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SMALL_GPT = ["--set", "model.num_layers=1", "--set", "model.width=32", "--set", "model.seq_len=32"]
+
+
+def _launch(args, timeout=600):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(
+        [sys.executable, "-m", "train.launch", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _rows(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _params(run_dir):
+    state = serialization.msgpack_restore((run_dir / "params.msgpack").read_bytes())
+    return jax.tree.leaves(state)
+
+
+def _single(overrides, run_dir):
+    cfg = load_config(str(ROOT / "configs/dp_default.yaml"), [*overrides, f"out_dir={run_dir}"])
+    Trainer(cfg).run()
+
+
+def test_two_processes_end_where_one_process_ends(tmp_path):
+    """The README's main job for 4 steps as 2 processes x 4 CPU devices (gloo) and as one
+    process with 8: the same losses, validation loss, bytes and parameters (to 1e-5: XLA
+    compiles the 4-device and 8-device programs separately)."""
+    sets = ["steps=4", "checkpoint_every=2", "eval_every=2", "progress=false"]
+    two = tmp_path / "two"
+    args = ["--processes", "2", "--config", "configs/dp_default.yaml"]
+    for s in [*sets, f"out_dir={two}"]:
+        args += ["--set", s]
+    proc = _launch(args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[p0]" in proc.stdout and "final_loss" in proc.stdout
+    assert "final_loss" not in "".join(
+        line for line in proc.stdout.splitlines(True) if line.startswith("[p1]")
+    )
+    one = tmp_path / "one"
+    _single(sets, one)
+    a, b = _rows(two), _rows(one)
+    assert [r["step"] for r in a] == [1, 2, 3, 4]
+    np.testing.assert_allclose([r["loss"] for r in a], [r["loss"] for r in b], rtol=1e-6)
+    np.testing.assert_allclose(a[1]["valid_loss"], b[1]["valid_loss"], rtol=1e-6)
+    assert [r["sent_bytes"] for r in a] == [r["sent_bytes"] for r in b]
+    for x, y in zip(_params(two), _params(one), strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-5)
+    assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["2", "4"]
+
+
+def _sleeper(seconds=120):
+    return [sys.executable, "-c", f"import time; time.sleep({seconds})"]
+
+
+def test_a_failing_process_stops_the_others(capsys):
+    t0 = time.monotonic()
+    rc = launch_mod.launch(
+        2,
+        [],
+        devices_per_process=1,
+        grace_s=2.0,
+        commands=[_sleeper(), [sys.executable, "-c", "import sys; print('bye'); sys.exit(3)"]],
+    )
+    assert rc == 3
+    assert time.monotonic() - t0 < 30  # not the sleeper's two minutes
+    captured = capsys.readouterr()
+    assert "[p1] bye" in captured.out
+    assert "process 1 failed (exit code 3); stopping the other processes" in captured.err
+
+
+def test_sigkill_is_reported_as_128_plus_signal(capsys):
+    kill = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    rc = launch_mod.launch(2, [], devices_per_process=1, grace_s=2.0, commands=[_sleeper(), kill])
+    assert rc == 128 + signal.SIGKILL
+    assert "process 1 failed (signal 9)" in capsys.readouterr().err
+
+
+def test_launcher_rejects_a_process_count_that_does_not_divide_the_mesh(capsys):
+    rc = launch_mod.main(["--processes", "3", "--config", str(ROOT / "configs/dp_default.yaml")])
+    assert rc == 2
+    assert "--processes=3 must divide" in capsys.readouterr().err
+
+
+def test_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path):
+    """SIGKILL one of two processes mid-run: the launcher stops the other and fails; a
+    partial checkpoint left behind is ignored; ``--resume`` continues from the newest
+    complete checkpoint and ends where an uninterrupted run ends."""
+    run = tmp_path / "run"
+    common = ["--config", "configs/dp_default.yaml", *SMALL_GPT]
+    sets = ["checkpoint_every=5", "eval_every=0", "progress=false", f"out_dir={run}"]
+    args = ["--processes", "2", *common]
+    for s in [*sets, "steps=100000"]:
+        args += ["--set", s]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train.launch", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    pid = None
+    while pid is None:
+        line = proc.stderr.readline()
+        assert line, "launcher ended before starting process 1"
+        if line.startswith("[launch] process 1: pid "):
+            pid = int(line.split()[-1])
+    ckpt = run / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not (ckpt.exists() and any(p.name == "10" for p in ckpt.iterdir())):
+        assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint appeared"
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGKILL
+    assert "process 1 failed (signal 9)" in err
+    done = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+    assert done and done[-1] >= 10
+    # A checkpoint that was being written when the process died is never picked up.
+    partial = ckpt / f"{done[-1] + 5}.orbax-checkpoint-tmp-1"
+    partial.mkdir()
+    (partial / "junk").write_text("half written")
+    steps = done[-1] + 10
+    args = ["--processes", "2", *common, "--resume"]
+    for s in [*sets, f"steps={steps}"]:
+        args += ["--set", s]
+    again = _launch(args)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "resumed: True" in again.stdout
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    ref = tmp_path / "ref"
+    _single(
+        [o.split("=", 1)[0] + "=" + o.split("=", 1)[1] for o in SMALL_GPT[1::2]]
+        + ["checkpoint_every=0", "eval_every=0", "progress=false", f"steps={steps}"],
+        ref,
+    )
+    np.testing.assert_allclose(rows[-1]["loss"], _rows(ref)[-1]["loss"], rtol=1e-5)
+    for x, y in zip(_params(run), _params(ref), strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-5)

@@ -1,0 +1,109 @@
+"""JAX's multi-process runtime for the trainers: start it, and read global arrays on a host.
+
+A multi-process run is ``P`` copies of ``python -m train`` (one per host, or several on one
+machine through :mod:`train.launch`), each owning some of the mesh's devices. Each process
+calls :func:`initialize` before touching JAX: it reads
+
+- ``JAXCOMM_COORDINATOR`` (``host:port`` of process 0's coordinator service),
+  ``JAXCOMM_NUM_PROCESSES`` and ``JAXCOMM_PROCESS_ID``, as :mod:`train.launch` sets them; or
+- ``JAXCOMM_DISTRIBUTED=auto``: ``jax.distributed.initialize()`` with no arguments, which
+  detects the cluster itself (SLURM, Open MPI, Kubernetes, Cloud TPU environments).
+
+On CPU the collectives between processes go over gloo (TCP); on GPUs over NCCL, JAX's
+default there.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "ENV_COORDINATOR",
+    "ENV_NUM_PROCESSES",
+    "ENV_PROCESS_ID",
+    "ENV_AUTO",
+    "initialize",
+    "is_primary",
+    "to_host",
+]
+
+ENV_COORDINATOR = "JAXCOMM_COORDINATOR"
+ENV_NUM_PROCESSES = "JAXCOMM_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXCOMM_PROCESS_ID"
+ENV_AUTO = "JAXCOMM_DISTRIBUTED"
+
+
+def requested(environ: dict[str, str] | None = None) -> bool:
+    """Whether the environment asks for a multi-process run."""
+    env = os.environ if environ is None else environ
+    return ENV_COORDINATOR in env or env.get(ENV_AUTO, "") == "auto"
+
+
+def _env_int(env: dict[str, str], name: str, lo: int, hi: int | None = None) -> int:
+    raw = env.get(name)
+    if raw is None:
+        raise ValueError(f"{name} must be set with {ENV_COORDINATOR}")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+    if value < lo or (hi is not None and value > hi):
+        top = "" if hi is None else f" and <= {hi}"
+        raise ValueError(f"{name} must be >= {lo}{top}, got {value}")
+    return value
+
+
+def initialize(environ: dict[str, str] | None = None) -> bool:
+    """Start ``jax.distributed`` from the environment; False (nothing done) when not asked.
+
+    Must run before JAX creates its backends (before the first array or device query).
+    """
+    env = dict(os.environ if environ is None else environ)
+    if not requested(env):
+        return False
+    import jax
+
+    # gloo carries CPU collectives between processes; GPUs use NCCL regardless.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if env.get(ENV_AUTO, "") == "auto" and ENV_COORDINATOR not in env:
+        jax.distributed.initialize()
+        return True
+    address = env[ENV_COORDINATOR]
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{ENV_COORDINATOR} must be host:port, got {address!r}")
+    n = _env_int(env, ENV_NUM_PROCESSES, 1)
+    pid = _env_int(env, ENV_PROCESS_ID, 0, n - 1)
+    jax.distributed.initialize(coordinator_address=address, num_processes=n, process_id=pid)
+    return True
+
+
+def is_primary() -> bool:
+    """True on the process that writes files (process 0; the only one of a 1-process run)."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def to_host(tree: Any) -> Any:
+    """Every leaf of ``tree`` as a whole host ``numpy`` array on every process.
+
+    One process: ``np.asarray``. Several: an all-gather of the leaves (every process must
+    call it at the same point of the program) via
+    ``jax.experimental.multihost_utils.process_allgather``.
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return jax.tree.map(np.asarray, tree)
+    from jax.experimental import multihost_utils
+
+    def leaf(a: Any) -> Any:
+        if isinstance(a, jax.Array) and not a.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+        return np.asarray(a)
+
+    return jax.tree.map(leaf, tree)

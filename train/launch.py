@@ -1,0 +1,184 @@
+"""Start a multi-process training run on this machine.
+
+    python -m train.launch --processes P [--port N] <the arguments of python -m train>
+
+Starts ``P`` processes of ``python -m train`` with the given arguments, each with
+``workers * stages / P`` CPU devices (``XLA_FLAGS``), wired to a coordinator on a free local
+port (``JAXCOMM_COORDINATOR``, ``JAXCOMM_NUM_PROCESSES``, ``JAXCOMM_PROCESS_ID``; see
+:mod:`train.distributed`). Every line the processes print comes out here prefixed with
+``[p<i>]``. When a process fails, the others are stopped (SIGTERM, then SIGKILL after
+``--grace`` seconds) and the launcher exits with the first failing exit code (``128 + n``
+for a process killed by signal ``n``). Ctrl-C stops every process.
+
+On a real cluster, start one ``python -m train`` per host yourself with those variables set
+(or ``JAXCOMM_DISTRIBUTED=auto`` where ``jax.distributed.initialize()`` detects the
+cluster); see the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from train.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+
+__all__ = ["main", "free_port", "launch"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _exit_code(rc: int) -> int:
+    return 128 - rc if rc < 0 else rc
+
+
+def _pump(i: int, stream, out: queue.Queue) -> None:
+    for line in iter(stream.readline, ""):
+        out.put((i, line))
+    out.put((i, None))
+
+
+def launch(
+    processes: int,
+    train_args: Sequence[str],
+    *,
+    devices_per_process: int,
+    port: int | None = None,
+    grace_s: float = 10.0,
+    env: dict[str, str] | None = None,
+    commands: Sequence[Sequence[str]] | None = None,
+) -> int:
+    """Run ``processes`` copies of ``python -m train train_args``; their first failing
+    exit code, or 0. ``commands`` replaces the command of each process (for tests and for
+    wrappers such as ``ip netns exec``); the environment is set the same way."""
+    if processes < 1:
+        raise ValueError(f"processes must be >= 1, got {processes}")
+    port = free_port() if port is None else port
+    base = dict(os.environ if env is None else env)
+    flags = [f for f in base.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
+    lines: queue.Queue = queue.Queue()
+    procs: list[subprocess.Popen] = []
+    for i in range(processes):
+        penv = {
+            **base,
+            "XLA_FLAGS": " ".join(flags),
+            ENV_COORDINATOR: f"127.0.0.1:{port}",
+            ENV_NUM_PROCESSES: str(processes),
+            ENV_PROCESS_ID: str(i),
+            "PYTHONUNBUFFERED": "1",
+        }
+        cmd = list(commands[i]) if commands else [sys.executable, "-m", "train", *train_args]
+        if i and not commands and "--no-progress" not in cmd:
+            cmd.append("--no-progress")  # one progress bar, process 0's
+        p = subprocess.Popen(
+            cmd,
+            env=penv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        procs.append(p)
+        print(f"[launch] process {i}: pid {p.pid}", file=sys.stderr, flush=True)
+        threading.Thread(target=_pump, args=(i, p.stdout, lines), daemon=True).start()
+
+    first_fail: tuple[int, int] | None = None
+    open_streams = processes
+    try:
+        while open_streams or any(p.poll() is None for p in procs):
+            try:
+                i, line = lines.get(timeout=0.2)
+            except queue.Empty:
+                pass
+            else:
+                if line is None:
+                    open_streams -= 1
+                else:
+                    sys.stdout.write(f"[p{i}] {line}")
+                    sys.stdout.flush()
+            for i, p in enumerate(procs):
+                rc = p.poll()
+                if rc not in (None, 0) and first_fail is None:
+                    first_fail = (i, rc)
+                    how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
+                    print(
+                        f"[launch] process {i} failed ({how}); stopping the other processes",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    _stop(procs, grace_s)
+    except KeyboardInterrupt:
+        print("[launch] interrupted; stopping every process", file=sys.stderr, flush=True)
+        _stop(procs, grace_s)
+        return 130
+    if first_fail is not None:
+        return _exit_code(first_fail[1])
+    return 0
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    end = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``--processes`` (and ``--port``, ``--grace``), check the config, launch."""
+    p = argparse.ArgumentParser(
+        prog="python -m train.launch",
+        description="Run python -m train as several processes on this machine.",
+    )
+    p.add_argument("--processes", type=int, required=True, help="processes to start (>= 1)")
+    p.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and KILL")
+    args, train_args = p.parse_known_args(argv)
+    if args.processes < 1:
+        p.error(f"--processes must be >= 1, got {args.processes}")
+    from train.cli import _parser
+    from train.config import load_config
+
+    targs = _parser().parse_args(train_args)
+    try:
+        cfg = load_config(targs.config, targs.overrides)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    devices = cfg.workers * cfg.stages
+    if devices % args.processes:
+        print(
+            f"error: --processes={args.processes} must divide the mesh's workers x stages = "
+            f"{cfg.workers} x {cfg.stages} = {devices} devices",
+            file=sys.stderr,
+        )
+        return 2
+    return launch(
+        args.processes,
+        train_args,
+        devices_per_process=devices // args.processes,
+        port=args.port,
+        grace_s=args.grace,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
