@@ -59,10 +59,12 @@ def launch(
     grace_s: float = 10.0,
     env: dict[str, str] | None = None,
     commands: Sequence[Sequence[str]] | None = None,
+    host: str = "127.0.0.1",
 ) -> int:
     """Run ``processes`` copies of ``python -m train train_args``; their first failing
     exit code, or 0. ``commands`` replaces the command of each process (for tests and for
-    wrappers such as ``ip netns exec``); the environment is set the same way."""
+    wrappers such as ``ip netns exec``); the environment is set the same way. ``host`` is
+    the coordinator's address (process 0's host)."""
     if processes < 1:
         raise ValueError(f"processes must be >= 1, got {processes}")
     port = free_port() if port is None else port
@@ -75,7 +77,7 @@ def launch(
         penv = {
             **base,
             "XLA_FLAGS": " ".join(flags),
-            ENV_COORDINATOR: f"127.0.0.1:{port}",
+            ENV_COORDINATOR: f"{host}:{port}",
             ENV_NUM_PROCESSES: str(processes),
             ENV_PROCESS_ID: str(i),
             "PYTHONUNBUFFERED": "1",
