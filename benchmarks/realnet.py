@@ -2,9 +2,10 @@
 
 Builds ``--processes`` namespaced test hosts joined by veth links (``train.netns``; root,
 ``ip`` and ``tc`` needed), runs one ``python -m train`` process per host (one CPU device each,
-data parallel over all of them, gloo collectives over the links), and for each method
-(dense fp32 ring all-reduce, Marsit, ec_quantized 4-bit, AR-Topk STAR over a ring) and each
-link rate (``--rates``, Mbit/s each way, shaped with ``tc tbf``; ``0`` = unshaped) records:
+gloo collectives over the links), and for each method (data parallel over every host: dense
+fp32 ring all-reduce, Marsit, ec_quantized 4-bit, AR-Topk STAR over a ring; and an AQ-SGD
+pipeline with one GPT stage per host, 4-bit forward deltas, 8-bit backward) and each link
+rate (``--rates``, Mbit/s each way, shaped with ``tc tbf``; ``0`` = unshaped) records:
 
 - **measured**: the median of the run's ``compute_s`` over steps 3 .. ``--steps`` (the
   host's wall time per step, collectives included: with ``compute: measured`` the step's
@@ -63,6 +64,19 @@ METHODS = {
         "lr=0.05",
         "aggregator_args={ratio: 0.01, select: star, reduce: ring}",
     ],
+    # One stage per process: every boundary message crosses a link. 32 training samples
+    # and 16 per step: from step 3 every sample has a previous message, so the forward
+    # messages are 4-bit deltas (the steady state AQ-SGD runs in).
+    "AQ-SGD pipeline (4 stages, fw 4 / bw 8 bits)": [
+        "workers=1",
+        "stages=4",
+        "boundary=aqsgd",
+        "fw_bits=4",
+        "bw_bits=8",
+        "global_batch=16",
+        "microbatches=4",
+        "train_samples=32",
+    ],
 }
 
 
@@ -73,9 +87,9 @@ def run_method(
     p = cluster.n
     args = ["--config", "configs/dp_default.yaml", "--no-progress"]
     for s in [
-        *overrides,
         f"workers={p}",
         f"global_batch={16 * p}",
+        *overrides,  # after the defaults, so a method may change them
         f"steps={steps}",
         "compute=measured",
         "checkpoint_every=0",

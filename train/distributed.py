@@ -101,9 +101,26 @@ def to_host(tree: Any) -> Any:
         return jax.tree.map(np.asarray, tree)
     from jax.experimental import multihost_utils
 
-    def leaf(a: Any) -> Any:
-        if isinstance(a, jax.Array) and not a.is_fully_addressable:
-            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
-        return np.asarray(a)
-
-    return jax.tree.map(leaf, tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    # Every device array is gathered, also one this process holds whole: which leaves go
+    # through the collective must be the same on every process, and an array on another
+    # process's devices only looks fully addressable (it has no shards) where it is absent.
+    spread = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
+    # Each process fills in the shards it holds (an array may live on a few processes'
+    # devices only), then one all-gather over every process carries data and masks.
+    parts = []
+    for i in spread:
+        a = leaves[i]
+        data, have = np.zeros(a.shape, a.dtype), np.zeros(a.shape, np.bool_)
+        for shard in a.addressable_shards:
+            data[shard.index] = np.asarray(shard.data)
+            have[shard.index] = True
+        parts.append((data, have))
+    gathered = multihost_utils.process_allgather(parts) if parts else []
+    out = [np.asarray(a) if i not in spread else None for i, a in enumerate(leaves)]
+    for i, (data, have) in zip(spread, gathered, strict=True):
+        if not have.any(0).all():
+            raise RuntimeError(f"to_host: leaf {i} has elements no process holds")
+        first = np.argmax(have, axis=0)[None]
+        out[i] = np.take_along_axis(np.asarray(data), first, 0)[0]
+    return jax.tree.unflatten(treedef, out)

@@ -60,6 +60,7 @@ from jaxcomm.pipeline import FIRST_SCOPE, LAST_SCOPE, BoundaryState
 from models import GPTConfig
 from train.config import Config
 from train.data import Loader
+from train.distributed import is_primary, to_host
 from train.pipeline import gpt_pipeline_loss, stage_params, unstage_params
 from train.trainer import AXIS, Trainer, _all_finite, host_finite, structs
 
@@ -123,16 +124,16 @@ def make_boundary(cfg: Config) -> jaxcomm.Boundary:
     return jaxcomm.aqsgd_boundary(cfg.fw_bits, bw)
 
 
+def _global(full: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host array as a global array of ``sharding``: each process copies only the slices
+    of its own devices (every process passes the same shape)."""
+    return jax.make_array_from_callback(full.shape, sharding, lambda index: full[index])
+
+
 class PipelineTrainer(Trainer):
     """:class:`~train.trainer.Trainer` over a ``data x stage`` mesh with boundary codecs."""
 
     def __init__(self, cfg: Config, *, abstract: bool = False):
-        if jax.process_count() > 1:
-            raise ValueError(
-                f"the pipeline trainer runs in one process (this run has "
-                f"{jax.process_count()}): its message buffers and stage programs are not yet "
-                "split across processes; run stages > 1 without train.launch"
-            )
         self.stages = cfg.stages
         if cfg.workers * cfg.stages > jax.device_count():
             raise ValueError(
@@ -146,7 +147,21 @@ class PipelineTrainer(Trainer):
     # The data loader shards over data replicas only; stages share a replica's batch.
     def _setup_mesh(self) -> None:
         n, s = self.cfg.workers, self.stages
+        if jax.process_count() > 1 and n * s != jax.device_count():
+            raise ValueError(
+                f"workers * stages = {n * s} must use every device of a multi-process run "
+                f"({jax.process_count()} processes, {jax.device_count()} devices)"
+            )
         self.mesh = jax.make_mesh((n, s), (AXIS, STAGE), devices=jax.devices()[: n * s])
+        me = jax.process_index()
+        # (replica, stage) of every device this process owns, in mesh order.
+        self._local_cells = [
+            (d, st)
+            for d in range(n)
+            for st in range(s)
+            if self.mesh.devices[d, st].process_index == me
+        ]
+        self._local_replicas = sorted({d for d, _ in self._local_cells})
         self.sharded = NamedSharding(self.mesh, P(AXIS, STAGE))
         self.by_data = NamedSharding(self.mesh, P(AXIS))
         self.replicated = NamedSharding(self.mesh, P())
@@ -177,7 +192,10 @@ class PipelineTrainer(Trainer):
         def one(a):
             shards = {sh.device: sh.data for sh in a.addressable_shards}
             return jax.make_array_from_single_device_arrays(
-                (a.shape[0], 1, *a.shape[2:]), sharding, [shards[d] for d in devices]
+                (a.shape[0], 1, *a.shape[2:]),
+                sharding,
+                [shards[d] for d in devices if d in shards],
+                dtype=a.dtype,
             )
 
         return jax.tree_util.tree_map(one, tree)
@@ -188,7 +206,9 @@ class PipelineTrainer(Trainer):
         def one(a, b):
             new = {sh.device: sh.data for sh in b.addressable_shards}
             arrays = [new.get(sh.device, sh.data) for sh in a.addressable_shards]
-            return jax.make_array_from_single_device_arrays(a.shape, a.sharding, arrays)
+            return jax.make_array_from_single_device_arrays(
+                a.shape, a.sharding, arrays, dtype=a.dtype
+            )
 
         return jax.tree_util.tree_map(one, full, owned)
 
@@ -197,7 +217,7 @@ class PipelineTrainer(Trainer):
         s = self._owner(name)
 
         def one(a):
-            a = np.asarray(a)
+            a = to_host(a)
             out = np.zeros((a.shape[0], self.stages, *a.shape[2:]), a.dtype)
             out[:, s] = a[:, 0]
             return out
@@ -216,11 +236,10 @@ class PipelineTrainer(Trainer):
         else:
             staged = stage_params(params, self.gpt_cfg, self.stages)
             stacked = jax.tree_util.tree_map(
-                lambda a: jax.device_put(
-                    jnp.broadcast_to(a[None], (cfg.workers, *a.shape)), self.sharded
-                ),
+                lambda a: _global(np.broadcast_to(np.asarray(a)[None], (cfg.workers, *a.shape)),
+                                  self.sharded),
                 staged,
-            )
+            )  # fmt: skip
 
         def init(mesh, spec, tree, salt):
             f = jax.shard_map(
@@ -243,7 +262,7 @@ class PipelineTrainer(Trainer):
         act = (self.gpt_cfg.seq_len, self.gpt_cfg.width)
         # Only AQ-SGD needs previous messages; the other boundaries ignore them.
         count = self.stages - 1 if cfg.boundary == "aqsgd" and not self.abstract else 0
-        paths = [f"{cfg.buffer_dir}/boundary{b}" for b in range(count)] if cfg.buffer_dir else []
+        paths = [self._buffer_path(b) for b in range(count)] if cfg.buffer_dir else []
         # Buffers found on disk belong to an earlier run: only a resume may keep them.
         self._stale = [p for p in paths if Path(p).exists() and any(Path(p).iterdir())]
         self.buffers = [
@@ -251,7 +270,7 @@ class PipelineTrainer(Trainer):
                 len(self.train_data),
                 act,
                 storage_bits=cfg.buffer_bits or None,
-                path=(f"{cfg.buffer_dir}/boundary{b}" if cfg.buffer_dir else None),
+                path=self._buffer_path(b),
             )
             for b in range(count)
         ]
@@ -351,17 +370,41 @@ class PipelineTrainer(Trainer):
 
     # ------------------------------------------------------------------ batches and buffers
 
+    def _buffer_path(self, b: int) -> str | None:
+        """Where boundary ``b``'s buffer lives on disk (None: in memory); each process of
+        a multi-process run keeps its own, for the replicas whose stages it holds."""
+        if not self.cfg.buffer_dir:
+            return None
+        sub = f"/process{jax.process_index()}" if jax.process_count() > 1 else ""
+        return f"{self.cfg.buffer_dir}{sub}/boundary{b}"
+
+    def _replica_ids(self, ids: np.ndarray) -> np.ndarray:
+        """A step's sample ids ``[B]`` as ``[D, M * mb]``: the rows of each data replica."""
+        return ids.reshape(self.cfg.workers, -1)
+
     def _micro(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         d, m = self.cfg.workers, self.cfg.microbatches
         tokens = batch["tokens"].reshape(d, 1, m, self.micro, -1)
-        return {"tokens": jax.device_put(tokens, self.by_data)}
+        return {"tokens": _global(tokens, self.by_data)}
+
+    def _local_batch(self, ids: np.ndarray) -> dict[str, jax.Array]:
+        """The step's tokens, loading only the replicas this process holds (the others'
+        rows stay zero on the host and are never copied to a device)."""
+        rows = self._replica_ids(ids)
+        mine = self._local_replicas
+        local = self.train_data.get(rows[mine].reshape(-1))["tokens"]
+        tokens = np.zeros((rows.shape[0], rows.shape[1], local.shape[-1]), local.dtype)
+        tokens[mine] = local.reshape(len(mine), rows.shape[1], -1)
+        return self._micro({"tokens": tokens.reshape(-1, local.shape[-1])})
 
     def _zeros_state(self) -> BoundaryState:
         if self._zero_state is None:
             d, s, m = self.cfg.workers, self.stages, self.cfg.microbatches
             t, w = self.gpt_cfg.seq_len, self.gpt_cfg.width
             zeros = np.zeros((d, s, m, self.micro, t, w), np.float32)
-            self._zero_state = jax.device_put(BoundaryState(zeros, zeros), self.sharded)
+            self._zero_state = BoundaryState(
+                _global(zeros, self.sharded), _global(zeros, self.sharded)
+            )
         return self._zero_state
 
     def _prepare(self, position: int) -> _Prepared:
@@ -373,7 +416,7 @@ class PipelineTrainer(Trainer):
         """
         t0 = time.perf_counter()
         ids = self.loader.batch_ids(position)
-        batch = self._micro(self.train_data.get(ids))
+        batch = self._local_batch(ids)
         if not self.buffers:
             return _Prepared(position, ids, batch, self._zeros_state(), False, 0.0)
         d, s, m = self.cfg.workers, self.stages, self.cfg.microbatches
@@ -381,14 +424,26 @@ class PipelineTrainer(Trainer):
         prev = np.zeros((d, s, m, self.micro, t, w), np.float32)
         prev_in = np.zeros_like(prev)
         seen = True
-        handles = [buf.read_async(ids) for buf in self.buffers]
-        for b, handle in enumerate(handles):
-            v = handle.result().reshape(d, m, self.micro, t, w)
+        # Each process reads boundary b's messages of the replicas d where it holds the
+        # sender (d, b) or the receiver (d, b + 1): those it wrote after earlier steps.
+        cells = set(self._local_cells)
+        reads = []
+        for b, buf in enumerate(self.buffers):
+            mine = [r for r in range(d) if (r, b) in cells or (r, b + 1) in cells]
+            if mine:
+                rows = self._replica_ids(ids)[mine].reshape(-1)
+                reads.append((b, mine, buf.read_async(rows)))
+        for b, mine, handle in reads:
+            v = handle.result().reshape(len(mine), m, self.micro, t, w)
             seen = seen and bool(handle.seen().all())
-            prev[:, b], prev_in[:, b + 1] = v, v
+            prev[mine, b], prev_in[mine, b + 1] = v, v
+        if jax.process_count() > 1:  # every process must run the same program
+            from jax.experimental import multihost_utils
+
+            seen = bool(np.all(multihost_utils.process_allgather(np.array([seen]))))
         if not seen:  # first visits (or a mix): everything crosses in float32
             prev[:], prev_in[:] = 0.0, 0.0
-        state = jax.device_put(BoundaryState(prev_in, prev), self.sharded)
+        state = BoundaryState(_global(prev_in, self.sharded), _global(prev, self.sharded))
         return _Prepared(position, ids, batch, state, seen, time.perf_counter() - t0)
 
     def _prepare_abstract(self, seen: bool) -> _Prepared:
@@ -486,17 +541,33 @@ class PipelineTrainer(Trainer):
             self._io["buffer_exposed_s"] += max(0.0, prefetch_end - main_end)
         self.loader.position = nxt
         self._last_ids, self._last_state = cur.ids, new_state
-        return params, opt_state, metrics, host_finite(*finites), compute_s, [log]
+        return params, opt_state, metrics, host_finite(*to_host(finites)), compute_s, [log]
 
     def _after_step(self) -> None:
         """Write the step's new messages back (asynchronously; a later read of the same ids
         waits for these writes)."""
         if self.buffers:
             t0 = time.perf_counter()
-            prev_out = np.asarray(self._last_state.prev_out)  # [D, S, M, mb, T, W]
             t, w = self.gpt_cfg.seq_len, self.gpt_cfg.width
-            for b, buf in enumerate(self.buffers):
-                buf.write_async(self._last_ids, prev_out[:, b].reshape(-1, t, w))
+            rows = self._replica_ids(self._last_ids)
+            # Boundary b's new messages of replica d sit on the sender, device (d, b), as
+            # prev_out and on the receiver, device (d, b + 1), as prev_in (equal bit for
+            # bit). A process writes every (b, d) it holds either side of; with both sides
+            # local, once.
+            cells: dict[tuple[int, int], np.ndarray] = {}
+            state = self._last_state
+            for side, shift in ((state.prev_out, 0), (state.prev_in, 1)):
+                for shard in side.addressable_shards:
+                    d, st = shard.index[0].start or 0, shard.index[1].start or 0
+                    if 0 <= st - shift < len(self.buffers):
+                        cells.setdefault((st - shift, d), np.asarray(shard.data))
+            for b in range(len(self.buffers)):
+                parts = sorted((d, v) for (bb, d), v in cells.items() if bb == b)
+                if not parts:
+                    continue
+                ids = np.concatenate([rows[d] for d, _ in parts])
+                data = np.concatenate([v.reshape(-1, t, w) for _, v in parts])
+                self.buffers[b].write_async(ids, data)
             self._io["buffer_writeback_s"] = time.perf_counter() - t0
 
     def _state_logs(self) -> list[Any]:
@@ -744,8 +815,53 @@ class PipelineTrainer(Trainer):
         state = self._zeros_state()
         total = 0.0
         for _ in range(count):
-            total += float(self._eval_step(self.params, self._micro(loader.next()), state)["loss"])
+            out = self._eval_step(self.params, self._micro(loader.next()), state)
+            total += float(to_host(out)["loss"])
         return {"loss": total / max(count, 1)}
+
+    def _state_tree(self) -> dict[str, Any]:
+        # The embedding's and head's optimizer states live on their owner stage's devices
+        # only ([D, 1, ...] on a sub-mesh); saved as [D, S, ...] over the whole mesh, zeros
+        # off the owner stage, so every process writes its part of global arrays.
+        tree = super()._state_tree()
+        opt = dict(tree["opt_state"])
+        for name in OWNED:
+            opt[name] = self._spread(opt[name], name)
+        return {**tree, "opt_state": opt}
+
+    def _set_state(self, params: Any, opt_state: Any) -> None:
+        opt = dict(opt_state)
+        for name in OWNED:
+            opt[name] = self._owned_view(opt[name], name)
+        super()._set_state(params, opt)
+
+    def _spread(self, tree: Any, name: str) -> Any:
+        """``[D, 1, ...]`` arrays of ``name``'s sub-mesh as ``[D, S, ...]`` arrays of the
+        whole mesh: the owner stage's shards as they are, zeros on the other stages."""
+        owner = self._owner(name)
+        if self.abstract:
+            return jax.tree_util.tree_map(
+                lambda a: jax.ShapeDtypeStruct(
+                    (a.shape[0], self.stages, *a.shape[2:]), a.dtype, sharding=self.sharded
+                ),
+                tree,
+            )
+
+        def one(a):
+            held = {sh.device: sh.data for sh in a.addressable_shards}
+            parts = []
+            for d, st in self._local_cells:
+                dev = self.mesh.devices[d, st]
+                if st == owner:
+                    parts.append(held[dev])
+                else:
+                    parts.append(jax.device_put(np.zeros((1, 1, *a.shape[2:]), a.dtype), dev))
+            shape = (a.shape[0], self.stages, *a.shape[2:])
+            return jax.make_array_from_single_device_arrays(
+                shape, self.sharded, parts, dtype=a.dtype
+            )
+
+        return jax.tree_util.tree_map(one, tree)
 
     def fingerprint(self) -> dict[str, Any]:
         """Checkpoint identity: the data-parallel one plus the pipeline layout."""
@@ -757,7 +873,7 @@ class PipelineTrainer(Trainer):
             fw_bits=self.cfg.fw_bits,
             bw_bits=self.cfg.bw_bits,
             # Optimizer state per group: blocks on every stage, embed and head on their own.
-            state_layout="blocks+embed+head",
+            state_layout="blocks+embed+head, saved [D, S] (owner stage)",
         )
         return fp
 
@@ -768,20 +884,26 @@ class PipelineTrainer(Trainer):
         super().save(manager)
         if not self.buffers:
             return
-        root = self.cfg.run_dir / "buffers" / str(self.step)
+        root = self._snapshot_root(self.step)
         for b, buf in enumerate(self.buffers):
             buf.save(root / f"boundary{b}", overwrite=True)
         # Keep the snapshots of the checkpoints Orbax keeps, and only those.
-        kept = {str(step) for step in manager.all_steps()}
-        for old in root.parent.iterdir():
-            if old.name not in kept:
-                shutil.rmtree(old, ignore_errors=True)
+        if is_primary():
+            kept = {str(step) for step in manager.all_steps()}
+            for old in (self.cfg.run_dir / "buffers").iterdir():
+                if old.name not in kept:
+                    shutil.rmtree(old, ignore_errors=True)
+
+    def _snapshot_root(self, step: int) -> Path:
+        """Where the message buffers of checkpoint ``step`` are saved (this process's)."""
+        root = self.cfg.run_dir / "buffers" / str(step)
+        return root / f"process{jax.process_index()}" if jax.process_count() > 1 else root
 
     def restore(self, manager) -> bool:
         """Restore the newest checkpoint and the buffer snapshots saved with it."""
         if not super().restore(manager):
             return False
-        root = self.cfg.run_dir / "buffers" / str(self.step)
+        root = self._snapshot_root(self.step)
         restored = []
         for b in range(len(self.buffers)):
             snapshot = root / f"boundary{b}"
@@ -792,8 +914,9 @@ class PipelineTrainer(Trainer):
         # The open buffers are closed only once every snapshot is known to exist.
         for b, old in enumerate(self.buffers):
             old.close()
-            path = f"{self.cfg.buffer_dir}/boundary{b}" if self.cfg.buffer_dir else None
-            restored.append(jaxcomm.MessageBuffer.restore(root / f"boundary{b}", path))
+            restored.append(
+                jaxcomm.MessageBuffer.restore(root / f"boundary{b}", self._buffer_path(b))
+            )
         self.buffers = restored
         self._stale = []
         self._next = None
@@ -810,7 +933,7 @@ class PipelineTrainer(Trainer):
 
     def worker_params(self, worker: int = 0) -> Any:
         """Stage-stacked parameters of one data replica as host numpy arrays."""
-        return jax.tree_util.tree_map(lambda a: np.asarray(a)[worker], self.params)
+        return jax.tree_util.tree_map(lambda a: a[worker], to_host(self.params))
 
     def model_params(self) -> Any:
         """Data replica 0's parameters in the GPT's own layout (stages joined)."""

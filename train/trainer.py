@@ -169,9 +169,10 @@ class Trainer:
                 f"{jax.device_count()}; on CPU set XLA_FLAGS="
                 f"--xla_force_host_platform_device_count={cfg.workers} before JAX starts"
             )
-        if jax.process_count() > 1 and cfg.workers != jax.device_count():
+        if jax.process_count() > 1 and cfg.workers * cfg.stages != jax.device_count():
             raise ValueError(
-                f"workers={cfg.workers} must use every device of a multi-process run "
+                f"workers x stages = {cfg.workers} x {cfg.stages} must use every device of a "
+                "multi-process run "
                 f"({jax.process_count()} processes, {jax.device_count()} devices)"
             )
         self.cfg = cfg
@@ -326,6 +327,11 @@ class Trainer:
             "clock": np.asarray(self.clock.now, np.float64),
         }
 
+    def _set_state(self, params: Any, opt_state: Any) -> None:
+        """Hook: take restored ``params`` and ``opt_state`` (as :meth:`_state_tree` saved
+        them)."""
+        self.params, self.opt_state = params, opt_state
+
     def _manager(self) -> ocp.CheckpointManager:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=self.cfg.keep_checkpoints, create=True, enable_async_checkpointing=False
@@ -365,7 +371,7 @@ class Trainer:
         state = manager.restore(
             latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
         )["state"]
-        self.params, self.opt_state = state["params"], state["opt_state"]
+        self._set_state(state["params"], state["opt_state"])
         try:
             extras = manager.restore(
                 latest, args=ocp.args.Composite(extras=ocp.args.JsonRestore())
