@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -67,7 +68,7 @@ METHODS = {
     # One stage per process: every boundary message crosses a link. 32 training samples
     # and 16 per step: from step 3 every sample has a previous message, so the forward
     # messages are 4-bit deltas (the steady state AQ-SGD runs in).
-    "AQ-SGD pipeline (4 stages, fw 4 / bw 8 bits)": [
+    "AQ-SGD pipeline (4 stages; fw 4 / bw 8 bits)": [
         "workers=1",
         "stages=4",
         "boundary=aqsgd",
@@ -135,6 +136,15 @@ def main(argv: list[str] | None = None) -> None:
     why = available()
     if why:
         raise SystemExit(f"realnet: {why}")
+    unknown = set(args.methods.split(",")) - set(METHODS)
+    if unknown:
+        p.error(f"--methods: unknown {sorted(unknown)}; choose from {list(METHODS)}")
+
+    # SIGTERM (e.g. a timeout) unwinds like an exception, so the namespaces are torn down.
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(f"realnet: stopped by signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
     rates = [float(r) for r in args.rates.split(",")]
     if 0 not in rates:
         rates = [0.0, *rates]  # the unshaped run gives each method's compute
