@@ -2,9 +2,11 @@
 
 For a float32 array of ``--size`` elements drawn from a standard normal distribution (numpy,
 seed 0), and for each codec case (stochastic quantization at every width 1-8 with 512-element
-buckets, symmetric, and min/max at 2, 4 and 8 bits; signs without and with a scale; SSDM's
+buckets, symmetric, and min/max at 2, 4 and 8 bits; nearest rounding at 4 and 8 bits;
+signs without and with a scale; SSDM's
 stochastic sign; one Marsit merge of sign words, m = 4; top-k at ratios 0.1, 0.01 and 0.001
-with ``method="exact"``, ``"approx"`` and ``"threshold"``), this script measures:
+with ``method="auto"`` (the default), ``"exact"``, ``"approx"`` and ``"threshold"``), this
+script measures:
 
 * **time**: ``jax.jit`` of ``x, key -> decode(encode(x, key))`` (signs and top-k ignore the
   key) and of ``encode`` alone, each compiled ahead of time (``.lower().compile()``) and
@@ -130,6 +132,21 @@ def make_cases(n: int) -> list[Case]:
                     f"ceil(n*{bits}/8) + {4 * scales}*ceil(n/{BUCKET})",
                 )
             )
+    for bits in (4, 8):  # nearest rounding: ec_quantized's and the message buffer's
+
+        def enc(x: jax.Array, key: jax.Array, bits: int = bits) -> Any:
+            del key
+            return jaxcomm.quantize(x, None, bits=bits, bucket_size=BUCKET, stochastic=False)
+
+        cases.append(
+            Case(
+                f"quantize {bits}-bit nearest",
+                enc,
+                jaxcomm.dequantize,
+                -(-n * bits // 8) + 4 * -(-n // BUCKET),
+                f"ceil(n*{bits}/8) + 4*ceil(n/{BUCKET})",
+            )
+        )
     for scale in (False, True):
 
         def enc(x: jax.Array, key: jax.Array, scale: bool = scale) -> Any:
@@ -169,7 +186,7 @@ def make_cases(n: int) -> list[Case]:
     )
     for ratio in (0.1, 0.01, 0.001):
         k = max(1, math.ceil(ratio * n))
-        for method in ("exact", "approx", "threshold"):
+        for method in ("auto", "exact", "approx", "threshold"):
 
             def enc(
                 x: jax.Array, key: jax.Array, ratio: float = ratio, method: str = method

@@ -415,7 +415,12 @@ def _threshold_indices(mag: jax.Array, k: int, rounds: int) -> jax.Array:
     after ``rounds`` halvings every entry ``>= hi`` is taken, and the rest of the ``k`` are
     the first entries (by index) in ``[lo, hi)``. Exact top-k (up to ties) once the bracket
     separates the k-th and (k+1)-th largest magnitudes.
+
+    Non-finite magnitudes (NaN, Inf) are searched as 0, and then the first of them takes
+    slot 0, so a non-finite input always reaches the payload (never a finite wrong one).
     """
+    raw_mag, raw_top = mag, jnp.max(mag)  # NaN or Inf when any entry is
+    mag = jnp.where(jnp.isfinite(mag), mag, 0.0)
     top = jnp.max(mag)
     hi0 = jnp.nextafter(top, jnp.float32(jnp.inf))
 
@@ -436,7 +441,12 @@ def _threshold_indices(mag: jax.Array, k: int, rounds: int) -> jax.Array:
     n_above = c_above[-1]
     first = jnp.searchsorted(c_above, j + 1, side="left", method="scan_unrolled")
     rest = jnp.searchsorted(c_between, j + 1 - n_above, side="left", method="scan_unrolled")
-    return jnp.where(j < n_above, first, rest).astype(jnp.int32)
+    idx = jnp.where(j < n_above, first, rest).astype(jnp.int32)
+    # One more pass over the magnitudes, small beside the search's rounds (a lax.cond
+    # would skip it, but inside shard_map its branches' varying types differ).
+    first_bad = jnp.argmax(~jnp.isfinite(raw_mag)).astype(jnp.int32)
+    bad = jnp.where(jnp.isfinite(raw_top), jnp.int32(-1), first_bad)
+    return jnp.where((j == 0) & (bad >= 0), bad, idx)
 
 
 def topk_indices(x: jax.Array, k: int, *, method: str = "exact", rounds: int = 25) -> jax.Array:

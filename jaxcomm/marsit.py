@@ -69,7 +69,8 @@ def bernoulli_words(key: jax.Array, p: jax.Array | float, shape: tuple[int, ...]
     ``r = r OR R_j`` if ``b_j = 1`` else ``r AND R_j``, each ``R_j`` a word of fair random bits;
     then ``P(bit = 1) = sum_j b_j 2^-j``. ``p`` is cut to ``K = 16`` binary digits by
     rounding ``p * 2^K`` up with probability equal to its fractional part (one uniform draw
-    shared by the call), so each bit's marginal is exactly Bernoulli(``p``); the shared
+    shared by the call), so each bit's marginal is Bernoulli(``p``) exactly when the 16 fair
+    words are independent (hash words, each uniform; see :mod:`jaxcomm.rng`); the shared
     rounding only correlates bits through a probability shift below ``2^-16``. No
     per-element float is formed; the fair words come from :func:`jaxcomm.rng.hash_bits` (a
     counter-based hash, each word exactly uniform over keys; several times cheaper than

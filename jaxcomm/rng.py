@@ -10,23 +10,27 @@ counter-based integer hash of (key, flat element index):
     h_i    = mix(mix(i * 0x9E3779B9 + s0) ^ s1)           # per element, ~14 integer ops
 
 ``mix`` is a 32-bit bijection (xor-shift / multiply, "lowbias32" constants, an avalanche
-function). Since ``s0`` is a uniform 32-bit word, ``i * 0x9E3779B9 + s0`` is uniform for
-every fixed ``i`` and so is any bijection of it: each ``h_i`` is *exactly* uniform over
-``2**32`` values over keys. Independence across elements is not exact (it is a hash, not a
-cipher); tests check the empirical correlation of neighbours and the uniformity of one key's
-stream. Uniform floats keep the top 24 bits (``u = (h >> 8) * 2**-24``), one more than the 23
+function). Given a uniform 32-bit word ``s0`` (it comes from threefry, so as uniform as JAX's
+own uniforms), ``i * 0x9E3779B9 + s0`` is uniform for every fixed ``i`` and so is any
+bijection of it: each ``h_i`` is exactly uniform over ``2**32`` values over keys.
+Independence across elements is not exact (it is a hash, not a cipher); tests check the
+empirical correlation of neighbours and the uniformity of one key's stream.
+Uniform floats keep the top 24 bits (``u = (h >> 8) * 2**-24``), one more than the 23
 that ``jax.random.uniform`` gives.
 
 Stochastic rounding compares ``u`` with the fractional part instead of forming ``y + u``:
-``q = floor(y) + (u < y - floor(y))``. The comparison is exact (both sides are float32 and
-``y - floor(y)`` is exact), so ``P(round up) = ceil(f * 2**24) / 2**24`` for fraction ``f``:
-the bias is below ``2**-24`` of one grid step at every level. ``floor(y + u)`` would lose the
+``q = floor(y) + (u < y - floor(y))``. For ``y >= 0`` (every codec's grid position) the
+comparison is exact (both sides are float32 and ``y - floor(y)`` is exact), so
+``P(round up) = ceil(f * 2**24) / 2**24`` for fraction ``f``: the bias is below ``2**-24``
+of one grid step at every level (for ``-1 < y < 0`` the fraction rounds, with a bias still
+below ``2**-24``). ``floor(y + u)`` would lose the
 low bits of ``u`` for large ``y`` (at level 255, float32 keeps 16 bits of the fraction).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,10 +53,14 @@ def _mix(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
-def _seeds(key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    if not isinstance(key, jax.Array):
-        raise TypeError(f"key must be a JAX PRNG key array, got {type(key).__name__}")
-    words = jax.random.bits(key, (2,), jnp.uint32)
+def _seeds(key: Any) -> tuple[jax.Array, jax.Array]:
+    try:
+        words = jax.random.bits(key, (2,), jnp.uint32)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"key must be a PRNG key (jax.random.key or raw uint32 key data), got "
+            f"{type(key).__name__} {getattr(key, 'dtype', '')}: {e}"
+        ) from e
     return words[0], words[1]
 
 

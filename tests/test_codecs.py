@@ -191,3 +191,21 @@ def test_pack_codes_matches_the_bit_stream_layout(bits):
     np.testing.assert_array_equal(
         np.asarray(codecs.pack_codes(codes, bits)), np.asarray(jaxcomm.pack_bits(stream))
     )
+
+
+@pytest.mark.parametrize("method", ["auto", "exact", "threshold"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_topk_payload_of_a_nonfinite_input_is_nonfinite_under_jit(method, bad):
+    """Under jit nothing can raise: a NaN or Inf anywhere must reach the payload."""
+    x = np.linspace(-1.0, 1.0, 1000).astype(np.float32)
+    x[777] = bad
+    enc = jax.jit(lambda v: jaxcomm.topk_encode(v, ratio=0.1, method=method))
+    p = enc(jnp.asarray(x))
+    assert not bool(jaxcomm.payload_is_finite(p))
+    assert 777 in np.asarray(p.indices)
+    # and with finite input the threshold search is unchanged: the same set as lax.top_k
+    y = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    got = set(
+        np.asarray(jax.jit(lambda v: jaxcomm.topk_encode(v, ratio=0.1, method=method))(y).indices)
+    )
+    assert got == set(np.argsort(-np.abs(y))[:100])

@@ -71,6 +71,18 @@ def test_two_processes_end_where_one_process_ends(tmp_path):
     for x, y in zip(_params(two), _params(one), strict=True):
         np.testing.assert_allclose(x, y, atol=1e-5)
     assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["2", "4"]
+    # The 2-process checkpoint resumes in one process with 8 devices (Orbax restores the
+    # global arrays into this mesh) and continues like the single-process run.
+    cfg = load_config(
+        str(ROOT / "configs/dp_default.yaml"), [*sets[1:], "steps=5", f"out_dir={two}"]
+    )
+    resumed = Trainer(cfg)
+    resumed.run(resume=True)
+    more = Trainer(
+        load_config(str(ROOT / "configs/dp_default.yaml"), [*sets[1:], "steps=5", f"out_dir={one}"])
+    )
+    more.run(resume=True)
+    np.testing.assert_allclose(_rows(two)[-1]["loss"], _rows(one)[-1]["loss"], rtol=1e-6)
 
 
 def _sleeper(seconds=120):
@@ -142,6 +154,7 @@ def test_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path):
     assert "process 1 failed (signal 9)" in err
     done = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
     assert done and done[-1] >= 10
+    before = _rows(run)  # steps run before the kill, some past the newest checkpoint
     # A checkpoint that was being written when the process died is never picked up.
     partial = ckpt / f"{done[-1] + 5}.orbax-checkpoint-tmp-1"
     partial.mkdir()
@@ -155,6 +168,9 @@ def test_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path):
     assert "resumed: True" in again.stdout
     rows = _rows(run)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    # Steps up to the checkpoint are the killed run's own rows (host times included): the
+    # run continued from step done[-1], it did not start over.
+    assert rows[: done[-1]] == before[: done[-1]]
     ref = tmp_path / "ref"
     _single(
         [o.split("=", 1)[0] + "=" + o.split("=", 1)[1] for o in SMALL_GPT[1::2]]

@@ -88,5 +88,36 @@ def test_key_kinds_and_bad_input():
     with pytest.raises(ValueError, match="2\\*\\*32"):
         rng.hash_bits(jax.random.key(0), (1 << 16, 1 << 16))
     with pytest.raises(TypeError, match="key"):
-        rng.hash_bits(np.zeros(2, np.uint32), (4,))
+        rng.hash_bits(np.zeros(3, np.float32), (4,))
     assert jaxcomm.stochastic_round is rng.stochastic_round
+
+
+def test_stochastic_round_is_the_exact_comparison_with_24_bits():
+    """Element for element, ``floor(y) + (u < y - floor(y))`` with this key's 24-bit
+    uniforms: a coarser draw or ``<=`` or ``floor(y + u)`` would differ somewhere here."""
+    y = np.concatenate(
+        [
+            np.linspace(0.0, 255.0, 4001, dtype=np.float32),
+            np.float32(np.arange(256)) + np.float32(2.0**-20),  # tiny fractions
+            np.float32(np.arange(1, 256)) - np.float32(2.0**-16),
+        ]
+    ).astype(np.float32)
+    key = jax.random.key(42)
+    got = np.asarray(rng.stochastic_round(jnp.asarray(y), key))
+    u = np.asarray(rng.uniform(key, y.shape)).astype(np.float64)
+    lo = np.floor(y.astype(np.float64))
+    want = lo + (u < y.astype(np.float64) - lo)
+    np.testing.assert_array_equal(got, want)
+    # A value on a level never moves, for any key.
+    levels = jnp.arange(256, dtype=jnp.float32)
+    for k in jax.random.split(jax.random.key(1), 50):
+        np.testing.assert_array_equal(
+            np.asarray(rng.stochastic_round(levels, k)), np.asarray(levels)
+        )
+
+
+def test_numpy_raw_keys_are_accepted():
+    raw = np.asarray(jax.random.PRNGKey(3))
+    np.testing.assert_array_equal(
+        np.asarray(rng.hash_bits(raw, (5,))), np.asarray(rng.hash_bits(jnp.asarray(raw), (5,)))
+    )

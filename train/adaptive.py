@@ -141,7 +141,7 @@ class AdaptiveTrainer(Trainer):
             for i in range(self.controller.trial_steps):
                 batch = self._put_batch(self.loader.next())
                 t0 = time.perf_counter()
-                p, s, _, finite = program(p, s, batch)
+                p, s, _, finite, _ = program(p, s, batch)
                 jax.block_until_ready((p, s))
                 measured = time.perf_counter() - t0
                 if not host_finite(finite):

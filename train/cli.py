@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         from train.localsgd import LocalSGDTrainer as Trainer
     try:
         summary = Trainer(cfg).run(resume=args.resume)
-    except (ValueError, FloatingPointError) as e:
+    except (ValueError, FloatingPointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if distributed.is_primary():

@@ -39,7 +39,10 @@ ENV_AUTO = "JAXCOMM_DISTRIBUTED"
 def requested(environ: dict[str, str] | None = None) -> bool:
     """Whether the environment asks for a multi-process run."""
     env = os.environ if environ is None else environ
-    return ENV_COORDINATOR in env or env.get(ENV_AUTO, "") == "auto"
+    auto = env.get(ENV_AUTO, "")
+    if auto not in ("", "auto"):
+        raise ValueError(f"{ENV_AUTO} must be 'auto' or unset, got {auto!r}")
+    return ENV_COORDINATOR in env or auto == "auto"
 
 
 def _env_int(env: dict[str, str], name: str, lo: int, hi: int | None = None) -> int:
@@ -68,6 +71,8 @@ def initialize(environ: dict[str, str] | None = None) -> bool:
 
     # gloo carries CPU collectives between processes; GPUs use NCCL regardless.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX's preemption service catches SIGTERM; a launcher stopping a run means it.
+    jax.config.update("jax_enable_preemption_service", False)
     if env.get(ENV_AUTO, "") == "auto" and ENV_COORDINATOR not in env:
         jax.distributed.initialize()
         return True
@@ -107,20 +112,28 @@ def to_host(tree: Any) -> Any:
     # process's devices only looks fully addressable (it has no shards) where it is absent.
     spread = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
     # Each process fills in the shards it holds (an array may live on a few processes'
-    # devices only), then one all-gather over every process carries data and masks.
-    parts = []
+    # devices only) and a mask of them; all leaves travel as one byte buffer in a single
+    # all-gather over every process.
+    chunks, layout = [], []
     for i in spread:
         a = leaves[i]
         data, have = np.zeros(a.shape, a.dtype), np.zeros(a.shape, np.bool_)
         for shard in a.addressable_shards:
             data[shard.index] = np.asarray(shard.data)
             have[shard.index] = True
-        parts.append((data, have))
-    gathered = multihost_utils.process_allgather(parts) if parts else []
+        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        chunks += [raw, have.reshape(-1).view(np.uint8)]
+        layout.append((i, a.shape, data.dtype, raw.size, have.size))
     out = [np.asarray(a) if i not in spread else None for i, a in enumerate(leaves)]
-    for i, (data, have) in zip(spread, gathered, strict=True):
-        if not have.any(0).all():
-            raise RuntimeError(f"to_host: leaf {i} has elements no process holds")
-        first = np.argmax(have, axis=0)[None]
-        out[i] = np.take_along_axis(np.asarray(data), first, 0)[0]
+    if chunks:
+        gathered = np.asarray(multihost_utils.process_allgather(np.concatenate(chunks)))
+        at = 0
+        for i, shape, dtype, nbytes, n in layout:
+            data = gathered[:, at : at + nbytes].copy().view(dtype).reshape(-1, *shape)
+            have = gathered[:, at + nbytes : at + nbytes + n].astype(bool).reshape(-1, *shape)
+            at += nbytes + n
+            if not have.any(0).all():
+                raise RuntimeError(f"to_host: leaf {i} has elements no process holds")
+            first = np.argmax(have, axis=0)[None]
+            out[i] = np.take_along_axis(data, first, 0)[0]
     return jax.tree.unflatten(treedef, out)

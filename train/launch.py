@@ -67,8 +67,20 @@ def launch(
     the coordinator's address (process 0's host)."""
     if processes < 1:
         raise ValueError(f"processes must be >= 1, got {processes}")
+    if devices_per_process < 1:
+        raise ValueError(f"devices_per_process must be >= 1, got {devices_per_process}")
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"port must be in [1, 65535], got {port}")
+    if grace_s < 0:
+        raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+    if commands is not None and len(commands) != processes:
+        raise ValueError(
+            f"commands must have one entry per process ({processes}), got {len(commands)}"
+        )
     port = free_port() if port is None else port
     base = dict(os.environ if env is None else env)
+    # Simulated CPU devices: without this, on a GPU machine every process takes every GPU.
+    base.setdefault("JAX_PLATFORMS", "cpu")
     flags = [f for f in base.get("XLA_FLAGS", "").split() if "device_count" not in f]
     flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
     lines: queue.Queue = queue.Queue()
@@ -91,6 +103,7 @@ def launch(
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            errors="replace",  # a child's stray bytes must not kill the reader
             start_new_session=True,
         )
         procs.append(p)
@@ -99,6 +112,11 @@ def launch(
 
     first_fail: tuple[int, int] | None = None
     open_streams = processes
+
+    def on_signal(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         while open_streams or any(p.poll() is None for p in procs):
             try:
@@ -109,7 +127,8 @@ def launch(
                 if line is None:
                     open_streams -= 1
                 else:
-                    sys.stdout.write(f"[p{i}] {line}")
+                    end = "" if line.endswith("\n") else "\n"
+                    sys.stdout.write(f"[p{i}] {line}{end}")
                     sys.stdout.flush()
             for i, p in enumerate(procs):
                 rc = p.poll()
@@ -122,25 +141,36 @@ def launch(
                         flush=True,
                     )
                     _stop(procs, grace_s)
-    except KeyboardInterrupt:
-        print("[launch] interrupted; stopping every process", file=sys.stderr, flush=True)
-        _stop(procs, grace_s)
+    except KeyboardInterrupt as e:
+        print(f"[launch] interrupted ({e or 'Ctrl-C'}); stopping every process", file=sys.stderr)
         return 130
+    finally:
+        _stop(procs, grace_s)  # whatever ended the loop, no process outlives the launcher
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
     if first_fail is not None:
         return _exit_code(first_fail[1])
     return 0
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM every running process's group, SIGKILL what is left after ``grace_s``."""
+
+    def kill(p: subprocess.Popen, sig: int) -> None:
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass  # it ended meanwhile
+
     for p in procs:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
+            kill(p, signal.SIGTERM)
     end = time.monotonic() + grace_s
     for p in procs:
         try:
             p.wait(timeout=max(0.0, end - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            kill(p, signal.SIGKILL)
             p.wait()
 
 
@@ -156,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     args, train_args = p.parse_known_args(argv)
     if args.processes < 1:
         p.error(f"--processes must be >= 1, got {args.processes}")
+    if args.port is not None and not 1 <= args.port <= 65535:
+        p.error(f"--port must be in [1, 65535], got {args.port}")
+    if args.grace < 0:
+        p.error(f"--grace must be >= 0, got {args.grace}")
     from train.cli import _parser
     from train.config import load_config
 

@@ -110,7 +110,18 @@ class LocalSGDTrainer(Trainer):
             batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), sample)
             return jaxcomm.profile_layers(loss, params, batch, names, roofline=self.compute_device)
         real = self.task.init(jax.random.key(0), sample)
-        return jaxcomm.profile_layers(loss, real, sample, names)
+        profile = jaxcomm.profile_layers(loss, real, sample, names)
+        if jax.process_count() > 1:
+            # Each host times its own layers; every process must build the same schedule
+            # (the same step program), so all take process 0's times.
+            from jax.experimental import multihost_utils
+
+            mine = np.array([profile.forward_s, *profile.backward_s], np.float32)
+            got = np.asarray(multihost_utils.broadcast_one_to_all(mine), np.float64)
+            profile = dataclasses.replace(
+                profile, forward_s=float(got[0]), backward_s=tuple(float(v) for v in got[1:])
+            )
+        return profile
 
     def _schedule(self, network: Network) -> jaxcomm.Schedule:
         method, period = self.sync["method"], self.sync["period"]

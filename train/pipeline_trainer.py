@@ -881,12 +881,15 @@ class PipelineTrainer(Trainer):
         """Checkpoint the training state and snapshot every message buffer with it."""
         for buf in self.buffers:
             buf.flush()
-        super().save(manager)
-        if not self.buffers:
-            return
+        # The snapshots go first: the Orbax commit that follows is what makes the step a
+        # checkpoint, so a crash in between leaves the previous checkpoint the newest
+        # (and a snapshot without a checkpoint, removed by the next save).
         root = self._snapshot_root(self.step)
         for b, buf in enumerate(self.buffers):
             buf.save(root / f"boundary{b}", overwrite=True)
+        super().save(manager)
+        if not self.buffers:
+            return
         # Keep the snapshots of the checkpoints Orbax keeps, and only those.
         if is_primary():
             kept = {str(step) for step in manager.all_steps()}
@@ -908,8 +911,19 @@ class PipelineTrainer(Trainer):
         for b in range(len(self.buffers)):
             snapshot = root / f"boundary{b}"
             if not snapshot.is_dir():
+                step_dir = self.cfg.run_dir / "buffers" / str(self.step)
+                saved = sorted(p.name for p in step_dir.glob("process*"))
+                other = (saved and len(saved) != jax.process_count()) or (
+                    not saved and jax.process_count() > 1 and (step_dir / "boundary0").is_dir()
+                )
+                hint = (
+                    f"; its buffers were saved by {len(saved) or 1} process(es), this run has "
+                    f"{jax.process_count()}: resume AQ-SGD with the same process count"
+                    if other
+                    else ""
+                )
                 raise FileNotFoundError(
-                    f"checkpoint step {self.step} has no message-buffer snapshot {snapshot}"
+                    f"checkpoint step {self.step} has no message-buffer snapshot {snapshot}{hint}"
                 )
         # The open buffers are closed only once every snapshot is known to exist.
         for b, old in enumerate(self.buffers):

@@ -26,6 +26,7 @@ that is their time per step; host jitter shifts single steps but not the sum.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import json
 import math
@@ -144,7 +145,8 @@ class _Flight:
 
     ``metrics``, ``finite`` and ``report`` are the step's device outputs (``report``:
     :meth:`Trainer._report`); ``dispatched_at`` is ``time.perf_counter()`` at dispatch;
-    ``compute_s`` is set when the step was run synchronously.
+    ``compute_s`` is set when the step was run synchronously; otherwise ``ready`` gives
+    the ``perf_counter`` time its outputs became ready.
     """
 
     step: int
@@ -154,6 +156,24 @@ class _Flight:
     extra_logs: list
     dispatched_at: float
     compute_s: float | None
+    ready: concurrent.futures.Future | None = None
+
+
+def _ready_at(tree: Any) -> float:
+    """Block until ``tree``'s arrays are ready; ``time.perf_counter()`` then."""
+    jax.block_until_ready(tree)
+    return time.perf_counter()
+
+
+def _state_report(opt_state: Any) -> dict[str, Any]:
+    """What the host reads of a step's optimizer state: its traffic logs and a top-k
+    aggregator's gain and root (the first one's)."""
+    topk = [
+        (s.gain, s.root)
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, TopkState))
+        if isinstance(s, TopkState)
+    ]
+    return {"logs": find_logs(opt_state), "topk": topk[:1]}
 
 
 class Trainer:
@@ -260,14 +280,17 @@ class Trainer:
             ok = _all_finite((loss, grads, p)).astype(jnp.int32)
             # Each worker's metrics and finite flag go to the host, which averages them
             # (`host_metrics`): a collective for them would cost every step 2 (N - 1)
-            # latencies on the ring for a few bytes.
-            return _expand(p), _expand(s), _expand(metrics), _expand(ok)
+            # latencies on the ring for a few bytes. The report (traffic logs, a top-k
+            # aggregator's gain and root) is a separate output, so that the host can read
+            # it after the next step has taken (donated) the state it also lives in.
+            report = _expand(_state_report(s))
+            return _expand(p), _expand(s), _expand(metrics), _expand(ok), report
 
         step = jax.shard_map(
             per_worker,
             mesh=self.mesh,
             in_specs=(P(AXIS), P(AXIS), P(AXIS)),
-            out_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS)),
+            out_specs=(P(AXIS),) * 5,
         )
         return jax.jit(step, donate_argnums=(0, 1))
 
@@ -545,7 +568,7 @@ class Trainer:
         extra_logs)``; ``compute_s`` is dispatch to the new state being ready."""
         batch = self._next_batch()
         t0 = time.perf_counter()
-        params, opt_state, metrics, finite = compiled(self.params, self.opt_state, batch)
+        params, opt_state, metrics, finite, _ = compiled(self.params, self.opt_state, batch)
         jax.block_until_ready((params, opt_state))
         return params, opt_state, metrics, finite, time.perf_counter() - t0, []
 
@@ -554,8 +577,16 @@ class Trainer:
     def _lags(self) -> bool:
         """Hook: whether step ``t + 1`` may be dispatched before step ``t`` is read on the
         host (``cfg.async_steps``). Trainers whose host work between steps feeds the next
-        step (a host-side message buffer, a ratio search) return False."""
-        return self.cfg.async_steps
+        step (a host-side message buffer, a ratio search) return False; so does, by
+        default, a subclass that overrides a hook reading the trainer's current state
+        (``_before_step``, ``_after_step``, ``_state_logs``), which lagging would show
+        the next step's state."""
+        cls = type(self)
+        reads_state = any(
+            getattr(cls, hook) is not getattr(Trainer, hook)
+            for hook in ("_before_step", "_after_step", "_state_logs")
+        )
+        return self.cfg.async_steps and not reads_state
 
     def _batch_at(self, position: int) -> dict[str, jax.Array]:
         ids = self.loader.batch_ids(position)
@@ -581,16 +612,11 @@ class Trainer:
         self._prefetched = (self.loader.position, self._batch_at(self.loader.position))
 
     def _report(self, params: Any, opt_state: Any) -> dict[str, Any]:
-        """Hook: what the host reads of a step besides its metrics, as device values taken
-        from the step's new state: its traffic logs and a top-k aggregator's gain and root.
-        With lagged steps they are copied out by a small program dispatched right after
-        the step, before the next step donates the state they live in."""
-        topk = [
-            (s.gain, s.root)
-            for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, TopkState))
-            if isinstance(s, TopkState)
-        ]
-        return {"logs": find_logs(opt_state), "topk": topk[:1]}
+        """Hook: device values the host reads of a step beyond the step program's own
+        report, computed from the step's new state by programs dispatched right after it
+        (e.g. local SGD's divergence); fresh outputs, so the next step's donation of the
+        state leaves them intact. None here."""
+        return {}
 
     def _launch(self, compiled: Callable, step: int) -> _Flight:
         """Dispatch step ``step`` (1-based) and take its new state; returns what the host
@@ -598,21 +624,28 @@ class Trainer:
         if not self._lagging:
             params, opt_state, metrics, finite, compute_s, extra = self._step_once(compiled)
             self.params, self.opt_state = params, opt_state
-            report = {**self._report(params, opt_state), "logs": self._state_logs()}
+            report = {
+                **_state_report(opt_state),
+                **self._report(params, opt_state),
+                "logs": self._state_logs(),
+            }
             return _Flight(step, metrics, finite, report, list(extra), 0.0, compute_s)
         batch = self._next_batch()
         t0 = time.perf_counter()
-        params, opt_state, metrics, finite = compiled(self.params, self.opt_state, batch)
-        report = self._copy_report(self._report(params, opt_state))
+        params, opt_state, metrics, finite, report = compiled(self.params, self.opt_state, batch)
+        report = {**report, **self._report(params, opt_state)}
+        # A thread stamps when the step's outputs are ready, whatever the host loop is
+        # doing then (compute_s must not count the host's own work).
+        ready = self._waiter().submit(_ready_at, (metrics, finite))
         self.params, self.opt_state = params, opt_state
         if step < self.cfg.steps:
             self._prefetch()  # host work while the devices run the step
-        return _Flight(step, metrics, finite, report, [], t0, None)
+        return _Flight(step, metrics, finite, report, [], t0, None, ready)
 
-    def _copy_report(self, report: Any) -> Any:
-        if getattr(self, "_copy_program", None) is None:
-            self._copy_program = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
-        return self._copy_program(report)
+    def _waiter(self) -> concurrent.futures.ThreadPoolExecutor:
+        if getattr(self, "_ready_pool", None) is None:
+            self._ready_pool = concurrent.futures.ThreadPoolExecutor(1, "jaxcomm-ready")
+        return self._ready_pool
 
     def _state_logs(self) -> list[CommLog]:
         """Hook: the traffic logs kept in the optimizer state (per-worker leading axes)."""
@@ -738,12 +771,10 @@ class Trainer:
         metrics and simulated time, evaluate and checkpoint when due."""
         cfg = self.cfg
         if flight.compute_s is None:
-            # Lagged: the step's time is from when the host saw the previous step finish
-            # (or dispatched this one, if later) to when it sees this one finish. While the
-            # devices stay busy that is their time per step; host jitter moves single
-            # steps, not the sum.
-            jax.block_until_ready(flight.report)
-            ready = time.perf_counter()
+            # Lagged: from the previous step's outputs being ready (or this step's
+            # dispatch, if later) to this step's being ready, both stamped by a waiting
+            # thread: the devices' time for the step, whatever the host loop was doing.
+            ready = flight.ready.result()
             start = flight.dispatched_at
             if self._last_ready is not None:
                 start = max(start, self._last_ready)
