@@ -12,8 +12,11 @@ from jaxcomm.audit import (
     ComputeCost,
     ProgramCost,
     Traffic,
+    UnloggedTrafficError,
     WireAudit,
+    check_logged_traffic,
     program_cost,
+    unlogged_traffic,
     wire_audit,
 )
 from jaxcomm.buffer import BufferRead, MessageBuffer
@@ -123,3 +126,4 @@ from jaxcomm.pipeline import (
 )
 from jaxcomm.profiler import LayerProfile, profile_layers
 from jaxcomm.rng import hash_bits, stochastic_round
+from jaxcomm.worker import Layout, varying, worker_grad, worker_value_and_grad

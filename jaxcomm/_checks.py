@@ -60,12 +60,21 @@ def check_choice(name: str, value: Any, allowed: Iterable[Any]) -> Any:
 def axis_size(axis_name: Any) -> int:
     """Size of a bound mesh axis, with a clear error when it is not bound."""
     try:
-        return jax.lax.axis_size(axis_name)
+        size = jax.lax.axis_size(axis_name)
     except NameError as e:
         raise ValueError(
             f"axis_name={axis_name!r} is not bound: call this inside jax.shard_map (or pmap) "
             f"over a mesh that has an axis named {axis_name!r}"
         ) from e
+    manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", None)
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if manual is not None and any(name not in manual for name in names):
+        raise ValueError(
+            f"axis_name={axis_name!r} is bound by jax.vmap, not by a device mesh: jaxcomm's "
+            "collectives send messages between devices, so call this inside jax.shard_map "
+            f"over a mesh with an axis named {axis_name!r}"
+        )
+    return size
 
 
 def is_concrete(x: Any) -> bool:

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.flatten_util import ravel_pytree
 
 from jaxcomm._checks import axis_size, check_choice, check_int
 from jaxcomm.codecs import dequantize, payload_bytes, quantize
@@ -28,6 +27,7 @@ from jaxcomm.collectives import (
     all_to_all_wire,
     as_varying,
     join_segments,
+    psum,
     psum_wire,
     replicated,
     ring_all_gather,
@@ -39,6 +39,7 @@ from jaxcomm.collectives import (
     tree_all_reduce_wire,
 )
 from jaxcomm.network import CommLog, Wire, empty_log, log_wire
+from jaxcomm.worker import Layout, flatten_grads, init_layout
 
 __all__ = [
     "DENSE_REDUCE",
@@ -122,10 +123,10 @@ def dense_allreduce(axis_name: Any, *, reduce: str = "psum") -> optax.GradientTr
     def update_fn(updates, state, params=None):
         del params, state
         n = axis_size(axis_name)
-        flat, unravel = ravel_pytree(updates)
         # flat: f32[d], this worker's gradient
-        total, wire = all_reduce_flat(flat.astype(jnp.float32), axis_name, reduce)
-        mean = unravel(total / n)
+        flat, unflatten = flatten_grads("dense_allreduce", updates, axis_name)
+        total, wire = all_reduce_flat(flat, axis_name, reduce)
+        mean = unflatten(total / n)
         log = log_wire(empty_log(), wire, lax.axis_index(axis_name))
         return mean, worker_state(DenseState(log), axis_name)
 
@@ -153,7 +154,7 @@ def all_reduce_flat(flat: jax.Array, axis_name: Any, reduce: str) -> tuple[jax.A
     check_choice("reduce", reduce, DENSE_REDUCE)
     n = axis_size(axis_name)
     if reduce == "psum":
-        total = lax.psum(flat, axis_name)
+        total = psum(flat, axis_name)
     elif reduce == "ring":
         total = ring_all_reduce(flat, axis_name)
     else:
@@ -169,11 +170,13 @@ class ECQuantizedState(NamedTuple):
       server_error: ``f32[ceil(d / N)]`` error feedback of the segment this worker averages
         and re-compresses (phase 2).
       log: what the last step sent.
+      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.Layout`).
     """
 
     worker_error: jax.Array
     server_error: jax.Array
     log: CommLog
+    layout: Layout
 
 
 def ec_quantized_allreduce(
@@ -208,19 +211,20 @@ def ec_quantized_allreduce(
     def init_fn(params):
         # Needs the axis size for the segment length: call init inside shard_map too.
         n = axis_size(axis_name)
-        flat, _ = ravel_pytree(params)
+        layout, d = init_layout("ec_quantized_allreduce", params)
         state = ECQuantizedState(
-            worker_error=jnp.zeros(flat.shape, jnp.float32),
-            server_error=jnp.zeros((-(-flat.shape[0] // n),), jnp.float32),
+            worker_error=jnp.zeros((d,), jnp.float32),
+            server_error=jnp.zeros((-(-d // n),), jnp.float32),
             log=empty_log(),
+            layout=layout,
         )
         return worker_state(state, axis_name)
 
     def update_fn(updates, state, params=None):
         del params
         n = axis_size(axis_name)
-        flat, unravel = ravel_pytree(updates)
-        v = flat.astype(jnp.float32) + state.worker_error  # f32[d]
+        flat, unflatten = flatten_grads("ec_quantized_allreduce", updates, axis_name, state.layout)
+        v = flat + state.worker_error  # f32[d]
         segments = split_segments(v, n)  # f32[N, s]
         q = jax.vmap(encode)(segments)  # codes: uint8[N, ceil(s*bits/8)], scale: f32[N, nb]
         sent_back = jax.vmap(dequantize)(q)
@@ -236,9 +240,7 @@ def ec_quantized_allreduce(
         chunk = jax.tree_util.tree_map(lambda a: a[0], q)  # one worker-to-worker message
         log = log_wire(empty_log(), all_to_all_wire(chunk, n))
         log = log_wire(log, ring_all_gather_wire(q2, n))
-        state = ECQuantizedState(worker_error, server_error, log)
-        return unravel(replicated(out, axis_name).astype(flat.dtype)), worker_state(
-            state, axis_name
-        )
+        state = ECQuantizedState(worker_error, server_error, log, state.layout)
+        return unflatten(replicated(out, axis_name)), worker_state(state, axis_name)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -54,8 +54,11 @@ __all__ = [
     "ComputeCost",
     "ProgramCost",
     "Traffic",
+    "UnloggedTrafficError",
     "WireAudit",
+    "check_logged_traffic",
     "program_cost",
+    "unlogged_traffic",
     "wire_audit",
 ]
 
@@ -123,6 +126,7 @@ class CollectiveOp:
         first; empty when the collective always runs.
       sent: ``int64[D]`` bytes each device sends in one execution.
       rounds: sequential message rounds of one execution.
+      shape: its HLO result shape, e.g. ``f32[4,3]{1,0}``.
     """
 
     name: str
@@ -132,6 +136,7 @@ class CollectiveOp:
     branches: tuple[tuple[str, int], ...]
     sent: np.ndarray
     rounds: int
+    shape: str = ""
 
     @property
     def path_bytes(self) -> int:
@@ -615,6 +620,7 @@ def wire_audit(program: Any) -> WireAudit:
                     visit.branches,
                     sent,
                     rounds,
+                    instr.shape,
                 )
             )
             for cond, _ in visit.branches:
@@ -625,6 +631,69 @@ def wire_audit(program: Any) -> WireAudit:
         conditionals=conditionals,
         conditional_counts={c: cond_counts[c] for c in conditionals},
         conditional_branches={c: cond_branches[c] for c in conditionals},
+    )
+
+
+# --------------------------------------------------------------------------- unlogged traffic
+
+
+def unlogged_traffic(program: Any) -> tuple[CollectiveOp, ...]:
+    """The collectives of a compiled program that no jaxcomm log accounts for.
+
+    Every collective jaxcomm sends (and logs) runs inside the named scope
+    :data:`jaxcomm.collectives.WIRE_SCOPE`, which the compiled program keeps in each op's
+    metadata, through autodiff too. Any other collective is traffic that neither the logs nor
+    the simulated clock see: most often the dense all-reduce autodiff adds when replicated
+    parameters are differentiated inside ``shard_map`` (op name ``.../transpose(...)/
+    psum_invariant``), or a ``lax.pmean`` of metrics in the step.
+
+    Args:
+      program: as for :func:`wire_audit` (compiled, lowered, or optimized HLO text).
+
+    Returns:
+      The unaccounted :class:`CollectiveOp` s (empty when every collective is jaxcomm's).
+      XLA may combine independent all-reduces into one op that keeps one op's metadata;
+      jaxcomm's own all-reduces consume the gradients, so autodiff's cannot merge into them.
+    """
+    from jaxcomm.collectives import WIRE_SCOPE
+
+    return tuple(op for op in wire_audit(program).ops if WIRE_SCOPE not in op.op_name)
+
+
+class UnloggedTrafficError(ValueError):
+    """A compiled step holds collectives that no jaxcomm log accounts for."""
+
+
+def _describe(op: CollectiveOp) -> str:
+    per_run = int(op.sent.max()) * op.count if op.sent.size else 0
+    where = f" inside conditional {op.branches[0][0]}" if op.branches else ""
+    times = f" x{op.count} (loop)" if op.count > 1 else ""
+    return (
+        f"{op.kind} of {op.shape.split('{')[0]}{times}{where}: {per_run:,} bytes per device "
+        f"per run, from {op.op_name!r}"
+    )
+
+
+def check_logged_traffic(program: Any, *, where: str = "the step") -> None:
+    """Raise :class:`UnloggedTrafficError` when ``program`` holds a collective that no
+    jaxcomm log accounts for (see :func:`unlogged_traffic`), listing each with its op,
+    shape, bytes per device and the JAX operation it came from."""
+    ops = unlogged_traffic(program)
+    if not ops:
+        return
+    lines = "\n".join(f"  - {_describe(op)}" for op in ops)
+    hint = ""
+    if any("transpose(" in op.op_name and "psum" in op.op_name for op in ops):
+        hint = (
+            "\nAn all-reduce from transpose(...)/psum is autodiff summing a gradient over the "
+            "mesh axis: the parameters entered jax.shard_map replicated and jax.grad ran "
+            "inside. Differentiate with jaxcomm.worker_grad(loss_fn, axis_name) (or with "
+            "respect to jaxcomm.varying(params, axis_name)) so that each worker keeps its own "
+            "gradient for the aggregator."
+        )
+    raise UnloggedTrafficError(
+        f"{where} sends {len(ops)} collective(s) that no jaxcomm log accounts for, so "
+        f"neither the logged bytes nor the simulated time include them:\n{lines}{hint}"
     )
 
 

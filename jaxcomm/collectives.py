@@ -49,6 +49,8 @@ __all__ = [
     "replicated",
     "send",
     "all_to_all",
+    "psum",
+    "WIRE_SCOPE",
     "pack_message",
     "unpack_message",
     "ring_reduce_scatter_wire",
@@ -62,6 +64,11 @@ __all__ = [
 ]
 
 Combine = Callable[[Any, jax.Array, jax.Array], Any]
+
+# jax.named_scope around every collective jaxcomm sends, and so logs: a collective of a
+# compiled program whose op name lacks it is traffic no jaxcomm log accounts for
+# (:func:`jaxcomm.unlogged_traffic`).
+WIRE_SCOPE = "jaxcomm_wire"
 
 
 def _ring_perm(n: int) -> list[tuple[int, int]]:
@@ -85,6 +92,8 @@ def as_varying(tree: Any, axis_name: Any) -> Any:
             lax.axis_size(name)
     except NameError:  # not inside shard_map over these axes: nothing to type
         return tree
+    for name in names:  # bound by jax.vmap instead of a mesh: jaxcomm's error
+        axis_size(name)
 
     def cast(a):
         a = jnp.asarray(a)
@@ -204,17 +213,31 @@ def unpack_message(buf: jax.Array, like: Any, lead: int = 0) -> Any:
 def send(x: Any, axis_name: Any, perm: list[tuple[int, int]]) -> Any:
     """``lax.ppermute`` of a payload pytree as ONE message (see :func:`pack_message`)."""
     if len(jax.tree_util.tree_leaves(x)) == 1:
-        return lax.ppermute(x, axis_name, perm)
-    return unpack_message(lax.ppermute(pack_message(x), axis_name, perm), x)
+        with jax.named_scope(WIRE_SCOPE):
+            return lax.ppermute(x, axis_name, perm)
+    packed = pack_message(x)
+    with jax.named_scope(WIRE_SCOPE):
+        received = lax.ppermute(packed, axis_name, perm)
+    return unpack_message(received, x)
 
 
 def all_to_all(x: Any, axis_name: Any) -> Any:
     """``lax.all_to_all`` of a payload pytree whose leaves have a leading ``[N, ...]``
     destination axis: row ``j`` of every leaf goes to device ``j``, as one message."""
     if len(jax.tree_util.tree_leaves(x)) == 1:
-        return jax.tree_util.tree_map(lambda a: lax.all_to_all(a, axis_name, 0, 0), x)
-    buf = lax.all_to_all(pack_message(x, lead=1), axis_name, 0, 0)
+        with jax.named_scope(WIRE_SCOPE):
+            return jax.tree_util.tree_map(lambda a: lax.all_to_all(a, axis_name, 0, 0), x)
+    packed = pack_message(x, lead=1)
+    with jax.named_scope(WIRE_SCOPE):
+        buf = lax.all_to_all(packed, axis_name, 0, 0)
     return unpack_message(buf, x, lead=1)
+
+
+def psum(x: jax.Array, axis_name: Any) -> jax.Array:
+    """``lax.psum`` (XLA's all-reduce) marked as jaxcomm traffic: the caller logs it with
+    :func:`psum_wire`."""
+    with jax.named_scope(WIRE_SCOPE):
+        return lax.psum(x, axis_name)
 
 
 def _nbytes(message: Any) -> int:

@@ -55,6 +55,7 @@ from jaxcomm.aggregate import DENSE_REDUCE, all_reduce_flat, all_reduce_wire, wo
 from jaxcomm.collectives import as_varying
 from jaxcomm.dreamddp import Schedule, as_schedule, full_sync_schedule
 from jaxcomm.network import CommLog, Network, Wire, empty_log, log_wire
+from jaxcomm.worker import Layout, check_grads, check_layout, init_layout, layout_of
 
 __all__ = [
     "SYNC_SCOPE",
@@ -80,11 +81,13 @@ class LocalSGDState(NamedTuple):
       count: ``int32`` scalar, local steps taken so far; the next step is local step
         ``count % period`` of its period.
       log: what the last step sent (the averaging of that step's group).
+      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.Layout`).
     """
 
     inner: Any
     count: jax.Array
     log: CommLog
+    layout: Layout
 
 
 def layer_names(params: Any, layers: Layers) -> list[str] | None:
@@ -166,6 +169,7 @@ def sync_branch(schedule: Schedule | Sequence[Sequence[int]], step: int) -> int:
 
 
 def _scheduled(
+    who: str,
     inner: optax.GradientTransformation,
     axis_name: Any,
     make_schedule: Callable[[int], Schedule],
@@ -176,12 +180,15 @@ def _scheduled(
     (and so the number of layers) are known, at trace time."""
 
     def init_fn(params):
-        state = LocalSGDState(inner.init(params), jnp.zeros([], jnp.int32), empty_log())
+        layout, _ = init_layout(who, params)
+        state = LocalSGDState(inner.init(params), jnp.zeros([], jnp.int32), empty_log(), layout)
         return worker_state(state, axis_name)
 
     def update_fn(grads, state, params=None):
         if params is None:
             raise ValueError("local SGD wrappers need params: call tx.update(grads, state, params)")
+        check_grads(who, grads, axis_name)
+        check_layout(who, state.layout, layout_of(grads))
         names = layer_names(params, layers)
         schedule = make_schedule(1 if names is None else len(names))
         unique, branch_of = _distinct(schedule.groups)
@@ -211,7 +218,8 @@ def _scheduled(
             )
         synced = trees[0] if names is None else {**local, **dict(zip(names, trees, strict=True))}
         updates = jax.tree_util.tree_map(lambda s, p: (s - p).astype(p.dtype), synced, params)
-        return updates, worker_state(LocalSGDState(inner_state, state.count + 1, log), axis_name)
+        new_state = LocalSGDState(inner_state, state.count + 1, log, state.layout)
+        return updates, worker_state(new_state, axis_name)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -250,7 +258,12 @@ def local_sgd(
         raise ValueError(f"reduce must be one of {DENSE_REDUCE}, got {reduce!r}")
 
     return _scheduled(
-        inner, axis_name, lambda num_layers: full_sync_schedule(num_layers, period), layers, reduce
+        "local_sgd",
+        inner,
+        axis_name,
+        lambda num_layers: full_sync_schedule(num_layers, period),
+        layers,
+        reduce,
     )
 
 
@@ -309,4 +322,4 @@ def partial_local_sgd(
             )
         return sched
 
-    return _scheduled(inner, axis_name, make_schedule, layers, reduce)
+    return _scheduled("partial_local_sgd", inner, axis_name, make_schedule, layers, reduce)

@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.flatten_util import ravel_pytree
 
 from jaxcomm._checks import axis_size, check_choice, check_float, check_int, is_concrete
 from jaxcomm.aggregate import worker_state
@@ -49,6 +48,7 @@ from jaxcomm.collectives import (
 )
 from jaxcomm.network import CommLog, Wire, empty_log, log_wire
 from jaxcomm.rng import hash_bits
+from jaxcomm.worker import Layout, flatten_grads, init_layout
 
 __all__ = [
     "MarsitState",
@@ -243,12 +243,14 @@ class MarsitState(NamedTuple):
       key: ``uint32[2]`` raw PRNG key data for the merge draws, advanced every round (made
         distinct per worker by folding in the worker's axis index at use).
       log: what the last round sent.
+      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.Layout`).
     """
 
     count: jax.Array
     compensation: jax.Array
     key: jax.Array
     log: CommLog
+    layout: Layout
 
 
 def marsit(
@@ -304,12 +306,13 @@ def marsit(
     axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
     def init_fn(params):
-        flat, _ = ravel_pytree(params)
+        layout, d = init_layout("marsit", params)
         state = MarsitState(
             count=jnp.zeros((), jnp.int32),
-            compensation=jnp.zeros(flat.shape, jnp.float32),
+            compensation=jnp.zeros((d,), jnp.float32),
             key=jax.random.key_data(jax.random.key(seed)),
             log=empty_log(),
+            layout=layout,
         )
         return worker_state(state, axes)
 
@@ -318,9 +321,9 @@ def marsit(
         n = 1
         for a in axes:
             n *= axis_size(a)
-        flat, unravel = ravel_pytree(updates)
+        flat, unflatten = flatten_grads("marsit", updates, axes, state.layout)
         # u: f32[d] = local step + compensation
-        u = local_lr * flat.astype(jnp.float32) + state.compensation
+        u = local_lr * flat + state.compensation
         key, next_key = jax.random.split(jax.random.wrap_key_data(state.key))
         ring_axes = axes if len(axes) > 1 else axes[0]
 
@@ -355,7 +358,8 @@ def marsit(
             compensation=comp,
             key=jax.random.key_data(next_key),
             log=log,
+            layout=state.layout,
         )
-        return unravel((-g).astype(flat.dtype)), worker_state(new_state, axes)
+        return unflatten(-g), worker_state(new_state, axes)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -52,7 +52,7 @@ from jaxcomm.aqsgd import (
     fp32_encode,
 )
 from jaxcomm.codecs import payload_bytes
-from jaxcomm.collectives import psum_wire, send
+from jaxcomm.collectives import psum, psum_wire, send
 from jaxcomm.network import CommLog, empty_log, log_collective, log_wire, words_table
 
 __all__ = [
@@ -370,7 +370,7 @@ def gpipe(
         # is this stage's own, since the backward pipeline already reaches the earlier
         # stages through the transposed transfers (a psum here would scale it by N).
         local = total / m_total
-        shared = lax.psum(lax.stop_gradient(local), axis_name)
+        shared = psum(lax.stop_gradient(local), axis_name)
         loss = shared + (local - lax.stop_gradient(local))
 
         fw_msg, bw_msg = boundary_message_bytes(boundary, act, seen)

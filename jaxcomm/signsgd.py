@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.flatten_util import ravel_pytree
 
 from jaxcomm._checks import axis_size, check_float, check_int
 from jaxcomm.aggregate import worker_state
@@ -56,6 +55,7 @@ from jaxcomm.collectives import (
 )
 from jaxcomm.network import CommLog, empty_log, log_wire
 from jaxcomm.rng import bernoulli
+from jaxcomm.worker import Layout, flatten_grads, init_layout
 
 __all__ = [
     "SignMVState",
@@ -156,8 +156,7 @@ def signsgd_mv(axis_name: Any, *, lr: float) -> optax.GradientTransformation:
     def update_fn(updates, state, params=None):
         del params
         n = axis_size(axis_name)
-        flat, unravel = ravel_pytree(updates)
-        flat = flat.astype(jnp.float32)  # f32[d]
+        flat, unflatten = flatten_grads("signsgd_mv", updates, axis_name)  # f32[d]
         d = flat.shape[0]
         # bits: uint8[ceil(d / 8)]; flag: uint8[1], 1 when this gradient is not finite
         payload = (sign_encode(flat), _nonfinite_flag(flat))
@@ -168,7 +167,7 @@ def signsgd_mv(axis_name: Any, *, lr: float) -> optax.GradientTransformation:
         direction = jnp.where(jnp.any(flags > 0), jnp.nan, direction)
         log = log_wire(empty_log(), ring_all_gather_wire(payload, n))
         new_state = worker_state(SignMVState(count=state.count + 1, log=log), axis_name)
-        return unravel((-lr * direction).astype(flat.dtype)), new_state
+        return unflatten(-lr * direction), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -183,11 +182,13 @@ class EFSignState(NamedTuple):
       count: ``int32[]`` steps done.
       error: ``f32[d]`` the error-feedback memory ``e = p - delta`` of the flattened parameters.
       log: what the last step sent (one all-gather of scaled sign payloads).
+      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.Layout`).
     """
 
     count: jax.Array
     error: jax.Array
     log: CommLog
+    layout: Layout
 
 
 def ef_signsgd(axis_name: Any, *, lr: float) -> optax.GradientTransformation:
@@ -217,27 +218,28 @@ def ef_signsgd(axis_name: Any, *, lr: float) -> optax.GradientTransformation:
     lr = check_float("lr", lr, lo=0.0, lo_open=True)
 
     def init_fn(params):
-        flat, _ = ravel_pytree(params)
+        layout, d = init_layout("ef_signsgd", params)
         state = EFSignState(
             count=jnp.zeros((), jnp.int32),
-            error=jnp.zeros(flat.shape, jnp.float32),
+            error=jnp.zeros((d,), jnp.float32),
             log=empty_log(),
+            layout=layout,
         )
         return worker_state(state, axis_name)
 
     def update_fn(updates, state, params=None):
         del params
         n = axis_size(axis_name)
-        flat, unravel = ravel_pytree(updates)
-        p = lr * flat.astype(jnp.float32) + state.error  # f32[d]
+        flat, unflatten = flatten_grads("ef_signsgd", updates, axis_name, state.layout)
+        p = lr * flat + state.error  # f32[d]
         payload = sign_encode(p, scale=True)  # bits: uint8[ceil(d / 8)], scale: f32[]
         delta = sign_decode(payload).astype(jnp.float32)  # f32[d], what the others receive
         gathered = ring_all_gather(payload, axis_name)  # bits: [N, ceil(d / 8)], scale: [N]
         direction = jnp.mean(_decode_all(gathered), axis=0)  # f32[d]
         log = log_wire(empty_log(), ring_all_gather_wire(payload, n))
-        new_state = EFSignState(count=state.count + 1, error=p - delta, log=log)
+        new_state = EFSignState(state.count + 1, p - delta, log, state.layout)
         new_state = worker_state(new_state, axis_name)
-        return unravel((-direction).astype(flat.dtype)), new_state
+        return unflatten(-direction), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -254,12 +256,14 @@ class SSDMState(NamedTuple):
       key: ``uint32[2]`` raw PRNG key data, split every step (made distinct per worker by
         folding in the worker's axis index at use).
       log: what the last step sent (one all-gather of stochastic-sign payloads).
+      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.Layout`).
     """
 
     count: jax.Array
     momentum: jax.Array
     key: jax.Array
     log: CommLog
+    layout: Layout
 
 
 def ssdm(
@@ -293,20 +297,21 @@ def ssdm(
     seed = check_int("seed", seed, lo=0)
 
     def init_fn(params):
-        flat, _ = ravel_pytree(params)
+        layout, d = init_layout("ssdm", params)
         state = SSDMState(
             count=jnp.zeros((), jnp.int32),
-            momentum=jnp.zeros(flat.shape, jnp.float32),
+            momentum=jnp.zeros((d,), jnp.float32),
             key=jax.random.key_data(jax.random.key(seed)),
             log=empty_log(),
+            layout=layout,
         )
         return worker_state(state, axis_name)
 
     def update_fn(updates, state, params=None):
         del params
         n = axis_size(axis_name)
-        flat, unravel = ravel_pytree(updates)
-        m = beta * state.momentum + (1.0 - beta) * flat.astype(jnp.float32)  # f32[d]
+        flat, unflatten = flatten_grads("ssdm", updates, axis_name, state.layout)
+        m = beta * state.momentum + (1.0 - beta) * flat  # f32[d]
         key, next_key = jax.random.split(jax.random.wrap_key_data(state.key))
         key = jax.random.fold_in(key, lax.axis_index(axis_name))
         payload = stochastic_sign_encode(m, key)  # bits: uint8[ceil(d / 8)], scale: f32[]
@@ -318,9 +323,10 @@ def ssdm(
             momentum=m,
             key=jax.random.key_data(next_key),
             log=log,
+            layout=state.layout,
         )
         new_state = worker_state(new_state, axis_name)
-        return unravel((-lr * direction).astype(flat.dtype)), new_state
+        return unflatten(-lr * direction), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -389,8 +395,7 @@ def cascading_sign(axis_name: Any, *, lr: float, seed: int = 0) -> optax.Gradien
     def update_fn(updates, state, params=None):
         del params
         n = axis_size(axis_name)
-        flat, unravel = ravel_pytree(updates)
-        flat = flat.astype(jnp.float32)  # f32[d]
+        flat, unflatten = flatten_grads("cascading_sign", updates, axis_name)  # f32[d]
         d = flat.shape[0]
         segments = split_segments(flat, n)  # f32[N, s]
         s = segments.shape[1]
@@ -420,6 +425,6 @@ def cascading_sign(axis_name: Any, *, lr: float, seed: int = 0) -> optax.Gradien
             count=state.count + 1, key=jax.random.key_data(next_key), log=log
         )
         new_state = worker_state(new_state, axis_name)
-        return unravel((-lr * direction).astype(flat.dtype)), new_state
+        return unflatten(-lr * direction), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)

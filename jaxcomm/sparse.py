@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.flatten_util import ravel_pytree
 
 from jaxcomm._checks import axis_size, check_choice, check_float, check_int
 from jaxcomm.aggregate import worker_state
@@ -57,6 +56,7 @@ from jaxcomm.network import (
     log_wire,
     words_table,
 )
+from jaxcomm.worker import Layout, flatten_grads, init_layout
 
 __all__ = [
     "ROOT_SCOPE",
@@ -98,6 +98,7 @@ class TopkState(NamedTuple):
       gain: ``f32[]`` compression gain of the last step on this worker,
         ``||G[sent]||^2 / ||G||^2``.
       log: what the last step sent.
+      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.Layout`).
     """
 
     residual: jax.Array
@@ -105,17 +106,19 @@ class TopkState(NamedTuple):
     root: jax.Array
     gain: jax.Array
     log: CommLog
+    layout: Layout
 
 
-def _init(axis_name: Any):
+def _init(who: str, axis_name: Any):
     def init_fn(params):
-        flat, _ = ravel_pytree(params)
+        layout, d = init_layout(who, params)
         state = TopkState(
-            residual=jnp.zeros(flat.shape, jnp.float32),
+            residual=jnp.zeros((d,), jnp.float32),
             count=jnp.zeros((), jnp.int32),
             root=jnp.full((), -1, jnp.int32),
             gain=jnp.ones((), jnp.float32),
             log=empty_log(),
+            layout=layout,
         )
         return worker_state(state, axis_name)
 
@@ -162,9 +165,8 @@ def _gather_average(g: jax.Array, own: jax.Array, ok: jax.Array, axis_name: Any,
     return total / n, log
 
 
-def _finish(updates, g, sent_idx, mean, state, root, log, axis_name):
+def _finish(unflatten, g, sent_idx, mean, state, root, log, axis_name):
     """New state and dense updates: the residual is ``G`` with ``sent_idx`` zeroed."""
-    flat, unravel = ravel_pytree(updates)
     kept = g[sent_idx]
     gain = compression_gain(kept, g)
     new = TopkState(
@@ -173,16 +175,18 @@ def _finish(updates, g, sent_idx, mean, state, root, log, axis_name):
         root=jnp.asarray(root, jnp.int32),
         gain=gain.astype(jnp.float32),
         log=log,
+        layout=state.layout,
     )
     # Identical on every worker (the switch over roots types it as varying).
     mean = replicated(mean, axis_name)
-    return unravel(mean.astype(flat.dtype)), worker_state(new, axis_name)
+    return unflatten(mean), worker_state(new, axis_name)
 
 
-def _error_fed(updates, state):
-    flat, _ = ravel_pytree(updates)
-    g = flat.astype(jnp.float32) + state.residual  # f32[d]
-    return g, jnp.all(jnp.isfinite(g))
+def _error_fed(who, updates, state, axis_name):
+    """``(G, finite, unflatten)``: ``G = grad + residual`` as ``f32[d]``."""
+    flat, unflatten = flatten_grads(who, updates, axis_name, state.layout)
+    g = flat + state.residual  # f32[d]
+    return g, jnp.all(jnp.isfinite(g)), unflatten
 
 
 # --------------------------------------------------------------------------- AR-Topk
@@ -251,7 +255,7 @@ def ar_topk(
     def update_fn(updates, state, params=None):
         del params
         n = axis_size(axis_name)
-        g, ok = _error_fed(updates, state)
+        g, ok, unflatten = _error_fed("ar_topk", updates, state, axis_name)
         d = g.shape[0]
         k = _k(ratio, d)
         kind = reduce
@@ -262,7 +266,7 @@ def ar_topk(
         own = topk_indices(g, k, method=method)
         if kind == "allgather":
             mean, log = _gather_average(g, own, ok, axis_name, n)
-            return _finish(updates, g, own, mean, state, -1, log, axis_name)
+            return _finish(unflatten, g, own, mean, state, -1, log, axis_name)
 
         log = empty_log()
         if select == "star":
@@ -296,9 +300,9 @@ def ar_topk(
             path_bytes=cast[0].path_bytes + reduce_wire.path_bytes,
             ratio=k / d,
         )
-        return _finish(updates, g, idx, mean, state, root, log, axis_name)
+        return _finish(unflatten, g, idx, mean, state, root, log, axis_name)
 
-    return optax.GradientTransformation(_init(axis_name), update_fn)
+    return optax.GradientTransformation(_init("ar_topk", axis_name), update_fn)
 
 
 # --------------------------------------------------------------------------- baselines
@@ -326,7 +330,7 @@ def lw_topk(axis_name: Any, *, ratio: float) -> optax.GradientTransformation:
     def update_fn(updates, state, params=None):
         del params
         n = axis_size(axis_name)
-        g, ok = _error_fed(updates, state)
+        g, ok, unflatten = _error_fed("lw_topk", updates, state, axis_name)
         parts, start = [], 0
         for leaf in jax.tree.leaves(updates):
             size = math.prod(jnp.shape(leaf))
@@ -338,9 +342,9 @@ def lw_topk(axis_name: Any, *, ratio: float) -> optax.GradientTransformation:
             raise ValueError("the gradient has no entries (d = 0): nothing to sparsify")
         own = jnp.concatenate(parts)
         mean, log = _gather_average(g, own, ok, axis_name, n)
-        return _finish(updates, g, own, mean, state, -1, log, axis_name)
+        return _finish(unflatten, g, own, mean, state, -1, log, axis_name)
 
-    return optax.GradientTransformation(_init(axis_name), update_fn)
+    return optax.GradientTransformation(_init("lw_topk", axis_name), update_fn)
 
 
 def ms_topk(axis_name: Any, *, ratio: float, rounds: int = 25) -> optax.GradientTransformation:
@@ -371,9 +375,9 @@ def ms_topk(axis_name: Any, *, ratio: float, rounds: int = 25) -> optax.Gradient
     def update_fn(updates, state, params=None):
         del params
         n = axis_size(axis_name)
-        g, ok = _error_fed(updates, state)
+        g, ok, unflatten = _error_fed("ms_topk", updates, state, axis_name)
         own = topk_indices(g, _k(ratio, g.shape[0]), method="threshold", rounds=rounds)
         mean, log = _gather_average(g, own, ok, axis_name, n)
-        return _finish(updates, g, own, mean, state, -1, log, axis_name)
+        return _finish(unflatten, g, own, mean, state, -1, log, axis_name)
 
-    return optax.GradientTransformation(_init(axis_name), update_fn)
+    return optax.GradientTransformation(_init("ms_topk", axis_name), update_fn)

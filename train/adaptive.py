@@ -35,7 +35,7 @@ from jaxcomm.adaptive import REDUCE, Trial
 from jaxcomm.network import Network, choose_collective
 from jaxcomm.sparse import TopkState, ratio_k
 from train.config import Config
-from train.trainer import Trainer, host_finite, make_optimizer, step_traffic
+from train.trainer import Trainer, checked, host_finite, make_optimizer, step_traffic
 
 __all__ = ["AdaptiveTrainer"]
 
@@ -85,7 +85,7 @@ class AdaptiveTrainer(Trainer):
         if key not in self._steps:
             batch = self._put_batch(self.train_data.get(self.loader.batch_ids(0)))
             step = self._build_step(self._tx(key))
-            self._steps[key] = step.lower(self.params, self.opt_state, batch).compile()
+            self._steps[key] = checked(step.lower(self.params, self.opt_state, batch).compile())
         return self._steps[key]
 
     def _compile(self) -> Any:

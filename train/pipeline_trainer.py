@@ -62,7 +62,7 @@ from train.config import Config
 from train.data import Loader
 from train.distributed import is_primary, to_host
 from train.pipeline import gpt_pipeline_loss, stage_params, unstage_params
-from train.trainer import AXIS, Trainer, _all_finite, host_finite, structs
+from train.trainer import AXIS, Trainer, _all_finite, checked, host_finite, structs
 
 __all__ = ["PipelineTrainer"]
 
@@ -471,7 +471,7 @@ class PipelineTrainer(Trainer):
     def _program(self, prep: _Prepared) -> Any:
         """The compiled step for ``prep``'s boundary mode (compiled on first use)."""
         if prep.seen not in self._compiled:
-            self._compiled[prep.seen] = (
+            self._compiled[prep.seen] = checked(
                 self._train_step[prep.seen]
                 .lower(
                     self.params["blocks"],
@@ -481,13 +481,14 @@ class PipelineTrainer(Trainer):
                     prep.state,
                     jax.random.key(0),
                 )
-                .compile()
+                .compile(),
+                "the pipeline step",
             )
         for name in OWNED:  # gradients have the parameters' shapes and shardings
             if name not in self._owned_compiled:
                 view = self._owned_view(self.params[name], name)
                 lowered = self._owned_step[name].lower(view, self.opt_state[name], view)
-                self._owned_compiled[name] = lowered.compile()
+                self._owned_compiled[name] = checked(lowered.compile(), f"the {name} update")
         return self._compiled[prep.seen]
 
     def _step_once(self, compiled: Any) -> tuple:

@@ -118,6 +118,14 @@ def _squeeze(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda a: a[0], tree)
 
 
+def checked(program: Any, where: str = "the training step") -> Any:
+    """``program`` after :func:`jaxcomm.check_logged_traffic`: a compiled step whose
+    collectives are not all in the traffic logs (so not in the simulated time) is an error
+    here, before it runs."""
+    jaxcomm.check_logged_traffic(program, where=where)
+    return program
+
+
 def _expand(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda a: a[None], tree)
 
@@ -427,7 +435,8 @@ class Trainer:
         batch = self._put_batch(self.train_data.get(self.loader.batch_ids(self.loader.position)))
         if self.abstract:
             batch = structs(batch, self.sharded)
-        self._step_program = self._train_step.lower(self.params, self.opt_state, batch).compile()
+        lowered = self._train_step.lower(self.params, self.opt_state, batch)
+        self._step_program = checked(lowered.compile())
         return self._step_program
 
     def _program_key(self) -> Any:
