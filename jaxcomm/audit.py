@@ -669,7 +669,8 @@ def _describe(op: CollectiveOp) -> str:
     where = f" inside conditional {op.branches[0][0]}" if op.branches else ""
     times = f" x{op.count} (loop)" if op.count > 1 else ""
     return (
-        f"{op.kind} of {op.shape.split('{')[0]}{times}{where}: {per_run:,} bytes per device "
+        f"{op.kind} of {re.sub(r'{[^}]*}', '', op.shape)}{times}{where}: {per_run:,} bytes "
+        "per device "
         f"per run, from {op.op_name!r}"
     )
 

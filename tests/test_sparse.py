@@ -303,28 +303,39 @@ def test_trains_a_linear_model_to_the_dense_loss():
         return jnp.mean((xb @ w - yb) ** 2)
 
     def train(tx, steps=300):
-        def per_worker(xb, yb):
+        def per_worker(w, xb, yb):  # w: replicated, as a user's parameters
             xb, yb = xb[0], yb[0]
-            w = jnp.zeros(50)
+            grad = jaxcomm.worker_grad(loss, "data")
+            g0 = grad(w, xb, yb)  # this worker's own first gradient
 
             def step(carry, _):
                 w, s = carry
-                u, s = tx.update(jax.grad(loss)(w, xb, yb), s, w)
+                u, s = tx.update(grad(w, xb, yb), s, w)
                 return (optax.apply_updates(w, u), s), None
 
             (w, _), _ = jax.lax.scan(step, (w, tx.init(w)), None, length=steps)
-            return w[None]
+            return w, g0[None]
 
-        f = jax.shard_map(per_worker, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+        f = jax.shard_map(
+            per_worker, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=(P(), P("data"))
+        )
         sharded = NamedSharding(mesh, P("data"))
-        w = np.asarray(jax.jit(f)(jax.device_put(x, sharded), jax.device_put(y, sharded)))[0]
-        return float(np.mean((x.reshape(-1, 50) @ w - y.reshape(-1)) ** 2))
+        w, g0 = jax.jit(f)(jnp.zeros(50), jax.device_put(x, sharded), jax.device_put(y, sharded))
+        g0 = np.asarray(g0)
+        # The workers' gradients differ before aggregation, and are not their sum.
+        assert np.min(np.abs(g0[:, None] - g0[None]).sum(-1) + np.eye(N)) > 1e-2
+        local = np.stack([jax.grad(loss)(jnp.zeros(50), x[i], y[i]) for i in range(N)])
+        np.testing.assert_allclose(g0, local, rtol=1e-5, atol=1e-5)
+        w = np.asarray(w)
+        return w, float(np.mean((x.reshape(-1, 50) @ w - y.reshape(-1)) ** 2))
 
     start = float(np.mean(y**2))
-    sparse = train(optax.chain(jaxcomm.ar_topk("data", ratio=0.1), optax.sgd(0.01)))
-    dense = train(optax.chain(jaxcomm.dense_allreduce("data"), optax.sgd(0.01)))
+    w_sparse, sparse = train(optax.chain(jaxcomm.ar_topk("data", ratio=0.1), optax.sgd(0.05)))
+    w_dense, dense = train(optax.chain(jaxcomm.dense_allreduce("data"), optax.sgd(0.05)))
     assert dense < 1e-6 * start
     assert sparse < 1e-6 * start
+    np.testing.assert_allclose(w_sparse, w_true, atol=1e-3)
+    np.testing.assert_allclose(w_dense, w_true, atol=1e-3)
 
 
 @pytest.mark.parametrize(

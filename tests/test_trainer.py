@@ -271,3 +271,29 @@ def test_stragglers_slow_the_simulated_step_as_configured(tmp_path):
         _cfg(tmp_path, stragglers={"slow": {8: 2.0}})
     with pytest.raises(ValueError, match=r"stragglers: unknown keys \['sigma'\]"):
         _cfg(tmp_path, stragglers={"sigma": 0.1})
+
+
+def test_a_step_with_unlogged_traffic_is_refused_before_it_runs(tmp_path):
+    """A collective that no jaxcomm log accounts for (here a ``pmean`` after the optimizer)
+    stops the trainer at its first compiled step, naming the collective."""
+    import optax
+
+    import jaxcomm
+
+    class Leaky(Trainer):
+        def _make_tx(self):
+            def update(u, s, p=None):
+                return jax.tree.map(
+                    lambda g: jax.lax.pmean(jaxcomm.varying(g, "data"), "data"), u
+                ), s
+
+            leak = optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+            return optax.chain(super()._make_tx(), leak)
+
+    cfg = _cfg(tmp_path, task="mlp", model={"features": [8]}, dataset="digits", steps=2)
+    with pytest.raises(jaxcomm.UnloggedTrafficError, match=r"all-reduce of \(f32\[8\], .*psum"):
+        Leaky(cfg).run()
+    assert (
+        not (cfg.run_dir / "metrics.jsonl").exists()
+        or not (cfg.run_dir / "metrics.jsonl").read_text()
+    )

@@ -264,3 +264,32 @@ def test_dtype_policy(name):
 
     with pytest.raises(TypeError, match=r"must be floating.*\['step'\]"):
         _run(case, with_int, _params(), x)
+
+
+def test_the_readme_train_step_runs_as_printed(capsys):
+    """The README's train-step block, executed as printed: the update is the mean of the
+    workers' own gradients and the compiled step holds no unlogged collective."""
+    import pathlib
+
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme.split("<!-- user-step:begin -->")[1].split("<!-- user-step:end -->")[0]
+    code = block.split("```python")[1].split("```")[0]
+    ns: dict = {}
+    exec(compile(code, "README.md", "exec"), ns)  # noqa: S102
+    assert capsys.readouterr().out.strip() == "()"
+    params, new = ns["params"], ns["new_params"]
+    x, y = ns["x_host"], ns["y_host"]
+    local = [
+        jax.grad(ns["loss_fn"])(params, x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8])
+        for i in range(N)
+    ]
+    mean = jax.tree_util.tree_map(lambda *g: np.mean(np.stack(g), 0), *local)
+    for k in params:
+        np.testing.assert_allclose(new[k], params[k] - 0.1 * mean[k], rtol=1e-5, atol=1e-7)
+    assert not np.allclose(np.asarray(new["w"]), np.asarray(params["w"] - 0.1 * N * mean["w"]))
+    assert (
+        jaxcomm.unlogged_traffic(
+            ns["train_step"].lower(params, ns["opt_state"], ns["x"], ns["y"]).compile()
+        )
+        == ()
+    )
