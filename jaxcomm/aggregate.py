@@ -110,7 +110,7 @@ def dense_allreduce(axis_name: Any, *, reduce: str = "psum") -> optax.GradientTr
         tx = optax.chain(jaxcomm.dense_allreduce("data", reduce="ring"), optax.adam(1e-3))
 
         def per_worker(params, state, batch):      # inside jax.shard_map over "data"
-            grads = jax.grad(loss_fn)(params, batch)
+            grads = jaxcomm.worker_grad(loss_fn, "data")(params, batch)  # own gradient
             updates, state = tx.update(grads, state, params)
             return optax.apply_updates(params, updates), state
     """

@@ -645,15 +645,17 @@ def unlogged_traffic(program: Any) -> tuple[CollectiveOp, ...]:
     metadata, through autodiff too. Any other collective is traffic that neither the logs nor
     the simulated clock see: most often the dense all-reduce autodiff adds when replicated
     parameters are differentiated inside ``shard_map`` (op name ``.../transpose(...)/
-    psum_invariant``), or a ``lax.pmean`` of metrics in the step.
+    psum_invariant``), or a ``lax.pmean`` of metrics in the step (see the blind spot below).
 
     Args:
       program: as for :func:`wire_audit` (compiled, lowered, or optimized HLO text).
 
     Returns:
       The unaccounted :class:`CollectiveOp` s (empty when every collective is jaxcomm's).
-      XLA may combine independent all-reduces into one op that keeps one op's metadata;
-      jaxcomm's own all-reduces consume the gradients, so autodiff's cannot merge into them.
+      Blind spot: XLA may combine independent all-reduces into one op that keeps one op's
+      metadata, so a user's all-reduce merged into a jaxcomm ``psum`` (``reduce="psum"``)
+      is not reported; autodiff's all-reduce of the gradient feeds the aggregator, so it
+      cannot merge into the aggregator's own, and ring/tree collectives are permutes.
     """
     from jaxcomm.collectives import WIRE_SCOPE
 

@@ -17,7 +17,7 @@ that ``optax.apply_updates`` adds to the parameters, as optax expects::
     )
 
     def per_worker(params, state, batch):   # params: this worker's own copy
-        grads = jax.grad(loss_fn)(params, batch)
+        grads = jaxcomm.worker_grad(loss_fn, "data")(params, batch)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 

@@ -290,7 +290,7 @@ def marsit(
         tx = jaxcomm.marsit("data", local_lr=0.1, global_lr=1e-3, full_sync_every=10)
 
         def per_worker(params, state, batch):      # inside jax.shard_map over "data"
-            grads = jax.grad(loss_fn)(params, batch)
+            grads = jaxcomm.worker_grad(loss_fn, "data")(params, batch)  # own gradient
             updates, state = tx.update(grads, state, params)
             return optax.apply_updates(params, updates), state
     """

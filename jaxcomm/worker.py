@@ -185,6 +185,21 @@ class Layout:
         return f"Layout({self.describe()})"
 
 
+def _register_flax_serialization() -> None:
+    """A :class:`Layout` holds no values: Flax's ``to_state_dict`` writes it as ``{}`` and
+    ``from_state_dict`` keeps the target's (the structure comes from ``init``)."""
+    try:
+        from flax import serialization
+    except ImportError:  # pragma: no cover - flax is a dependency
+        return
+    serialization.register_serialization_state(
+        Layout, lambda layout: {}, lambda target, state: target, override=True
+    )
+
+
+_register_flax_serialization()
+
+
 def layout_of(tree: Any) -> Layout:
     """The :class:`Layout` of a pytree of arrays (or ``jax.ShapeDtypeStruct``)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)

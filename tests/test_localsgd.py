@@ -144,7 +144,7 @@ def test_bad_arguments():
 
     def update(tx):
         def per_worker(p):
-            return tx.update(grads, tx.init(p), p)[0]
+            return tx.update(jaxcomm.varying(grads, "data"), tx.init(p), p)[0]
 
         return jax.shard_map(per_worker, mesh=mesh, in_specs=P(), out_specs=P("data"))(params)
 

@@ -37,6 +37,10 @@ STATEFUL = (
     "ef_signsgd",
     "ssdm",
     "local_sgd",
+    "marsit_torus",
+    "ar_topk_var_tree",
+    "ar_topk_allgather",
+    "partial_local_sgd",
 )
 
 
@@ -65,7 +69,8 @@ def _specs(case):
 
 
 def _user_step(case, tx, grad_fn):
-    """The README's step: ``(params, batch) -> (new params, updates)`` (per worker inside)."""
+    """The README's step: ``(params, batch) -> (new params, updates, the gradient each
+    worker handed the aggregator [N, ...])``."""
     data_spec, p_spec = _specs(case)
 
     def per_worker(params, x):
@@ -75,11 +80,14 @@ def _user_step(case, tx, grad_fn):
         state = tx.init(params)
         updates, state = tx.update(grads, state, params)
         new = optax.apply_updates(params, updates)
-        return (_lead(new), _lead(updates)) if case.local else (new, updates)
+        if case.local:
+            return _lead(new), _lead(updates), _lead(grads)
+        return new, updates, _lead(grads)
 
+    out_specs = (p_spec, p_spec, P(case.axes))
     return jax.jit(
         jax.shard_map(
-            per_worker, mesh=_mesh(case), in_specs=(p_spec, data_spec), out_specs=(p_spec, p_spec)
+            per_worker, mesh=_mesh(case), in_specs=(p_spec, data_spec), out_specs=out_specs
         )
     )
 
@@ -104,13 +112,19 @@ def test_user_step_gives_the_rule_on_each_workers_own_gradient(name):
     tx = case.make(case.axis)
     x, params = _inputs(case)
     step = _user_step(case, tx, jaxcomm.worker_grad(loss_fn, case.axis))
-    new, updates = step(params, x)
+    new, updates, handed = step(params, x)
 
     # Independent reference: each worker's gradient computed alone, outside shard_map.
     local = [jax.grad(loss_fn)(_params(), _data()[i]) for i in range(N)]
     stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *local)
-    g = stacked["w"].reshape(N, -1)
-    assert np.min(np.abs(g[:, None] - g[None]).sum(-1) + np.eye(N)) > 1e-3  # all differ
+    # What the aggregator was handed: each worker's own gradient, all different, not a sum.
+    for a, b in zip(_leaves(handed), _leaves(stacked), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    g = np.asarray(handed["w"]).reshape(N, -1)
+    assert np.min(np.abs(g[:, None] - g[None]).sum(-1) + np.eye(N)) > 1e-3
+
+    # The aggregator's rule (tested against hand references in its own test file) applied
+    # to those independently computed gradients must give the same update.
 
     mesh, init_f, update_f = _programs(case)
     spec = NamedSharding(mesh, P(case.axes))
@@ -255,6 +269,8 @@ def test_dtype_policy(name):
     for a, b in zip(jax.tree_util.tree_leaves(u16), jax.tree_util.tree_leaves(u32), strict=True):
         assert a.dtype == jnp.bfloat16 and b.dtype == jnp.float32
         assert np.all(np.isfinite(np.asarray(a, np.float32)))
+        if name in DENSE:  # the same mean, rounded to bfloat16 (and from bf16 parameters)
+            np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=3e-2, atol=1e-3)
 
     def with_int(params, x):
         grads = jaxcomm.worker_grad(loss_fn, case.axis)(params, x[0])
@@ -293,3 +309,36 @@ def test_the_readme_train_step_runs_as_printed(capsys):
         )
         == ()
     )
+
+
+def test_the_vma_flag_the_check_reads_exists():
+    """The check reads whether ``shard_map`` types values (``check_vma``); a JAX without
+    that flag would turn the check off silently, so its absence fails here."""
+    from jaxcomm.worker import _vma_checked
+
+    mesh = jax.make_mesh((N,), ("data",))
+    seen = {}
+
+    def probe(x):
+        seen["on"] = _vma_checked()
+        return x
+
+    x = jax.device_put(jnp.zeros(N), NamedSharding(mesh, P("data")))
+    jax.shard_map(probe, mesh=mesh, in_specs=P("data"), out_specs=P("data"))(x)
+    assert seen["on"] is True
+    jax.shard_map(probe, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False)(x)
+    assert seen["on"] is False
+
+
+def test_state_with_a_layout_round_trips_through_flax_serialization():
+    from flax import serialization
+
+    case = CASES["ar_topk_star"]
+    mesh, init_f, _ = _programs(case)
+    state = jax.device_get(init_f(_params()))
+    restored = serialization.from_bytes(state, serialization.to_bytes(state))
+    assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(state)
+    for a, b in zip(
+        jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(restored), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
