@@ -281,8 +281,12 @@ def _quantize(x, key, bits, bucket_size, stochastic, symmetric):
     # Edge padding repeats a real value, so it never widens the last bucket's range.
     xb = jnp.pad(flat, (0, pad), mode="edge").reshape(-1, bucket_size)
     levels = float((1 << bits) - 1)
+    # XLA's CPU max reduction does not always propagate NaN (vectorized max keeps the other
+    # operand), so a bucket holding any NaN or Inf gets a NaN scale explicitly: it decodes
+    # non-finite and the flag reaches whoever receives it.
+    poisoned = jnp.where(jnp.all(jnp.isfinite(xb), axis=1), 0.0, jnp.nan)
     if symmetric:
-        scale = jnp.max(jnp.abs(xb), axis=1)
+        scale = jnp.max(jnp.abs(xb), axis=1) + poisoned
         safe = jnp.where(scale > 0, scale, 1.0)
         y = (xb / safe[:, None] + 1.0) * (levels / 2.0)
         offset = None
@@ -293,7 +297,7 @@ def _quantize(x, key, bits, bucket_size, stochastic, symmetric):
         half_range = hi * 0.5 - lo * 0.5
         safe = jnp.where(half_range > 0, half_range, 1.0)
         y = (xb * 0.5 - lo[:, None] * 0.5) / safe[:, None] * levels
-        scale, offset = hi, lo
+        scale, offset = hi + poisoned, lo + poisoned
     if stochastic:
         q = stochastic_round(y, key)
     else:

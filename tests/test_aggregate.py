@@ -120,3 +120,25 @@ def test_ec_quantized_allreduce_8bit_close_to_mean(mesh8):
     np.testing.assert_allclose(np.asarray(upd)[0, 0], np.asarray(g[0]).mean(0), atol=0.03)
     with pytest.raises(ValueError, match=r"bits must be an integer in \[1, 8\], got 0"):
         jaxcomm.ec_quantized_allreduce("data", bits=0)
+
+
+# (d, bucket, positions) on 8 workers. d = 100: segments of 13, buckets [0, 8) and [8, 13)
+# + 3 edge-padded; d = 5000: segments of 625, buckets [0, 512) and [512, 625) + 399 padded
+# (the size where XLA's CPU max reduction dropped a NaN). Positions: bucket starts, middles,
+# ends, a second segment's start and the last real element before the padding.
+NAN_CASES = [(100, 8, p) for p in (0, 4, 7, 8, 12, 13, 99)] + [
+    (5000, 512, p) for p in (0, 300, 511, 512, 624, 625, 4999)
+]
+
+
+@pytest.mark.parametrize("d,bucket,pos", NAN_CASES)
+@pytest.mark.parametrize("bad", [np.nan, -np.inf])
+def test_ec_quantized_nonfinite_at_every_position_reaches_every_update(mesh8, d, bucket, pos, bad):
+    """A NaN or Inf anywhere in one worker's gradient (bucket start, middle, end, padding
+    boundary) makes every worker's update non-finite; none gets a finite wrong value."""
+    g = np.array(jax.random.normal(jax.random.key(2), (N, d)), np.float32)
+    g[3, pos] = bad
+    tx = jaxcomm.ec_quantized_allreduce("data", bits=3, bucket_size=bucket)
+    upd, state = _apply(mesh8, tx, {"g": jnp.asarray(g)})
+    upd = np.asarray(upd["g"])
+    assert np.all(~np.isfinite(upd).all(axis=1)), np.isfinite(upd).all(axis=1)

@@ -209,3 +209,21 @@ def test_topk_payload_of_a_nonfinite_input_is_nonfinite_under_jit(method, bad):
         np.asarray(jax.jit(lambda v: jaxcomm.topk_encode(v, ratio=0.1, method=method))(y).indices)
     )
     assert got == set(np.argsort(-np.abs(y))[:100])
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_nonfinite_element_anywhere_poisons_its_bucket_under_vmap(symmetric, bad):
+    """XLA's CPU max reduction over a 512-element bucket can keep the finite operand; the
+    quantizer must still give the bucket a non-finite scale at every position."""
+    n = 625
+    x = np.ones((n, n), np.float32)
+    x[np.arange(n), np.arange(n)] = bad  # row i: the bad value at position i
+    q = jax.jit(
+        jax.vmap(
+            lambda v: jaxcomm.quantize(v, None, bits=3, bucket_size=512, stochastic=False,
+                                       symmetric=symmetric)
+        )
+    )(jnp.asarray(x))  # fmt: skip
+    out = np.asarray(jax.vmap(jaxcomm.dequantize)(q))
+    assert not np.isfinite(out).all(axis=1).any()
