@@ -412,29 +412,38 @@ SELECTIONS = ("auto", "exact", "approx", "threshold")
 AUTO_THRESHOLD_ABOVE = 0.02
 
 
+EXACT_ROUNDS = 31  # bisection rounds over float32 bit patterns that always end exact
+
+
 def _threshold_indices(mag: jax.Array, k: int, rounds: int) -> jax.Array:
     """``k`` indices of large ``mag`` entries from a bisection on the threshold.
 
-    Keeps ``lo`` with ``count(mag >= lo) >= k`` and ``hi`` with ``count(mag >= hi) < k``;
-    after ``rounds`` halvings every entry ``>= hi`` is taken, and the rest of the ``k`` are
-    the first entries (by index) in ``[lo, hi)``. Exact top-k (up to ties) once the bracket
-    separates the k-th and (k+1)-th largest magnitudes.
+    The search runs on the magnitudes' float32 bit patterns, which order non-negative
+    floats as their values do: it keeps ``lo`` with ``count(bits >= lo) >= k`` and ``hi``
+    with ``count(bits >= hi) < k``; after ``rounds`` halvings every entry ``>= hi`` is
+    taken, and the rest of the ``k`` are the first entries (by index) in ``[lo, hi)``. The
+    bit patterns of finite magnitudes lie in ``[0, 2**31)``, so after
+    :data:`EXACT_ROUNDS` (31) rounds ``hi = lo + 1``, ``lo`` is the k-th largest magnitude
+    itself, and the result is exactly ``lax.top_k``'s set, ties going to the lower index,
+    whatever the spread of the values (a search on the values themselves stops within
+    ``max|x| / 2**rounds`` of the threshold, which one large outlier makes coarse).
 
     Non-finite magnitudes (NaN, Inf) are searched as 0, and then the first of them takes
     slot 0, so a non-finite input always reaches the payload (never a finite wrong one).
     """
     raw_mag, raw_top = mag, jnp.max(mag)  # NaN or Inf when any entry is
-    mag = jnp.where(jnp.isfinite(mag), mag, 0.0)
-    top = jnp.max(mag)
-    hi0 = jnp.nextafter(top, jnp.float32(jnp.inf))
+    mag = jnp.where(jnp.isfinite(mag), mag, 0.0).astype(jnp.float32)
+    bits = lax.bitcast_convert_type(mag, jnp.int32)  # >= 0, ordered as the magnitudes
+    hi0 = jnp.max(bits) + 1
 
     def halve(_, bracket):
         lo, hi = bracket
-        mid = 0.5 * (lo + hi)
-        enough = jnp.sum(mag >= mid, dtype=jnp.int32) >= k
+        mid = lo + (hi - lo) // 2
+        enough = jnp.sum(bits >= mid, dtype=jnp.int32) >= k
         return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
 
-    lo, hi = lax.fori_loop(0, rounds, halve, (jnp.zeros_like(top), hi0))
+    lo, hi = lax.fori_loop(0, rounds, halve, (jnp.zeros_like(hi0), hi0))
+    mag = bits
     above = mag >= hi  # fewer than k entries: all taken
     between = (mag >= lo) & ~above  # the rest of the k, lowest indices first
     c_above = jnp.cumsum(above, dtype=jnp.int32)
@@ -453,22 +462,26 @@ def _threshold_indices(mag: jax.Array, k: int, rounds: int) -> jax.Array:
     return jnp.where((j == 0) & (bad >= 0), bad, idx)
 
 
-def topk_indices(x: jax.Array, k: int, *, method: str = "exact", rounds: int = 25) -> jax.Array:
+def topk_indices(
+    x: jax.Array, k: int, *, method: str = "exact", rounds: int = EXACT_ROUNDS
+) -> jax.Array:
     """``int32[k]`` indices of the ``k`` largest-magnitude entries of a flat array.
 
     Args:
       x: ``f32[d]``.
       k: entries to keep, ``1 <= k <= d``.
-      method: ``"auto"`` (``"threshold"`` with 25 rounds when ``k / d`` exceeds
-        :data:`AUTO_THRESHOLD_ABOVE`, else ``"exact"``: the faster of the two as measured),
-        ``"exact"`` (``lax.top_k``: exact, ties to the lower index), ``"approx"``
-        (``lax.approx_max_k``: exact on CPU and GPU, recall about 0.95 on TPU) or
-        ``"threshold"`` (bisection on a magnitude threshold for ``rounds`` rounds, then
-        one pass that compacts the entries above it: exact once the bisection separates
-        the k-th and (k+1)-th magnitudes, which 25 rounds do unless they are within
-        ``max|x| / 2**25`` of each other; then the remaining slots go to the lowest indices
-        inside the final bracket).
+      method: ``"auto"`` (``"threshold"`` with 31 rounds when ``k / d`` exceeds
+        :data:`AUTO_THRESHOLD_ABOVE`, else ``"exact"``: the faster of the two as measured;
+        exact either way), ``"exact"`` (``lax.top_k``: exact, ties to the lower index),
+        ``"approx"`` (``lax.approx_max_k``: exact on CPU and GPU, recall about 0.95 on TPU)
+        or ``"threshold"`` (bisection on the magnitudes' float32 bit patterns for
+        ``rounds`` rounds, then one pass that compacts the entries above it: with
+        ``rounds >= 31`` exactly ``lax.top_k``'s set, ties to the lower index; with fewer,
+        the last slots go to the lowest indices inside the final bracket of
+        ``2**(31 - rounds)`` bit patterns).
       rounds: bisection rounds of ``"threshold"``.
+    Returned indices are a set: ``"exact"``/``"approx"`` list them by magnitude,
+    ``"threshold"`` by index.
     """
     check_choice("method", method, SELECTIONS)
     x = jnp.ravel(x)
@@ -476,7 +489,7 @@ def topk_indices(x: jax.Array, k: int, *, method: str = "exact", rounds: int = 2
     mag = jnp.abs(x)
     if method == "auto":
         method, rounds = (
-            ("threshold", 25) if k > AUTO_THRESHOLD_ABOVE * x.shape[0] else ("exact", 0)
+            ("threshold", EXACT_ROUNDS) if k > AUTO_THRESHOLD_ABOVE * x.shape[0] else ("exact", 0)
         )
     if method == "exact":
         return lax.top_k(mag, k)[1].astype(jnp.int32)

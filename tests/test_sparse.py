@@ -9,6 +9,7 @@ import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -197,6 +198,43 @@ def test_threshold_selection_is_the_exact_topk(d, ratio, seed, scale):
     want = np.asarray(jaxcomm.topk_indices(jnp.asarray(x), k, method="exact"))
     assert len(set(got.tolist())) == k
     assert set(got.tolist()) == set(want.tolist())
+
+
+_select = jax.jit(jaxcomm.topk_indices, static_argnames=("k", "method"))
+
+
+@given(
+    d=st.sampled_from([1, 7, 100, 2999]),  # few shapes: the programs are cached
+    ratio=st.sampled_from([0.0005, 0.03, 0.1, 0.5, 1.0]),
+    seed=st.integers(0, 2**31 - 1),
+    outlier=st.sampled_from([1.0, 1e6, 1e30]),
+    levels=st.sampled_from([3, 50, 0]),
+)
+@settings(max_examples=40, deadline=None)
+def test_auto_and_threshold_equal_lax_top_k_with_outliers_and_ties(d, ratio, seed, outlier, levels):
+    """The default selection is exact: one huge outlier (which left a search on the values
+    a bracket of max / 2**25) and many ties (broken to the lower index, as ``lax.top_k``
+    does) give ``lax.top_k``'s very set."""
+    rng = np.random.default_rng(seed)
+    k = max(1, min(d, math.ceil(ratio * d)))
+    x = rng.normal(size=d).astype(np.float32)
+    if levels:  # only a few distinct magnitudes: ties everywhere
+        x = (np.round(np.abs(x) * levels) / levels * np.sign(x)).astype(np.float32)
+    x[rng.integers(d)] = outlier
+    want = set(np.asarray(lax.top_k(jnp.abs(jnp.asarray(x)), k)[1]).tolist())
+    for method in ("auto", "threshold"):
+        got = np.asarray(_select(jnp.asarray(x), k=k, method=method)).tolist()
+        assert len(set(got)) == k and set(got) == want, method
+
+
+def test_default_selection_recall_at_ratio_0_1_with_one_outlier():
+    """The case found by review: 10% of 100,000 normal entries and one at 1e6. Recall 1.0."""
+    x = np.random.default_rng(0).normal(size=100_000).astype(np.float32)
+    x[123] = 1e6
+    k = 10_000
+    want = set(np.asarray(lax.top_k(jnp.abs(jnp.asarray(x)), k)[1]).tolist())
+    got = set(np.asarray(jaxcomm.topk_indices(jnp.asarray(x), k, method="auto")).tolist())
+    assert len(got & want) / k == 1.0
 
 
 def test_threshold_selection_with_ties_and_zeros_picks_k_distinct_largest():
