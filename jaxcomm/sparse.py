@@ -150,7 +150,15 @@ def _gather_average(g: jax.Array, own: jax.Array, ok: jax.Array, axis_name: Any,
     """All-gather every worker's ``(G[own], own)`` and average them densely (AG top-k)."""
     vals = jnp.where(ok, g[own], jnp.nan)  # a non-finite G reaches every worker
     gathered = all_gather(TopK(vals, own, g.shape, "float32"), axis_name)
-    total = jnp.zeros_like(g).at[gathered.indices.reshape(-1)].add(gathered.values.reshape(-1))
+
+    # One worker's entries at a time, workers in rank order: each scatter has distinct
+    # indices, so the sum at an index shared by several workers is added in the same order
+    # on every device and the result is bit-identical everywhere by construction (a single
+    # scatter-add of all N k entries leaves the order of duplicates to the backend).
+    def add(w, total):
+        return total.at[gathered.indices[w]].add(gathered.values[w], unique_indices=True)
+
+    total = lax.fori_loop(0, n, add, jnp.zeros_like(g))
     payload = jax.eval_shape(lambda: TopK(vals, own, g.shape, "float32"))
     wire = all_gather_wire(payload, n)
     log = log_collective(
