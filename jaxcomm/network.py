@@ -220,11 +220,15 @@ def collective_cost(kind: str, n: int) -> tuple[float, float]:
     ring_allgather        N-1                       (N-1) / N
     tree_allreduce        2 L                       2 L
     broadcast             L                         L
-    allgather             L                         N-1   (M = bytes per worker)
-    ag_topk               L                         2 (N-1)   (values + indices)
+    allgather             G                         N-1   (M = bytes per worker)
+    ag_topk               G                         2 (N-1)   (values + indices)
     art_ring              2 (N-1) + L               2 (N-1) / N + L
     art_tree              3 L                       3 L
     ====================  ========================  ==========================
+
+    ``G`` is the rounds of the all-gather that runs (:func:`jaxcomm.all_gather`): ``L`` by
+    recursive doubling when ``n`` is a power of two, else ``n - 1`` on the ring it falls
+    back to (the AR-Topk paper's Table I gives ``L``, which holds for powers of two only).
 
     For ``n == 1`` every collective returns ``(0.0, 0.0)``; ``p2p`` is one message between
     two devices (e.g. pipeline stages) and always costs ``(1, 1)``.
@@ -237,6 +241,7 @@ def collective_cost(kind: str, n: int) -> tuple[float, float]:
         return (0.0, 0.0)
     L = float(_log2_ceil(n))
     nm1 = float(n - 1)
+    G = L if n & (n - 1) == 0 else nm1  # the all-gather that runs: doubling, or the ring
     table = {
         "p2p": (1.0, 1.0),
         "ps": (2.0, 2.0 * nm1),
@@ -247,8 +252,8 @@ def collective_cost(kind: str, n: int) -> tuple[float, float]:
         "ring_allgather": (nm1, nm1 / n),
         "tree_allreduce": (2.0 * L, 2.0 * L),
         "broadcast": (L, L),
-        "allgather": (L, nm1),
-        "ag_topk": (L, 2.0 * nm1),
+        "allgather": (G, nm1),
+        "ag_topk": (G, 2.0 * nm1),
         "art_ring": (2.0 * nm1 + L, 2.0 * nm1 / n + L),
         "art_tree": (3.0 * L, 3.0 * L),
     }

@@ -73,7 +73,8 @@ def test_hand_computed_non_power_of_two_and_two_workers():
     # N = 5: log N = ceil(log2 5) = 3; ring all-reduce 8 alpha + 1.6 M beta.
     assert collective_time("ring_allreduce", 1000, 5, net) == pytest.approx(16e-3 + 1.6 * 8e-6)
     assert collective_time("tree_allreduce", 1000, 5, net) == pytest.approx(6 * 2e-3 + 6 * 8e-6)
-    assert collective_cost("allgather", 5) == (3.0, 4.0)
+    # The all-gather that runs on 5 devices is the ring: 4 rounds, not ceil(log2 5) = 3.
+    assert collective_cost("allgather", 5) == (4.0, 4.0)
     # N = 2: log N = 1.
     assert collective_time("tree_allreduce", 1000, 2, net) == pytest.approx(4e-3 + 2 * 8e-6)
     assert collective_time("art_tree", 1000, 2, net, ratio=0.5) == pytest.approx(
@@ -535,3 +536,30 @@ def test_sim_clock_state_restore_and_errors():
         clock.tick(-1, 0)
     with pytest.raises(ValueError, match=r"comm_s must be finite"):
         clock.tick(0, math.nan)
+
+
+@pytest.mark.parametrize("n", [3, 5, 6, 7, 8])
+def test_allgather_rounds_are_those_of_the_compiled_collective(n):
+    """The chooser's all-gather rounds are the rounds :func:`jaxcomm.all_gather` runs, read
+    from the compiled program: ``log2 N`` for powers of two, the ring's ``N - 1`` otherwise
+    (5 vs 3 at N = 6)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomm
+
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+    f = jax.jit(
+        jax.shard_map(
+            lambda x: jaxcomm.all_gather(x[0], "data")[None],
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=P("data"),
+        )
+    )
+    x = jax.device_put(jnp.zeros((n, 16)), NamedSharding(mesh, P("data")))
+    audit = jaxcomm.wire_audit(f.lower(x).compile()).traffic()
+    assert collective_cost("allgather", n)[0] == audit.rounds.max()
+    assert collective_cost("ag_topk", n)[0] == audit.rounds.max()
