@@ -875,18 +875,7 @@ def _instr_flops(
         k = math.prod(lhs[i] for i in contract) if lhs else 1
         return 2.0 * out * k, 2.0 * out * k, 0.0
     if op == "convolution":
-        kernel = _dims(shapes.get(instr.operands[1], ""))
-        labels = (_attr(instr.attrs, "dim_labels") or "").split("_")
-        o = labels[1].find("o") if len(labels) > 1 else -1
-        per_out = math.prod(kernel) / (kernel[o] if o >= 0 and kernel else 1)
-        # The kernel's input-feature dimension is already per group. A transposed (input
-        # gradient) convolution dilates its input with zeros (``lhs_dilate``); products
-        # with those zeros are not work, so the count is divided by the dilation.
-        flops = 2.0 * out * per_out
-        m = re.search(r"lhs_dilate=([\dx]+)", instr.attrs)
-        if m:
-            flops /= math.prod(int(x) for x in m.group(1).split("x"))
-        return flops, flops, 0.0
+        return _conv_flops(instr, shapes, out)
     if op in ("reduce", "reduce-window", "scatter", "select-and-scatter", "sort", "map"):
         inputs = sum(_elements(shapes.get(o, "")) for o in instr.operands)
         if op == "reduce-window":
@@ -897,13 +886,66 @@ def _instr_flops(
             return float(n * max(1.0, math.log2(max(n, 2)))), 0.0, 0.0
         return float(inputs), 0.0, 0.0
     if op == "custom-call":
-        uncounted.append(f"{instr.name} ({_attr(instr.attrs, 'custom_call_target')})")
+        target = (_attr(instr.attrs, "custom_call_target") or "").strip('"')
+        first = _first_array(instr.shape)  # the result; a library call adds a workspace
+        if target in _GEMM_TARGETS:
+            k = _gemm_contracted(instr, shapes)
+            if k is not None:
+                flops = 2.0 * _elements(first) * k
+                return flops, flops, 0.0
+        elif target in _CONV_TARGETS and len(instr.operands) >= 2:
+            return _conv_flops(instr, shapes, _elements(first))
+        uncounted.append(f"{instr.name} ({target})")
         return 0.0, 0.0, 0.0
     if op in _NO_FLOPS:
         return 0.0, 0.0, 0.0
     if op in _TRANSCENDENTAL:
         return 0.0, 0.0, float(out)
     return float(out), 0.0, 0.0  # elementwise arithmetic, compare, select, ...
+
+
+# Library calls a GPU backend compiles dots and convolutions to (cuBLAS, cuBLASLt, cuDNN).
+_GEMM_TARGETS = frozenset({"__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8"})
+_CONV_TARGETS = frozenset(
+    {"__cudnn$convForward", "__cudnn$convBackwardInput", "__cudnn$convBackwardFilter",
+     "__cudnn$convBiasActivationForward"}
+)  # fmt: skip
+
+
+def _first_array(shape: str) -> str:
+    """The first array of a (possibly tuple) HLO shape, e.g. ``f32[8,16]{1,0}``."""
+    m = _ARRAY_RE.search(shape)
+    return m.group(0) if m else ""
+
+
+def _gemm_contracted(instr: _Instr, shapes: dict[str, str]) -> float | None:
+    """``K`` of a cuBLAS gemm custom call: the product of the lhs contracting dimensions named
+    in its ``backend_config`` (``gemm_backend_config.dot_dimension_numbers``)."""
+    m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', instr.attrs)
+    lhs = _dims(shapes.get(instr.operands[0], "")) if instr.operands else []
+    if m is None or not lhs:
+        return None
+    dims = [int(x) for x in re.findall(r"\d+", m.group(1))]
+    if any(d >= len(lhs) for d in dims):
+        return None
+    return float(math.prod(lhs[d] for d in dims))
+
+
+def _conv_flops(instr: _Instr, shapes: dict[str, str], out: int) -> tuple[float, float, float]:
+    """Flops of a convolution (or a cuDNN convolution call) with ``out`` result elements:
+    ``2 out`` times the kernel elements per output feature."""
+    kernel = _dims(shapes.get(instr.operands[1], ""))
+    labels = (_attr(instr.attrs, "dim_labels") or "").split("_")
+    o = labels[1].find("o") if len(labels) > 1 else -1
+    per_out = math.prod(kernel) / (kernel[o] if o >= 0 and kernel else 1)
+    # The kernel's input-feature dimension is already per group. A transposed (input
+    # gradient) convolution dilates its input with zeros (``lhs_dilate``); products
+    # with those zeros are not work, so the count is divided by the dilation.
+    flops = 2.0 * out * per_out
+    m = re.search(r"lhs_dilate=([\dx]+)", instr.attrs)
+    if m:
+        flops /= math.prod(int(x) for x in m.group(1).split("x"))
+    return flops, flops, 0.0
 
 
 _PASS_THROUGH = frozenset(

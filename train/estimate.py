@@ -56,13 +56,13 @@ def _mode(
     """The estimate of one compiled step (``key`` picks the boundary mode)."""
     import numpy as np
 
-    import jaxcomm
+    from train.trainer import costed
 
     costs = {}
 
     def cost(program):
         if id(program) not in costs:
-            cost = jaxcomm.program_cost(program)
+            cost = costed(program)
             mine = {k: v for k, v in (branches or {}).items() if cost._matches(k)}
             costs[id(program)] = cost.per_device(mine)
         return costs[id(program)]

@@ -62,7 +62,7 @@ from train.config import Config
 from train.data import Loader
 from train.distributed import is_primary, to_host
 from train.pipeline import gpt_pipeline_loss, stage_params, unstage_params
-from train.trainer import AXIS, Trainer, _all_finite, checked, host_finite, structs
+from train.trainer import AXIS, Trainer, _all_finite, checked, costed, host_finite, structs
 
 __all__ = ["PipelineTrainer"]
 
@@ -727,7 +727,7 @@ class PipelineTrainer(Trainer):
         ticks = self.cfg.microbatches + self.stages - 1
         f, b, rest = np.zeros(n), np.zeros(n), np.zeros(n)
         main, *owned = self.step_programs(key)
-        cost = jaxcomm.program_cost(main[0])
+        cost = costed(main[0])
 
         def mine(c):
             return {k: v for k, v in (branches or {}).items() if c._matches(k)}
@@ -778,7 +778,7 @@ class PipelineTrainer(Trainer):
         busy[main[1]] += model.seconds(fw) + model.seconds(bw)
         self._busy[cache] = busy
         for program, index in owned:
-            c = jaxcomm.program_cost(program)
+            c = costed(program)
             rest[index] += model.seconds(c.per_device(mine(c)))
         self._ticks[cache] = (f, b, rest)
         return self._ticks[cache]

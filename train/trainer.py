@@ -32,6 +32,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -116,6 +117,23 @@ def structs(tree: Any, sharding: Any, lead: tuple[int, ...] = ()) -> Any:
 
 def _squeeze(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda a: a[0], tree)
+
+
+def costed(program: Any) -> jaxcomm.ProgramCost:
+    """:func:`jaxcomm.program_cost` of ``program``, warning loudly when it holds custom calls
+    whose flops nothing can cost (a GPU backend's own kernels other than cuBLAS and cuDNN):
+    their memory traffic is in the simulated time, their arithmetic is not."""
+    cost = jaxcomm.program_cost(program)
+    if cost.uncounted:
+        names = ", ".join(cost.uncounted[:5]) + (" ..." if len(cost.uncounted) > 5 else "")
+        warnings.warn(
+            f"{len(cost.uncounted)} custom call(s) of the step have no flop count ({names}): "
+            "their flops are missing from the modelled compute time (their memory bytes are "
+            "counted)",
+            UserWarning,
+            stacklevel=2,
+        )
+    return cost
 
 
 def checked(program: Any, where: str = "the training step") -> Any:
@@ -485,7 +503,7 @@ class Trainer:
         model = self.compute_model
 
         def seconds(program):
-            cost = jaxcomm.program_cost(program)
+            cost = costed(program)
             mine = {k: v for k, v in (branches or {}).items() if cost._matches(k)}
             return model.seconds(cost.per_device(mine))
 
