@@ -85,7 +85,6 @@ _KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
 
 # Unit -> power of ten (scaled in decimal so that e.g. "50us" is exactly the float 5e-05).
 _LATENCY_UNITS = {"": 0, "s": 0, "ms": -3, "us": -6, "µs": -6}
-_BANDWIDTH_UNITS = {"": 0, "bps": 0, "kbps": 3, "mbps": 6, "gbps": 9}
 _QUANTITY_RE = re.compile(r"^\s*([0-9.eE+\-]+)\s*([a-zA-Zµ]*)\s*$")
 
 
@@ -147,6 +146,33 @@ def _parse_quantity(text: str, units: dict[str, int], what: str) -> float:
     return float(value)
 
 
+_BANDWIDTH_RE = re.compile(r"^([kKmMgGtT]?)(bps|bit/s|b/s|Bps|B/s|byte/s)$")
+_PREFIX = {"": 0, "k": 3, "m": 6, "g": 9, "t": 12}
+
+
+def _parse_bandwidth(text: str) -> float:
+    """Bits per second from ``"10Gbps"``, ``"1.25GB/s"``, ``"1e9"`` (see :meth:`Network.parse`)."""
+    allowed = "bps, kbps, Mbps, Gbps, Tbps (bits; also bit/s, b/s) or Bps, MBps, GB/s (bytes)"
+    m = re.match(r"^\s*([0-9.eE+\-]+)\s*([a-zA-Z/]*)\s*$", text)
+    if m is None:
+        raise ValueError(f"cannot parse bandwidth {text!r}: expected a number with unit {allowed}")
+    unit, number = m.group(2), m.group(1)
+    try:
+        value = decimal.Decimal(number)
+    except decimal.InvalidOperation:
+        raise ValueError(f"cannot parse number {number!r} in bandwidth {text!r}") from None
+    if unit == "":
+        return float(value)
+    u = _BANDWIDTH_RE.match(unit)
+    if u is None:
+        raise ValueError(
+            f"unknown bandwidth unit {unit!r} in {text!r}: a lower-case b means bits, an "
+            f"upper-case B bytes; allowed: {allowed}"
+        )
+    per_byte = 8 if u.group(2).startswith("B") or u.group(2) == "byte/s" else 1
+    return float(value.scaleb(_PREFIX[u.group(1).lower()]) * per_byte)
+
+
 # --------------------------------------------------------------------------------------- Network
 
 
@@ -183,8 +209,10 @@ class Network:
     def parse(cls, spec: str) -> Network:
         """Parse ``"LATENCY,BANDWIDTH"``: ``"1ms,10Gbps"``, ``"50us,100Mbps"``, ``"0.001,1e9"``.
 
-        Latency units: ``s``, ``ms``, ``us`` (default seconds). Bandwidth units: ``bps``,
-        ``Kbps``, ``Mbps``, ``Gbps`` (default bits per second; units are case-insensitive).
+        Latency units: ``s``, ``ms``, ``us`` (default seconds). Bandwidth: a prefix ``k``,
+        ``M``, ``G`` or ``T`` (either case) and a lower-case ``b`` for bits (``Gbps``,
+        ``Gbit/s``, ``Gb/s``) or an upper-case ``B`` for bytes (``GBps``, ``GB/s``, 8x the
+        bits); no unit is bits per second. Anything else (``GBPS``) is refused.
         """
         if not isinstance(spec, str):
             raise ValueError(f"network spec must be a string like '1ms,10Gbps'; got {spec!r}")
@@ -194,7 +222,7 @@ class Network:
                 f"network spec must be 'LATENCY,BANDWIDTH' (e.g. '1ms,10Gbps'); got {spec!r}"
             )
         latency = _parse_quantity(parts[0], _LATENCY_UNITS, "latency")
-        bandwidth = _parse_quantity(parts[1], _BANDWIDTH_UNITS, "bandwidth")
+        bandwidth = _parse_bandwidth(parts[1])
         return cls(latency_s=latency, bandwidth_bps=bandwidth)
 
 

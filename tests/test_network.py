@@ -206,6 +206,14 @@ def test_choose_collective_ties_prefer_allgather_then_ring():
         (" 2 s , 3 Kbps ", 2.0, 3e3),
         ("0ms,1gbps", 0.0, 1e9),
         ("1.5e-3s,2.5e9bps", 1.5e-3, 2.5e9),
+        # An upper-case B is bytes: 8 bits each.
+        ("1ms,1GBps", 1e-3, 8e9),
+        ("1ms,1.25GB/s", 1e-3, 1e10),
+        ("1ms,100MB/s", 1e-3, 8e8),
+        ("1ms,10Gbit/s", 1e-3, 1e10),
+        ("1ms,10Gb/s", 1e-3, 1e10),
+        ("1ms,2Tbps", 1e-3, 2e12),
+        ("1ms,1TBps", 1e-3, 8e12),
     ],
 )
 def test_network_parse(spec, latency, bandwidth):
@@ -221,8 +229,9 @@ def test_network_parse(spec, latency, bandwidth):
         ("1ms", "LATENCY,BANDWIDTH"),
         ("1ms,10Gbps,3", "LATENCY,BANDWIDTH"),
         ("1hr,10Gbps", "unknown latency unit 'hr'"),
-        ("1ms,10GBps/s", "cannot parse bandwidth"),
-        ("1ms,10TBps", "unknown bandwidth unit"),
+        ("1ms,10GBps/s", "unknown bandwidth unit"),
+        ("1ms,10GBPS", "lower-case b means bits, an upper-case B bytes"),
+        ("1ms,10Gibps", "unknown bandwidth unit"),
         ("abc,10Gbps", "cannot parse"),
         ("-1ms,10Gbps", "latency_s must be >= 0"),
         ("1ms,0Gbps", "bandwidth_bps must be > 0"),
