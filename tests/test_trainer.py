@@ -297,3 +297,21 @@ def test_a_step_with_unlogged_traffic_is_refused_before_it_runs(tmp_path):
         not (cfg.run_dir / "metrics.jsonl").exists()
         or not (cfg.run_dir / "metrics.jsonl").read_text()
     )
+
+
+def test_a_second_run_into_a_live_run_folder_is_refused(tmp_path):
+    """While a run holds its folder's lock, another run into the same folder stops with a
+    clear error and writes nothing there."""
+    import fcntl
+
+    cfg = _cfg(tmp_path, task="mlp", model={"features": [8]}, dataset="digits", steps=2)
+    cfg.run_dir.mkdir(parents=True)
+    with open(cfg.run_dir / ".lock", "a+") as held:  # the first run's lock, held
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242 on elsewhere")
+        held.flush()
+        with pytest.raises(RuntimeError, match=r"another run is writing to .*4242 on elsewhere"):
+            Trainer(cfg).run()
+        assert not (cfg.run_dir / "metrics.jsonl").exists()
+    Trainer(cfg).run()  # released: the folder is free again
+    assert (cfg.run_dir / "metrics.jsonl").read_text().count("\n") == 2

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         flag = f"--xla_force_host_platform_device_count={cfg.workers * cfg.stages}"
         if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
             os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
-    from train.trainer import Trainer
+    from train.trainer import RunFolderBusy, Trainer
 
     if cfg.stages > 1:
         from train.pipeline_trainer import PipelineTrainer as Trainer
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         from train.localsgd import LocalSGDTrainer as Trainer
     try:
         summary = Trainer(cfg).run(resume=args.resume)
-    except (ValueError, FloatingPointError, FileNotFoundError) as e:
+    except (ValueError, FloatingPointError, FileNotFoundError, RunFolderBusy) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if distributed.is_primary():

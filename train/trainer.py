@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import socket
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -117,6 +119,37 @@ def structs(tree: Any, sharding: Any, lead: tuple[int, ...] = ()) -> Any:
 
 def _squeeze(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda a: a[0], tree)
+
+
+class RunFolderBusy(RuntimeError):
+    """Another live run holds the run folder's lock."""
+
+
+@contextlib.contextmanager
+def _run_lock(run_dir: Any):
+    """Hold an exclusive lock on ``run_dir/.lock`` (released when the process ends, however
+    it ends); raise ``RuntimeError`` naming the holder when another run has it."""
+    import fcntl
+
+    path = run_dir / ".lock"
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise RunFolderBusy(
+                f"another run is writing to {str(run_dir)!r} (process {holder}); wait for it, "
+                "or give this run another folder (--set name=... or --set out_dir=...)"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()} on {socket.gethostname()}")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def costed(program: Any) -> jaxcomm.ProgramCost:
@@ -706,10 +739,18 @@ class Trainer:
         return {}
 
     def run(self, *, resume: bool = False, metrics_cb: Callable | None = None) -> dict[str, Any]:
-        """Train to ``cfg.steps``; returns a summary. ``resume`` continues the newest checkpoint."""
+        """Train to ``cfg.steps``; returns a summary. ``resume`` continues the newest checkpoint.
+
+        The run folder is locked for the run (``<out_dir>/<name>/.lock``, by process 0): a
+        second run into the same folder while this one lives is refused, naming this one's
+        process, instead of interleaving metrics and overwriting checkpoints."""
+        self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        with _run_lock(self.cfg.run_dir) if is_primary() else contextlib.nullcontext():
+            return self._run(resume=resume, metrics_cb=metrics_cb)
+
+    def _run(self, *, resume: bool, metrics_cb: Callable | None) -> dict[str, Any]:
         cfg = self.cfg
         run_dir = cfg.run_dir
-        run_dir.mkdir(parents=True, exist_ok=True)
         manager = self._manager()
         if manager.latest_step() is not None and not resume:
             raise ValueError(
