@@ -315,3 +315,51 @@ def test_a_second_run_into_a_live_run_folder_is_refused(tmp_path):
         assert not (cfg.run_dir / "metrics.jsonl").exists()
     Trainer(cfg).run()  # released: the folder is free again
     assert (cfg.run_dir / "metrics.jsonl").read_text().count("\n") == 2
+
+
+def _largest_file(root):
+    return max((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("damage", ["overwrite", "truncate", "empty_metadata"])
+def test_a_damaged_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, capsys, damage):
+    """Eight bytes overwritten in a data file, a truncated data file or an emptied metadata
+    file of the newest checkpoint: the resume says which checkpoint is damaged, continues
+    from the one before, and ends bit-identical to an uninterrupted run."""
+    kw = dict(task="mlp", model={"features": [16]}, dataset="digits", lr=0.05)
+    full = Trainer(_cfg(tmp_path / "a", steps=6, checkpoint_every=2, **kw))
+    full.run()
+    part = Trainer(_cfg(tmp_path / "b", steps=4, checkpoint_every=2, **kw))
+    part.run()
+    ckpt = tmp_path / "b" / "run" / "checkpoints" / "4"
+    if damage == "empty_metadata":
+        target = ckpt / "meta" / "metadata"
+        target.write_text("")
+    else:
+        target = _largest_file(ckpt / "state")
+        data = bytearray(target.read_bytes())
+        if damage == "overwrite":
+            data[len(data) // 2 : len(data) // 2 + 8] = b"\xff" * 8
+        else:
+            data = data[: len(data) // 2]
+        target.write_bytes(bytes(data))
+    resumed = Trainer(_cfg(tmp_path / "b", steps=6, checkpoint_every=2, **kw))
+    summary = resumed.run(resume=True)
+    err = capsys.readouterr().err
+    assert "checkpoint step 4" in err and "is damaged" in err and "trying the next older" in err
+    assert summary["resumed"]
+    for a, b in zip(
+        jax.tree_util.tree_leaves(full.worker_params()),
+        jax.tree_util.tree_leaves(resumed.worker_params()),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_no_intact_checkpoint_is_refused_naming_each(tmp_path):
+    kw = dict(task="mlp", model={"features": [8]}, dataset="digits")
+    Trainer(_cfg(tmp_path, steps=4, checkpoint_every=2, **kw)).run()
+    for step in (2, 4):
+        (tmp_path / "run" / "checkpoints" / str(step) / "meta" / "metadata").write_text("{}")
+    with pytest.raises(ValueError, match=r"no intact checkpoint .*step 4 .*step 2 "):
+        Trainer(_cfg(tmp_path, steps=6, checkpoint_every=2, **kw)).run(resume=True)

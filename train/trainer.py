@@ -29,10 +29,13 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
+import shutil
 import socket
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -119,6 +122,58 @@ def structs(tree: Any, sharding: Any, lead: tuple[int, ...] = ()) -> Any:
 
 def _squeeze(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda a: a[0], tree)
+
+
+def _sha256(path: Any) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _checkpoint_files(run_dir: Any, step: int) -> dict[str, Any]:
+    root = run_dir / "checkpoints" / str(step)
+    return {str(p.relative_to(root)): p for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def write_checksums(run_dir: Any, step: int, kept: Any = ()) -> None:
+    """Write the SHA-256 of every file of checkpoint ``step`` to ``run_dir/checksums/
+    <step>.json`` (atomically), and drop the sums of checkpoints no longer kept."""
+    folder = run_dir / "checksums"
+    folder.mkdir(exist_ok=True)
+    sums = {name: _sha256(p) for name, p in _checkpoint_files(run_dir, step).items()}
+    tmp = folder / f".{step}.json.tmp"
+    tmp.write_text(json.dumps(sums, indent=0, sort_keys=True))
+    os.replace(tmp, folder / f"{step}.json")
+    keep = {f"{s}.json" for s in kept} | {f"{step}.json"}
+    for old in folder.glob("*.json"):
+        if old.name not in keep:
+            old.unlink(missing_ok=True)
+
+
+def verify_checksums(run_dir: Any, step: int) -> str | None:
+    """None when checkpoint ``step``'s files match the sums written at its commit (or it has
+    no sums, said on stderr); otherwise what is wrong, naming the first bad file."""
+    path = run_dir / "checksums" / f"{step}.json"
+    try:
+        sums = json.loads(path.read_text())
+    except FileNotFoundError:
+        print(
+            f"checkpoint step {step} has no checksums ({path}): using it unverified",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return f"its checksum file {path} is unreadable"
+    files = _checkpoint_files(run_dir, step)
+    for name, digest in sums.items():
+        if name not in files:
+            return f"file {name} is missing"
+        if _sha256(files[name]) != digest:
+            return f"file {name} differs from what was written"
+    return None
 
 
 class RunFolderBusy(RuntimeError):
@@ -432,12 +487,57 @@ class Trainer:
             force=True,
         )
         manager.wait_until_finished()
+        if is_primary():
+            write_checksums(self.cfg.run_dir, self.step, manager.all_steps())
 
     def restore(self, manager: ocp.CheckpointManager) -> bool:
-        """Load the newest checkpoint; False when there is none. Raises on a foreign one."""
-        latest = manager.latest_step()
-        if latest is None:
+        """Load the newest intact checkpoint; False when there is none. Raises on a foreign
+        one, or when every checkpoint is damaged.
+
+        Each checkpoint's files are checked against the SHA-256 sums written when it was
+        committed (``<run>/checksums/<step>.json``); a damaged one is named in one line and
+        the next older one is tried. A checkpoint without sums (its writer stopped between
+        the commit and the sums) is used as it is, with a line saying so."""
+        steps = sorted(manager.all_steps(), reverse=True)
+        if not steps:
             return False
+        damaged = []
+        for latest in steps:
+            problem = verify_checksums(self.cfg.run_dir, latest)
+            if problem is None:
+                break
+            damaged.append(f"step {latest} ({problem})")
+            print(
+                f"checkpoint step {latest} in {str(self.cfg.run_dir / 'checkpoints')!r} is "
+                f"damaged ({problem}); trying the next older one",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            raise ValueError(
+                f"no intact checkpoint in {str(self.cfg.run_dir / 'checkpoints')!r}: "
+                + "; ".join(damaged)
+            )
+        if damaged:  # kept for inspection, out of the way of the steps about to be saved
+            newer = [s for s in steps if s > latest]
+            if is_primary():
+                for s in newer:
+                    aside = self.cfg.run_dir / "damaged" / str(s)
+                    aside.parent.mkdir(exist_ok=True)
+                    shutil.rmtree(aside, ignore_errors=True)
+                    os.replace(self.cfg.run_dir / "checkpoints" / str(s), aside)
+                    (self.cfg.run_dir / "checksums" / f"{s}.json").unlink(missing_ok=True)
+            print(
+                f"resuming from checkpoint step {latest}; the damaged one(s) moved to "
+                f"{str(self.cfg.run_dir / 'damaged')!r}",
+                file=sys.stderr,
+                flush=True,
+            )
+            if jax.process_count() > 1:  # every process sees the move before reloading
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices("jaxcomm_damaged_checkpoints_moved")
+            manager.reload()
         meta = manager.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         mine = json.loads(json.dumps(self.fingerprint()))
         diff = {k: (meta.get(k), v) for k, v in mine.items() if meta.get(k) != v}
