@@ -212,3 +212,65 @@ def test_pipeline_stages_on_two_processes_match_one_process(tmp_path):
     assert sent == [r["sent_bytes"] for r in b] and sent[-1] < sent[0] / 2  # deltas
     for x, y in zip(_params(two), _params(one), strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+_WRAPPER = """
+import sys, time
+from train import launch
+sleeper = [sys.executable, "-c",
+           "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)"]
+sys.exit(launch.launch(2, [], devices_per_process=1, grace_s=2.0,
+                       commands=[sleeper + [sys.argv[1] + "0"], sleeper + [sys.argv[1] + "1"]]))
+"""
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
+        return f.read().split()[2] != "Z"
+
+
+def _start_wrapper(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", _WRAPPER, str(tmp_path / "pid")], cwd=ROOT)
+    pids = []
+    deadline = time.monotonic() + 60
+    while len(pids) < 2 and time.monotonic() < deadline:
+        pids = [int(p.read_text()) for p in tmp_path.glob("pid*") if p.read_text()]
+        time.sleep(0.2)
+    assert len(pids) == 2, "the launched processes did not start"
+    return proc, pids
+
+
+def test_children_die_with_a_killed_launcher(tmp_path):
+    """``kill -9`` of the launcher, which no handler sees, still ends its processes."""
+    proc, pids = _start_wrapper(tmp_path)
+    proc.kill()
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids)
+
+
+def test_sigterm_to_the_launcher_exits_143_and_stops_everything(tmp_path):
+    proc, pids = _start_wrapper(tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert not any(_alive(p) for p in pids)
+
+
+def test_a_local_coordinator_listens_on_loopback_only(monkeypatch):
+    from train import distributed
+
+    seen = {}
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)
+    env = {"JAXCOMM_COORDINATOR": "127.0.0.1:4321", "JAXCOMM_NUM_PROCESSES": "2",
+           "JAXCOMM_PROCESS_ID": "0"}  # fmt: skip
+    assert distributed.initialize(env)
+    assert seen["coordinator_bind_address"] == "127.0.0.1:4321"
+    distributed.initialize({**env, "JAXCOMM_COORDINATOR": "10.1.2.3:4321"})
+    assert seen["coordinator_bind_address"] is None  # a cluster: JAX's default

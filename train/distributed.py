@@ -82,7 +82,15 @@ def initialize(environ: dict[str, str] | None = None) -> bool:
         raise ValueError(f"{ENV_COORDINATOR} must be host:port, got {address!r}")
     n = _env_int(env, ENV_NUM_PROCESSES, 1)
     pid = _env_int(env, ENV_PROCESS_ID, 0, n - 1)
-    jax.distributed.initialize(coordinator_address=address, num_processes=n, process_id=pid)
+    # A coordinator on this machine only (train.launch) listens on loopback alone, not on
+    # every interface; a cluster's coordinator keeps JAX's default.
+    local = host in ("localhost", "::1", "[::1]") or host.startswith("127.")
+    jax.distributed.initialize(
+        coordinator_address=address,
+        num_processes=n,
+        process_id=pid,
+        coordinator_bind_address=address if local else None,
+    )
     return True
 
 

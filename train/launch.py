@@ -40,6 +40,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: the kernel sends it SIGKILL when the launcher dies, even by
+    ``kill -9`` (which no handler of the launcher's sees), so no process trains on alone."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _exit_code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
@@ -105,6 +115,7 @@ def launch(
             text=True,
             errors="replace",  # a child's stray bytes must not kill the reader
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         procs.append(p)
         print(f"[launch] process {i}: pid {p.pid}", file=sys.stderr, flush=True)
@@ -113,8 +124,13 @@ def launch(
     first_fail: tuple[int, int] | None = None
     open_streams = processes
 
+    class _Stopped(KeyboardInterrupt):
+        def __init__(self, signum: int):
+            super().__init__(f"signal {signum}")
+            self.signum = signum
+
     def on_signal(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise _Stopped(signum)
 
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
@@ -143,7 +159,7 @@ def launch(
                     _stop(procs, grace_s)
     except KeyboardInterrupt as e:
         print(f"[launch] interrupted ({e or 'Ctrl-C'}); stopping every process", file=sys.stderr)
-        return 130
+        return 128 + getattr(e, "signum", signal.SIGINT)  # 130 for Ctrl-C, 143 for SIGTERM
     finally:
         _stop(procs, grace_s)  # whatever ended the loop, no process outlives the launcher
         for sig, handler in old.items():
