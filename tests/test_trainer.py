@@ -191,8 +191,11 @@ def test_cli_runs_and_reports(tmp_path, capsys):
 
 def test_nonfinite_step_stops_with_error_and_keeps_checkpoint(tmp_path):
     cfg = _cfg(tmp_path, optimizer="sgd", lr=1e30, steps=20, checkpoint_every=1)
-    with pytest.raises(FloatingPointError, match="non-finite"):
+    with pytest.raises(FloatingPointError, match="non-finite") as stop:
         Trainer(cfg).run()
+    # The message names the checkpoint to continue from, and it is on disk.
+    saved = int(str(stop.value).split("newest checkpoint, step ")[1].split(" ")[0])
+    assert (cfg.run_dir / "checkpoints" / str(saved)).is_dir() and "--resume" in str(stop.value)
     # Every checkpoint on disk holds finite parameters.
     resumed = Trainer(_cfg(tmp_path, optimizer="sgd", lr=1e30, steps=20, checkpoint_every=1))
     assert resumed.restore(resumed._manager())
@@ -363,3 +366,16 @@ def test_no_intact_checkpoint_is_refused_naming_each(tmp_path):
         (tmp_path / "run" / "checkpoints" / str(step) / "meta" / "metadata").write_text("{}")
     with pytest.raises(ValueError, match=r"no intact checkpoint .*step 4 .*step 2 "):
         Trainer(_cfg(tmp_path, steps=6, checkpoint_every=2, **kw)).run(resume=True)
+
+
+def test_step_sizes_may_change_on_resume_and_nothing_else(tmp_path, capsys):
+    """Marsit's (and the sign family's) step sizes are aggregator arguments: a resume with a
+    smaller one continues, saying so; another setting that differs is still refused."""
+    Trainer(_cfg(tmp_path, steps=2, **MARSIT)).run()
+    smaller = {**MARSIT, "aggregator_args": {**MARSIT["aggregator_args"], "global_lr": 0.005}}
+    resumed = Trainer(_cfg(tmp_path, steps=4, **smaller))
+    assert resumed.run(resume=True)["resumed"] and resumed.step == 4
+    assert "aggregator_args.global_lr changed: 0.01 -> 0.005" in capsys.readouterr().out
+    other = {**MARSIT, "aggregator_args": {**MARSIT["aggregator_args"], "full_sync_every": 2}}
+    with pytest.raises(ValueError, match="aggregator_args: checkpoint"):
+        Trainer(_cfg(tmp_path, steps=6, **other)).run(resume=True)

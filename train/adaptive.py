@@ -160,7 +160,7 @@ class AdaptiveTrainer(Trainer):
         if not trials:
             raise FloatingPointError(
                 f"step {self.step + 1}: every candidate ratio became non-finite in its trial; "
-                "the last checkpoint is kept intact"
+                f"{self._checkpoint_note()}"
             )
         self.controller.record(trials, self.step)
         self.controller.choose(self._dense_bytes, self.n, network)

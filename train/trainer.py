@@ -124,6 +124,23 @@ def _squeeze(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda a: a[0], tree)
 
 
+# Aggregator settings that are step sizes: they change no state's shape, so a resumed run
+# may change them (e.g. a smaller step after a non-finite stop).
+STEP_SIZES = ("lr", "local_lr", "global_lr", "momentum")
+
+
+def _changed_step_sizes(old: Any, new: Any) -> dict[str, tuple[Any, Any]] | None:
+    """``{key: (old, new)}`` of the step sizes that differ when ``old`` and ``new``
+    aggregator arguments differ in step sizes only; None when anything else differs (or
+    nothing does)."""
+    if not isinstance(old, dict) or not isinstance(new, dict) or old == new:
+        return None
+    rest = lambda d: {k: v for k, v in d.items() if k not in STEP_SIZES}  # noqa: E731
+    if rest(old) != rest(new):
+        return None
+    return {k: (old.get(k), new.get(k)) for k in STEP_SIZES if old.get(k) != new.get(k)}
+
+
 def _sha256(path: Any) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -489,6 +506,18 @@ class Trainer:
         manager.wait_until_finished()
         if is_primary():
             write_checksums(self.cfg.run_dir, self.step, manager.all_steps())
+        self._saved_step = self.step
+
+    def _checkpoint_note(self) -> str:
+        """Where a stopped run can continue from, for its error message."""
+        step = getattr(self, "_saved_step", None)
+        if step is None:
+            return "no checkpoint was written yet: start again (e.g. with a smaller lr)"
+        path = self.cfg.run_dir / "checkpoints" / str(step)
+        return (
+            f"the newest checkpoint, step {step} ({path}), is intact: continue it with --resume "
+            "(step sizes such as lr may be changed with --set)"
+        )
 
     def restore(self, manager: ocp.CheckpointManager) -> bool:
         """Load the newest intact checkpoint; False when there is none. Raises on a foreign
@@ -540,15 +569,22 @@ class Trainer:
             manager.reload()
         meta = manager.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         mine = json.loads(json.dumps(self.fingerprint()))
+        changed = _changed_step_sizes(meta.get("aggregator_args"), mine.get("aggregator_args"))
+        if changed is not None:  # step sizes may change on resume; nothing else may
+            meta = {**meta, "aggregator_args": mine.get("aggregator_args")}
         diff = {k: (meta.get(k), v) for k, v in mine.items() if meta.get(k) != v}
         if diff:
             details = "; ".join(
-                f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items()
-            )
+                "parameter shapes differ" if k == "param_shapes"
+                else f"{k}: checkpoint {a!r} vs config {b!r}"
+                for k, (a, b) in diff.items()
+            )  # fmt: skip
             raise ValueError(
                 f"checkpoint directory {str(self.cfg.run_dir / 'checkpoints')!r} holds a "
                 f"different run ({details}); choose another out_dir or matching settings"
             )
+        for key, (old, new) in (changed or {}).items():
+            print(f"resuming with aggregator_args.{key} changed: {old!r} -> {new!r}", flush=True)
         target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, self._state_tree())
         state = manager.restore(
             latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
@@ -955,7 +991,7 @@ class Trainer:
         if not finite:
             raise FloatingPointError(
                 f"step {flight.step}: loss, gradients or parameters became non-finite "
-                f"(loss={float(metrics['loss'])}); the last checkpoint is kept intact"
+                f"(loss={float(metrics['loss'])}); {self._checkpoint_note()}"
             )
         self.step = flight.step
         self._after_step()
