@@ -103,8 +103,13 @@ def build_task(name: str, **kwargs: Any) -> Task:
     factory, allowed = _REGISTRY[name]
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
+        import difflib
+
+        hints = [difflib.get_close_matches(u, list(allowed), n=1) for u in unknown]
+        mean = [f"{u!r} -> {h[0]!r}" for u, h in zip(unknown, hints, strict=True) if h]
+        tail = f"; did you mean {', '.join(mean)}?" if mean else ""
         raise ValueError(
             f"unknown option(s) {', '.join(map(repr, unknown))} for task {name!r}; "
-            f"allowed: {', '.join(allowed)}"
+            f"allowed: {', '.join(allowed)}{tail}"
         )
     return Task(name=name, module=factory(**kwargs))

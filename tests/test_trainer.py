@@ -379,3 +379,33 @@ def test_step_sizes_may_change_on_resume_and_nothing_else(tmp_path, capsys):
     other = {**MARSIT, "aggregator_args": {**MARSIT["aggregator_args"], "full_sync_every": 2}}
     with pytest.raises(ValueError, match="aggregator_args: checkpoint"):
         Trainer(_cfg(tmp_path, steps=6, **other)).run(resume=True)
+
+
+def test_config_reads_numbers_as_written_and_names_bad_files(tmp_path):
+    """1e-3 and 1e30 (strings to YAML 1.1) are numbers; mfu can be set; an empty, binary or
+    malformed config file, an out_dir that is a file and a misspelled model key each get an
+    error naming the file or the key."""
+    cfg = load_config(None, ["lr=1e-3", "compute=v100", "mfu=0.4", "memory_efficiency=1e0"])
+    assert cfg.lr == 1e-3 and cfg.mfu == 0.4 and cfg.memory_efficiency == 1.0
+    assert load_config(None, ["lr=1e30"]).lr == 1e30
+    assert load_config(None, ["mfu=null"]).mfu is None
+    (tmp_path / "f.yaml").write_text("lr: 1e-4\ncompute: v100\nmfu: 5e-1\n")
+    assert load_config(tmp_path / "f.yaml").lr == 1e-4
+    with pytest.raises(ValueError, match="lr.*must be of type float"):
+        load_config(None, ["lr=fast"])
+    (tmp_path / "empty.yaml").write_text("")
+    with pytest.raises(ValueError, match="empty.yaml' is empty"):
+        load_config(tmp_path / "empty.yaml")
+    (tmp_path / "bad.yaml").write_text("steps: 3\nmodel: {width: 4\n")
+    with pytest.raises(ValueError, match=r"bad.yaml' is not valid YAML at line \d+"):
+        load_config(tmp_path / "bad.yaml")
+    (tmp_path / "bin.yaml").write_bytes(bytes(range(256)))
+    with pytest.raises(ValueError, match="bin.yaml' is not text"):
+        load_config(tmp_path / "bin.yaml")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        load_config(None, [f"out_dir={tmp_path / 'file'}"])
+    from models import build_task
+
+    with pytest.raises(ValueError, match="did you mean 'widht' -> 'width'"):
+        build_task("gpt", widht=64)

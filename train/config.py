@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +214,11 @@ class Config:
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         self.network_schedule()  # a clear error for a bad network
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise ValueError(
+                f"out_dir {str(self.run_dir)!r} is a file, not a folder; choose a folder for "
+                "the run's outputs (--set out_dir=...)"
+            )
 
     @property
     def run_dir(self) -> Path:
@@ -331,9 +337,20 @@ def _unknown(key: str, allowed: list[str]) -> ValueError:
     return ValueError(f"unknown config key {key!r}; allowed keys: {sorted(allowed)}{tail}")
 
 
+# A number as people write it; YAML 1.1 reads 1e-3 and 1e30 (no dot) as strings.
+_NUMBER = re.compile(r"^\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*$")
+_OPTIONAL_FLOAT = ("mfu",)  # float or None (None: the device's calibration or 0.5)
+
+
 def _coerce(key: str, value: Any) -> Any:
     default = Config.__dataclass_fields__[key]
     kind = type(default.default) if default.default is not dataclasses.MISSING else dict
+    if key in _OPTIONAL_FLOAT:
+        if value is None:
+            return None
+        kind = float
+    if kind is float and isinstance(value, str) and _NUMBER.match(value):
+        return float(value)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if kind is str and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -383,7 +400,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            raise ValueError(f"config file {str(path)!r} is not text (YAML expected)") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ValueError(
+                f"config file {str(path)!r} is not valid YAML{at}: {problem}"
+            ) from None
+        if loaded is None:
+            raise ValueError(
+                f"config file {str(path)!r} is empty; give the keys to change (see "
+                "configs/dp_default.yaml), or leave out --config for the defaults"
+            )
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {str(path)!r} must hold a mapping, got {loaded!r}")
         data = _merge(Config().to_dict(), loaded)
