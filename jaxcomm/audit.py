@@ -470,9 +470,10 @@ def _collective(instr: _Instr, shapes: dict[str, str], d: int) -> tuple[np.ndarr
         # A combined permute sends every operand along the same pairs.
         nbytes = sum(_nbytes(s) for s in operand_shapes) if operand_shapes else 0
         nbytes = nbytes or _nbytes(instr.shape)
-        for src, _ in pairs:
+        moving = [(s, t) for s, t in pairs if s != t]  # a device to itself is a local copy
+        for src, _ in moving:
             sent[int(src)] += nbytes
-        return sent, 1
+        return sent, 1 if moving else 0
     groups = _groups(instr.attrs, d)
     rounds = 0
     for group in groups:

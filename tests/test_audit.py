@@ -248,3 +248,23 @@ def test_conditional_inside_a_loop_takes_branch_counts():
         audit.sent_bytes({cond: 2})
     with pytest.raises(ValueError, match="executions must be an int"):
         audit.sent_bytes({cond: {taken: -1, 1 - taken: 11}})
+
+
+def test_a_device_permuting_to_itself_sends_nothing():
+    """Pairs ``(i, i)`` are local copies: no bytes, and a permute of only those no round."""
+
+    def mixed(x):
+        return jax.lax.ppermute(x, "data", [(0, 0), (1, 2), (2, 1), (3, 3)])
+
+    audit = jaxcomm.wire_audit(_compile(mixed, jnp.arange(N * 4, dtype=jnp.float32)))
+    t = audit.traffic()
+    assert list(t.sent) == [0, 16, 16, 0, 0, 0, 0, 0] and t.rounds.max() == 1
+    hlo = """HloModule self_permute, num_partitions=2
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  ROOT %p = f32[4]{0} collective-permute(f32[4]{0} %x), source_target_pairs={{0,0},{1,1}}
+}
+"""
+    t = jaxcomm.wire_audit(hlo).traffic()
+    assert list(t.sent) == [0, 0] and list(t.rounds) == [0, 0]
