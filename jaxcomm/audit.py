@@ -896,6 +896,10 @@ def _instr_flops(
                 return flops, flops, 0.0
         elif target in _CONV_TARGETS and len(instr.operands) >= 2:
             return _conv_flops(instr, shapes, _elements(first))
+        elif target == "TopK" and instr.operands:  # the CPU's lax.top_k: a partial sort
+            n = _elements(shapes.get(instr.operands[0], ""))
+            k = (_dims(first) or [1])[-1]
+            return float(n * max(1.0, math.log2(max(k, 2)))), 0.0, 0.0
         uncounted.append(f"{instr.name} ({target})")
         return 0.0, 0.0, 0.0
     if op in _NO_FLOPS:

@@ -282,3 +282,15 @@ def test_the_shipped_configs_run_from_the_command_line(tmp_path):
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         assert len(rows) == 3 and all("gain" in r for r in rows)
         assert ("collective" in rows[0]) == (name == "artopk_adaptive")
+
+
+def test_a_model_too_small_for_some_candidates_skips_them(tmp_path, capsys):
+    """An MLP of 64-2-10 (160 parameters): 0.004 and 0.001 give k = 0 and are left out with
+    a line; the search runs over the rest."""
+    trainer = AdaptiveTrainer(_cfg(tmp_path, model={"features": [2]}, steps=3))
+    assert trainer.num_params() == 160
+    assert trainer.controller.candidates == (0.1, 0.033, 0.011)
+    assert "left out" in capsys.readouterr().out
+    trainer.run()
+    trials = trainer.search(Network(1e-3, 1e9))
+    assert [t.ratio for t in trials] == list(trainer.controller.candidates)

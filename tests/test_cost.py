@@ -206,3 +206,15 @@ def test_the_trainer_warns_of_uncounted_custom_calls():
 
     with pytest.warns(UserWarning, match=r"1 custom call.*my\$kernel.*flops are missing"):
         costed(_GPU_HLO)
+
+
+def test_cpu_top_k_is_costed_as_a_partial_sort():
+    """``lax.top_k`` compiles to the CPU's ``TopK`` custom call: ``n log2 k`` comparisons,
+    nothing left uncounted."""
+    x = jnp.zeros(4096)
+    compiled = jax.jit(lambda v: lax.top_k(v, 64)[1]).lower(x).compile()
+    cost = jaxcomm.program_cost(compiled)
+    if "TopK" not in compiled.as_text():
+        pytest.skip("this backend does not compile top_k to a TopK custom call")
+    assert cost.uncounted == ()
+    assert cost.per_device().flops[0] >= 4096 * 6

@@ -65,6 +65,22 @@ class AdaptiveTrainer(Trainer):
         self._event, self._search_s = "", 0.0
         super().__init__(cfg, **kwargs)
         self._dense_bytes = 4 * self.num_params()
+        self._drop_empty_candidates()
+
+    def _drop_empty_candidates(self) -> None:
+        """Leave out candidate ratios whose ``k = ratio * d`` would round to 0 entries on this
+        model (a small model with the paper's 0.001), saying so; none left is an error."""
+        d = self.num_params()
+        keep = tuple(c for c in self.controller.candidates if c * d >= 1.0)
+        if not keep:
+            raise ValueError(
+                f"adaptive: every candidate ratio {self.controller.candidates} gives k = 0 of "
+                f"this model's {d} parameters; give candidates of at least 1/{d}"
+            )
+        if keep != self.controller.candidates:
+            dropped = [c for c in self.controller.candidates if c not in keep]
+            print(f"adaptive: candidates {dropped} left out: k = ratio x {d} parameters < 1")
+            self.controller.candidates = keep
 
     # ------------------------------------------------------------------ programs
 
