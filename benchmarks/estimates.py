@@ -131,8 +131,8 @@ def _marsit(out: Path, argv: list[str] | None, t0: float) -> None:
             ["aggregator=ring", "aggregator_args={}", "optimizer=momentum", "lr=0.1"],
             None,
         ),
-        "Marsit one-bit round": ([], {"cond": 0}),
-        "Marsit full-precision round": ([], {"cond": 1}),
+        "Marsit one-bit round": ([], {"marsit_round": 0}),
+        "Marsit full-precision round": ([], {"marsit_round": 1}),
     }
     rows = []
     for label, (sets, branches) in runs.items():

@@ -226,9 +226,9 @@ class _Branches:
                 names = [c for c, op in self.conditionals.items() if key in op]
             if len(names) != 1:
                 raise ValueError(
-                    f"branches key {key!r} must name exactly one conditional holding "
-                    f"collectives (by HLO name or a part of its op name); it matches "
-                    f"{len(names)}. Conditionals: {self.conditionals}"
+                    f"branches key {key!r} must name exactly one of the program's "
+                    f"conditionals listed below (by HLO name or a part of its op name); it "
+                    f"matches {len(names)}. Conditionals: {self.conditionals}"
                 )
             out[names[0]] = self._executions(names[0], value)
         for c, branch in (fallback or {}).items():

@@ -51,6 +51,7 @@ from jaxcomm.rng import hash_bits
 from jaxcomm.worker import Layout, flatten_grads, init_layout
 
 __all__ = [
+    "ROUND_SCOPE",
     "MarsitState",
     "SignReduced",
     "bernoulli_words",
@@ -58,6 +59,10 @@ __all__ = [
     "sign_all_reduce",
     "marsit",
 ]
+
+# jax.named_scope of the lax.cond between a one-bit round (branch 0) and a full-precision
+# round (branch 1): the `branches=` key (e.g. `train.estimate --branch marsit_round=0`).
+ROUND_SCOPE = "marsit_round"
 
 _PRECISION = 16  # binary digits of the probability used to build a Bernoulli word
 
@@ -347,12 +352,13 @@ def marsit(
             g, comp, log = out
             return replicated(g, axes), worker_state((comp, log), axes)
 
-        g, (comp, log) = lax.cond(
-            state.count % k == 0,
-            lambda v: typed(full_round(v)),
-            lambda v: typed(one_bit_round(v)),
-            u,
-        )
+        with jax.named_scope(ROUND_SCOPE):
+            g, (comp, log) = lax.cond(
+                state.count % k == 0,
+                lambda v: typed(full_round(v)),
+                lambda v: typed(one_bit_round(v)),
+                u,
+            )
         new_state = MarsitState(
             count=state.count + 1,
             compensation=comp,

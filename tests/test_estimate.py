@@ -88,9 +88,9 @@ def test_cli_writes_json_and_names_what_it_cannot_cost(tmp_path, capsys):
     # Marsit's rounds costed apart: the one-bit round sends 1/32 of the full one's bytes.
     sent = []
     for branch in (0, 1):
-        assert main([*marsit, "--branch", f"cond={branch}", "--json", str(out)]) == 0
+        assert main([*marsit, "--branch", f"marsit_round={branch}", "--json", str(out)]) == 0
         est = json.loads(out.read_text())
-        assert est["branches"] == {"cond": branch}
+        assert est["branches"] == {"marsit_round": branch}
         sent.append(est["sent_bytes_per_device"])
     assert 20 * sent[0] < sent[1] < 40 * sent[0]
     assert main([*marsit, "--branch", "cond"]) == 2
@@ -128,3 +128,24 @@ def test_marsit_resnet50_config_is_the_papers_setting():
         lambda k: task.init(k, {"image": jnp.zeros((1, 224, 224, 3))}), jax.random.key(0)
     )
     assert 25.4e6 < param_count(shapes) < 25.7e6  # ResNet-50: 25.6M
+
+
+def test_an_aqsgd_pipeline_with_marsit_estimates_both_epochs_by_branch(tmp_path):
+    """The pipeline holds its own conditionals (GPipe's ticks); Marsit's round is addressed
+    by its scope, and the first-epoch estimate takes the same branch."""
+    out = tmp_path / "est.json"
+    marsit = "aggregator_args={local_lr: 0.1, global_lr: 0.01, full_sync_every: 2}"
+    sets = ["stages=2", "workers=2", "boundary=aqsgd", "microbatches=2", "model.num_layers=2",
+            "model.width=32", "model.seq_len=32", "optimizer=none", "aggregator=marsit",
+            "compute=v100", marsit]  # fmt: skip
+    args = ["--config", "configs/dp_default.yaml"] + [x for s in sets for x in ("--set", s)]
+    sent = {}
+    for branch in (0, 1):
+        assert main([*args, "--branch", f"marsit_round={branch}", "--json", str(out)]) == 0
+        est = json.loads(out.read_text())
+        first = est["first_epoch"]["sent_bytes_per_device"]
+        sent[branch] = (est["sent_bytes_per_device"], first)
+    # The full-precision round sends more in both epochs; the first epoch (float32
+    # activations) more than the steady state (deltas) in either round.
+    assert sent[1][0] > sent[0][0] and sent[1][1] > sent[0][1]
+    assert sent[0][1] > sent[0][0] and sent[1][1] > sent[1][0]

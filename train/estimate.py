@@ -44,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="NAME=INDEX",
         help="resolve a conditional of the step (by a part of its op name), e.g. Marsit's "
-        "rounds: --branch cond=0 (one-bit) or cond=1 (full precision) (repeatable)",
+        "rounds: --branch marsit_round=0 (one-bit) or marsit_round=1 (full precision) "
+        "(repeatable)",
     )
     p.add_argument("--json", dest="json_path", help="also write the estimate to this file")
     return p
@@ -139,7 +140,7 @@ def estimates(
         if branches:
             out["branches"] = dict(branches)
         if aqsgd:
-            out["first_epoch"] = _mode(trainer, False, network, overlap, cfg.global_batch)
+            out["first_epoch"] = _mode(trainer, False, network, overlap, cfg.global_batch, branches)
         out["estimate_wall_s"] = time.perf_counter() - t0
         results.append(out)
     return results
