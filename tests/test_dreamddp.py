@@ -308,11 +308,14 @@ def test_dfs_equals_brute_force_on_paper_like_profiles(profile, gbps, H):
     assert simulate_period(dfs, f, b, c) == simulate_period(bf, f, b, c)
 
 
-def test_dfs_large_is_fast_and_valid():
+def test_dfs_on_100_layers_is_a_valid_schedule_no_shorter_than_the_optimum():
+    """At DreamDDP's largest size (100 layers, H = 10): every layer averaged at least once,
+    and the search's period is never below the exact minimum (brute force)."""
     rng = np.random.default_rng(0)
     b, c = rng.uniform(1e-3, 20e-3, 100), rng.uniform(1e-3, 30e-3, 100)
     s = dreamddp_schedule(b, c, 10, forward_s=0.05)
     assert s.period == 10 and s.num_layers == 100
+    assert {layer for g in s.groups for layer in g} == set(range(100))
     plain = dreamddp_schedule(b, c, 10, forward_s=0.05, fill_bubbles=False)
     assert simulate_period(plain, 0.05, b, c) >= simulate_period(
         brute_force_schedule(b, c, 10, forward_s=0.05), 0.05, b, c

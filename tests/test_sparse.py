@@ -304,17 +304,14 @@ def test_auto_runs_the_collective_the_model_chooses(net, ratio, request):
     bandwidth=st.floats(1e6, 1e11),
 )
 def test_chooser_returns_the_argmin_of_the_modelled_costs(nbytes, n, ratio, latency, bandwidth):
+    """Against the paper's formulas written out by hand (``tests/_alpha_beta.py``), not the
+    library's cost table."""
+    from _alpha_beta import hand_costs
+
     net = Network(latency, bandwidth)
-    costs = {
-        name: jaxcomm.collective_time(kind, nbytes, n, net, ratio=ratio)
-        for name, kind in (
-            ("allgather", "ag_topk"),
-            ("art_ring", "art_ring"),
-            ("art_tree", "art_tree"),
-        )
-    }
+    costs = hand_costs(nbytes, n, ratio, latency, bandwidth)
     choice = jaxcomm.choose_collective(nbytes, n, ratio, net)
-    assert costs[choice] == min(costs.values())
+    assert costs[choice] <= min(costs.values()) * (1 + 1e-9)
 
 
 def test_nonfinite_gradient_reaches_the_update_of_every_worker():
