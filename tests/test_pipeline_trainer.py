@@ -289,3 +289,24 @@ def test_aggregator_keys_differ_per_stage_and_group(tmp_path):
         np.testing.assert_array_equal(k[0], k[1])
     distinct = {tuple(k[0]) for k in keys}
     assert len(distinct) == len(keys) == 4 + 1 + 1
+
+
+def test_write_back_copies_each_boundary_cell_to_the_host_once(tmp_path, monkeypatch):
+    """Each boundary's new messages sit on both its sides bit for bit; the write-back copies
+    one side of each (boundary, replica) cell to the host, not both."""
+    cfg = _cfg(tmp_path, boundary="aqsgd", fw_bits=2, train_samples=16, steps=1, workers=2,
+               stages=4, global_batch=16)  # fmt: skip
+    trainer = PipelineTrainer(cfg)
+    trainer.run()
+    copies = []
+    real = np.asarray
+
+    def counting(a, *args, **kw):
+        if isinstance(a, jax.Array):
+            copies.append(a.shape)
+        return real(a, *args, **kw)
+
+    monkeypatch.setattr(np, "asarray", counting)
+    trainer._after_step()
+    monkeypatch.setattr(np, "asarray", real)
+    assert len(copies) == (cfg.stages - 1) * cfg.workers

@@ -560,8 +560,10 @@ class PipelineTrainer(Trainer):
             for side, shift in ((state.prev_out, 0), (state.prev_in, 1)):
                 for shard in side.addressable_shards:
                     d, st = shard.index[0].start or 0, shard.index[1].start or 0
-                    if 0 <= st - shift < len(self.buffers):
-                        cells.setdefault((st - shift, d), np.asarray(shard.data))
+                    key = (st - shift, d)
+                    # Copied to the host only when the other side has not given it already.
+                    if 0 <= key[0] < len(self.buffers) and key not in cells:
+                        cells[key] = np.asarray(shard.data)
             for b in range(len(self.buffers)):
                 parts = sorted((d, v) for (bb, d), v in cells.items() if bb == b)
                 if not parts:
