@@ -102,3 +102,39 @@ def test_training_with_one_process_per_namespace(tmp_path):
     pb = jax.tree.leaves(serialization.msgpack_restore((one / "params.msgpack").read_bytes()))
     for x, y in zip(pa, pb, strict=True):
         np.testing.assert_allclose(x, y, atol=1e-6)
+
+
+def test_a_preexisting_etc_folder_is_refused_and_left_alone():
+    theirs = netns.NETNS_ETC / "jt0"
+    theirs.mkdir(parents=True, exist_ok=True)
+    (theirs / "resolv.conf").write_text("nameserver 198.18.0.99\n")
+    try:
+        with pytest.raises(RuntimeError, match="not made by this cluster"):
+            netns.NetnsCluster(1, None, prefix=PREFIX)
+        assert (theirs / "resolv.conf").read_text() == "nameserver 198.18.0.99\n"
+        assert _mine() == set()
+    finally:
+        (theirs / "resolv.conf").unlink()
+        theirs.rmdir()
+
+
+def test_cleanup_removes_what_a_killed_cluster_left_and_nothing_else():
+    """``kill -9`` of a process holding a cluster leaves its namespaces; the cleanup command
+    deletes exactly those (and their /etc/netns folders), not a namespace it did not make."""
+    subprocess.run(["ip", "netns", "add", "jtother"], check=True)
+    try:
+        code = ("import sys, time; from train import netns; "
+                "c = netns.NetnsCluster(2, None, prefix='jt'); print('up', flush=True); "
+                "time.sleep(120)")  # fmt: skip
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "up"
+        proc.kill()
+        proc.wait()
+        assert {"jt0", "jt1", "jthub"} <= _mine()
+        out = subprocess.run([sys.executable, "-m", "train.netns", "--cleanup"],
+                             capture_output=True, text=True)  # fmt: skip
+        assert out.returncode == 0 and "jt0" in out.stdout
+        assert _mine() == {"jtother"}
+        assert not (netns.NETNS_ETC / "jt0").exists()
+    finally:
+        subprocess.run(["ip", "netns", "del", "jtother"])

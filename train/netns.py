@@ -14,7 +14,12 @@ Latency: this kernel has no ``netem`` qdisc, so no real propagation delay is add
 have the veth's own latency (tens of microseconds); a latency figure for the alpha-beta model
 is measured by :func:`ping_pong`. Setting up twice with the same prefix, or a prefix whose
 namespaces exist, is refused; :meth:`NetnsCluster.close` (also on exceptions, via ``with``)
-deletes every namespace and file it made.
+deletes every namespace and file it made, and nothing else: an ``/etc/netns/<name>/`` that
+existed before is refused, never overwritten or removed.
+
+Each namespace made is recorded in ``/run/jaxcomm-netns/<name>`` (with whether its
+``/etc/netns`` folder was made too), so a process killed with ``kill -9`` leaves a record of
+its leftovers: ``python -m train.netns --cleanup`` deletes exactly those.
 """
 
 from __future__ import annotations
@@ -30,10 +35,64 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["NetnsCluster", "available", "ping_pong", "address"]
+__all__ = ["NetnsCluster", "available", "cleanup", "ping_pong", "address"]
 
 SUBNET = "198.18.0"
 NETNS_ETC = Path("/etc/netns")
+REGISTRY = Path("/run/jaxcomm-netns")  # one file per namespace made; cleared at boot
+
+
+def _record(ns: str, etc_made: bool) -> None:
+    REGISTRY.mkdir(parents=True, exist_ok=True)
+    (REGISTRY / ns).write_text(f"etc={int(etc_made)} pid={os.getpid()}\n")
+
+
+def _remove(ns: str) -> str | None:
+    """Delete namespace ``ns`` and, when this module made it, its ``/etc/netns`` folder;
+    drop its record. Returns an error text, or None."""
+    record = REGISTRY / ns
+    etc_made = record.is_file() and "etc=1" in record.read_text()
+    proc = subprocess.run(["ip", "netns", "del", ns], capture_output=True, text=True)
+    error = None
+    if proc.returncode and "No such file" not in proc.stderr:
+        error = f"{ns}: {proc.stderr.strip()}"
+    if etc_made:
+        shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+    if error is None:
+        record.unlink(missing_ok=True)
+    return error
+
+
+def _owner_alive(record: str) -> bool:
+    """Whether the process that made a recorded namespace still runs (its cluster is live)."""
+    for part in record.split():
+        if part.startswith("pid=") and part[4:].isdigit():
+            pid = int(part[4:])
+            if pid == os.getpid():
+                return False
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                return True
+            return True
+    return False
+
+
+def cleanup() -> list[str]:
+    """Delete the namespaces (and ``/etc/netns`` folders) a killed :class:`NetnsCluster`
+    left behind, found by their records, and nothing else (not those of a cluster whose
+    process still runs); returns the names deleted."""
+    if not REGISTRY.is_dir():
+        return []
+    names = sorted(
+        p.name for p in REGISTRY.iterdir() if p.is_file() and not _owner_alive(p.read_text())
+    )
+    failed = [e for e in (_remove(ns) for ns in names) if e]
+    if failed:
+        raise RuntimeError("could not delete namespaces: " + "; ".join(failed))
+    return names
 
 
 def address(i: int) -> str:
@@ -82,6 +141,7 @@ class NetnsCluster:
         self.hub = f"{prefix}hub"
         self.rate_mbit: float | None = None
         self._made: list[str] = []
+        self._etc_root_made = False
         why = available()
         if why:
             raise RuntimeError(f"cannot build network namespaces: {why}")
@@ -90,6 +150,12 @@ class NetnsCluster:
         clash = sorted(taken & {self.hub, *self.hosts})
         if clash:
             raise RuntimeError(f"namespaces {clash} already exist; delete them or use a new prefix")
+        theirs = [str(NETNS_ETC / ns) for ns in self.hosts if (NETNS_ETC / ns).exists()]
+        if theirs:
+            raise RuntimeError(
+                f"{', '.join(theirs)} already exist and were not made by this cluster; they are "
+                "left as they are: use another prefix"
+            )
         try:
             self._build()
             self.shape(rate_mbit)
@@ -100,11 +166,16 @@ class NetnsCluster:
     def _build(self) -> None:
         hostname = socket.gethostname()
         self._made.append(self.hub)  # before it exists: a signal here still tears it down
+        _record(self.hub, etc_made=False)
         _run("ip", "netns", "add", self.hub)
         _run("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
         _run("ip", "-n", self.hub, "link", "set", "br0", "up")
+        if not NETNS_ETC.exists():
+            NETNS_ETC.mkdir(parents=True)
+            self._etc_root_made = True
         for i, ns in enumerate(self.hosts):
             self._made.append(ns)
+            _record(ns, etc_made=True)  # checked absent above: made here, or not at all
             _run("ip", "netns", "add", ns)
             # IPv4 on the test range only: no IPv6 link-local addresses either.
             _run("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
@@ -121,7 +192,7 @@ class NetnsCluster:
             _run("ip", "-n", self.hub, "link", "set", peer, "master", "br0")
             _run("ip", "-n", self.hub, "link", "set", peer, "up")
             etc = NETNS_ETC / ns
-            etc.mkdir(parents=True, exist_ok=True)
+            etc.mkdir()
             (etc / "hosts").write_text(f"{address(i)} {hostname}\n127.0.0.1 localhost\n")
 
     def shape(self, rate_mbit: float | None) -> None:
@@ -154,15 +225,11 @@ class NetnsCluster:
         blocked = {signal.SIGINT, signal.SIGTERM}
         old = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
         try:
-            failed = []
-            for ns in reversed(self._made):
-                proc = subprocess.run(["ip", "netns", "del", ns], capture_output=True, text=True)
-                if proc.returncode and "No such file" not in proc.stderr:
-                    failed.append(f"{ns}: {proc.stderr.strip()}")
-                shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+            failed = [e for e in (_remove(ns) for ns in reversed(self._made)) if e]
             self._made = []
-            if NETNS_ETC.is_dir() and not any(NETNS_ETC.iterdir()):
+            if self._etc_root_made and NETNS_ETC.is_dir() and not any(NETNS_ETC.iterdir()):
                 NETNS_ETC.rmdir()
+                self._etc_root_made = False
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
         if failed:
@@ -251,3 +318,22 @@ def ping_pong(
         "bandwidth_bps": float(8 / beta) if beta > 0 else float("inf"),
         "times": {str(k): v for k, v in sorted(times.items())},
     }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m train.netns --cleanup``: delete what a killed cluster left behind."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m train.netns", description=main.__doc__)
+    parser.add_argument("--cleanup", action="store_true", help="delete recorded leftovers")
+    args = parser.parse_args(argv)
+    if not args.cleanup:
+        parser.print_help()
+        return 2
+    names = cleanup()
+    print(f"deleted {len(names)} namespace(s): {', '.join(names) or 'none left'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
