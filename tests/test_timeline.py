@@ -1,5 +1,6 @@
 """GPipe's timeline: hand-computed schedules, closed forms, and the pipeline trainer's step."""
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -148,7 +149,27 @@ def test_trainer_step_follows_the_gpipe_timeline_per_stage(trainer):
     rounds = traffic.rounds - 2 * (ticks - 1)
     path = traffic.path_bytes - (ticks - 1) * (fw_msg + bw_msg)
     dp = np.max(rounds * 2e-3 + path * 8 / 1e8)
-    assert dp > 0  # the blocks' all-reduce over the two replicas
+
+    # By hand, from the parameter counts: each stage's blocks are averaged over the two
+    # replicas by a ring (2 rounds, 2 (N - 1) ceil(d / N) floats), stage 0's embedding and
+    # the last stage's head likewise, and the loss is shared by a 4-byte psum over the
+    # stages (2 (S - 1) rounds of one float).
+    def count(tree, lead=2):
+        return sum(int(np.prod(a.shape[lead:])) for a in jax.tree_util.tree_leaves(tree))
+
+    def ring(d):
+        return 2, 2 * (cfg.workers - 1) * -(-d // cfg.workers) * 4
+
+    by_stage = []
+    for stage in range(s):
+        r, p = ring(count(trainer.params["blocks"]))
+        r, p = r + 2 * (s - 1), p + 2 * (s - 1) * 4
+        for name, owner in (("embed", 0), ("head", s - 1)):
+            if stage == owner:
+                dr, dpath = ring(count(trainer.params[name]))
+                r, p = r + dr, p + dpath
+        by_stage.append(r * 2e-3 + p * 8 / 1e8)
+    assert dp == pytest.approx(max(by_stage), rel=1e-9)
     r0 = rest.max()
     # The stages differ (the first and last carry the input function and the loss), so the
     # step is the event timeline (checked against hand-computed schedules above) of the
