@@ -895,7 +895,7 @@ def _instr_flops(
                 flops = 2.0 * _elements(first) * k
                 return flops, flops, 0.0
         elif target in _CONV_TARGETS and len(instr.operands) >= 2:
-            return _conv_flops(instr, shapes, _elements(first))
+            return _cudnn_conv_flops(instr, shapes, target, first)
         elif target == "TopK" and instr.operands:  # the CPU's lax.top_k: a partial sort
             n = _elements(shapes.get(instr.operands[0], ""))
             k = (_dims(first) or [1])[-1]
@@ -934,6 +934,27 @@ def _gemm_contracted(instr: _Instr, shapes: dict[str, str]) -> float | None:
     if any(d >= len(lhs) for d in dims):
         return None
     return float(math.prod(lhs[d] for d in dims))
+
+
+def _cudnn_conv_flops(
+    instr: _Instr, shapes: dict[str, str], target: str, result: str
+) -> tuple[float, float, float]:
+    """Flops of a cuDNN convolution call: those of the forward convolution it belongs to,
+    ``2 |forward output| |W| / W[o]``. The call's window and ``dim_labels`` describe that
+    forward convolution; a forward call is ``(x, W) -> y``, a backward-input call
+    ``(dy, W) -> dx`` and a backward-filter call ``(x, dy) -> dW``."""
+    ops = [shapes.get(o, "") for o in instr.operands]
+    if target == "__cudnn$convBackwardInput":
+        out, kernel = _elements(ops[0]), _dims(ops[1])
+    elif target == "__cudnn$convBackwardFilter":
+        out, kernel = _elements(ops[1]), _dims(result)
+    else:
+        out, kernel = _elements(result), _dims(ops[1])
+    labels = (_attr(instr.attrs, "dim_labels") or "").split("_")
+    o = labels[1].find("o") if len(labels) > 1 else -1
+    per_out = math.prod(kernel) / (kernel[o] if 0 <= o < len(kernel) else 1)
+    flops = 2.0 * out * per_out
+    return flops, flops, 0.0
 
 
 def _conv_flops(instr: _Instr, shapes: dict[str, str], out: int) -> tuple[float, float, float]:

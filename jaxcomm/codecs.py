@@ -431,7 +431,7 @@ def _threshold_indices(mag: jax.Array, k: int, rounds: int) -> jax.Array:
     Non-finite magnitudes (NaN, Inf) are searched as 0, and then the first of them takes
     slot 0, so a non-finite input always reaches the payload (never a finite wrong one).
     """
-    raw_mag, raw_top = mag, jnp.max(mag)  # NaN or Inf when any entry is
+    raw_mag = mag
     mag = jnp.where(jnp.isfinite(mag), mag, 0.0).astype(jnp.float32)
     bits = lax.bitcast_convert_type(mag, jnp.int32)  # >= 0, ordered as the magnitudes
     hi0 = jnp.max(bits) + 1
@@ -457,8 +457,10 @@ def _threshold_indices(mag: jax.Array, k: int, rounds: int) -> jax.Array:
     idx = jnp.where(j < n_above, first, rest).astype(jnp.int32)
     # One more pass over the magnitudes, small beside the search's rounds (a lax.cond
     # would skip it, but inside shard_map its branches' varying types differ).
-    first_bad = jnp.argmax(~jnp.isfinite(raw_mag)).astype(jnp.int32)
-    bad = jnp.where(jnp.isfinite(raw_top), jnp.int32(-1), first_bad)
+    # Not from a max over the magnitudes: XLA's CPU max reduction can drop a NaN.
+    nonfinite = ~jnp.isfinite(raw_mag)
+    first_bad = jnp.argmax(nonfinite).astype(jnp.int32)
+    bad = jnp.where(jnp.any(nonfinite), first_bad, jnp.int32(-1))
     return jnp.where((j == 0) & (bad >= 0), bad, idx)
 
 

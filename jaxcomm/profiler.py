@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -135,7 +136,16 @@ def profile_layers(
         for start in range(len(names) + 1)
     ]
     if roofline is not None:
-        prefix = [float(np.max(roofline.seconds(program_cost(p).per_device()))) for p in programs]
+        costs = [program_cost(p) for p in programs]
+        uncounted = sorted({c for cost in costs for c in cost.uncounted})
+        if uncounted:
+            warnings.warn(
+                f"profile_layers: custom calls without a flop count ({', '.join(uncounted[:5])})"
+                ": their flops are missing from the layer times",
+                UserWarning,
+                stacklevel=2,
+            )
+        prefix = [float(np.max(roofline.seconds(c.per_device()))) for c in costs]
         spread = [0.0] * len(prefix)
         method = f"roofline:{roofline.device.name}"
     else:

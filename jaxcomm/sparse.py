@@ -136,7 +136,7 @@ def _k(ratio: float, d: int) -> int:
         raise ValueError("the gradient has no entries (d = 0): nothing to sparsify")
     if ratio * d < 1.0:
         raise ValueError(
-            f"k = ratio * d = {ratio!r} * {d} = {ratio * d:.3g} rounds to 0 entries; ratio "
+            f"k = ratio * d = {ratio!r} * {d} = {ratio * d:.3g} is less than one entry; ratio "
             f"must be at least 1 / d = {1.0 / d:.3g} for a model of {d} parameters"
         )
     return ratio_k(ratio, d)

@@ -227,3 +227,16 @@ def test_a_nonfinite_element_anywhere_poisons_its_bucket_under_vmap(symmetric, b
     )(jnp.asarray(x))  # fmt: skip
     out = np.asarray(jax.vmap(jaxcomm.dequantize)(q))
     assert not np.isfinite(out).all(axis=1).any()
+
+
+@pytest.mark.parametrize("method", ["auto", "threshold"])
+def test_threshold_topk_keeps_a_nan_anywhere_in_the_payload(method):
+    """A NaN at any position reaches the payload (a max over the magnitudes, which XLA's CPU
+    reduction computes without NaN, cannot be what decides it)."""
+    d, k = 1000, 100
+    x = np.random.default_rng(0).normal(size=(d // 37 + 1, d)).astype(np.float32)
+    rows = np.arange(x.shape[0])
+    x[rows, rows * 37] = np.nan
+    idx = jax.jit(jax.vmap(lambda v: jaxcomm.topk_indices(v, k, method=method)))(jnp.asarray(x))
+    for r, i in zip(rows, np.asarray(idx), strict=True):
+        assert r * 37 in set(i.tolist())

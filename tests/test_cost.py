@@ -157,7 +157,7 @@ def test_a_strided_convolutions_input_gradient_costs_what_its_forward_does():
 _GPU_HLO = """HloModule gpu_step, num_partitions=1
 
 ENTRY %main (x: f32[128,512], w: f32[512,256], img: f32[8,32,32,3], k: f32[3,3,3,64], \
-dy: f32[8,16,16,64], b: f32[4,64,32], c: f32[4,32,16], kt: f32[3,3,64,3]) -> f32[128,256] {
+dy: f32[8,16,16,64], b: f32[4,64,32], c: f32[4,32,16]) -> f32[128,256] {
   %x = f32[128,512]{1,0} parameter(0)
   %w = f32[512,256]{1,0} parameter(1)
   %img = f32[8,32,32,3]{3,2,1,0} parameter(2)
@@ -165,7 +165,6 @@ dy: f32[8,16,16,64], b: f32[4,64,32], c: f32[4,32,16], kt: f32[3,3,64,3]) -> f32
   %dy = f32[8,16,16,64]{3,2,1,0} parameter(4)
   %b = f32[4,64,32]{2,1,0} parameter(5)
   %c = f32[4,32,16]{2,1,0} parameter(6)
-  %kt = f32[3,3,64,3]{3,2,1,0} parameter(7)
   %gemm = (f32[128,256]{1,0}, s8[4194304]{0}) custom-call(f32[128,512]{1,0} %x, \
 f32[512,256]{1,0} %w), custom_call_target="__cublas$gemm", \
 backend_config={"operation_queue_id":"0","gemm_backend_config":{"alpha_real":1,"beta":0,"dot_dimension_numbers":{\
@@ -179,8 +178,11 @@ f32[4,32,16]{2,1,0} %c), custom_call_target="__cublas$lt$matmul", backend_config
 f32[3,3,3,64]{3,2,1,0} %k), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f, \
 custom_call_target="__cudnn$convForward", backend_config={"conv_result_scale":1}
   %dx = (f32[8,32,32,3]{3,2,1,0}, u8[0]{0}) custom-call(f32[8,16,16,64]{3,2,1,0} %dy, \
-f32[3,3,64,3]{3,2,1,0} %kt), window={size=3x3 pad=1_1x1_1 lhs_dilate=2x2}, \
+f32[3,3,3,64]{3,2,1,0} %k), window={size=3x3 stride=2x2 pad=0_1x0_1}, \
 dim_labels=b01f_01io->b01f, custom_call_target="__cudnn$convBackwardInput"
+  %dw = (f32[3,3,3,64]{3,2,1,0}, u8[0]{0}) custom-call(f32[8,32,32,3]{3,2,1,0} %img, \
+f32[8,16,16,64]{3,2,1,0} %dy), window={size=3x3 stride=2x2 pad=0_1x0_1}, \
+dim_labels=b01f_01io->b01f, custom_call_target="__cudnn$convBackwardFilter"
   %mystery = f32[128]{0} custom-call(f32[128,512]{1,0} %x), custom_call_target="my$kernel"
   ROOT %out = f32[128,256]{1,0} get-tuple-element(%gemm), index=0
 }
@@ -188,16 +190,17 @@ dim_labels=b01f_01io->b01f, custom_call_target="__cudnn$convBackwardInput"
 
 
 def test_gpu_library_calls_are_costed_from_their_shapes():
-    """cuBLAS/cuBLASLt gemms count 2 M N K (batched: per batch), cuDNN convolutions their
-    window's products (an input gradient's zeros from ``lhs_dilate`` excluded); a custom call
+    """cuBLAS/cuBLASLt gemms count 2 M N K (batched: per batch); each cuDNN convolution call
+    counts its forward convolution's products (a stride-2 3x3 convolution of 3 into 64
+    features: its input and filter gradients cost what its forward does); a custom call
     nothing can cost is listed in ``uncounted``."""
     cost = jaxcomm.program_cost(_GPU_HLO)
     gemm = 2 * 128 * 256 * 512
     batched = 2 * (4 * 64 * 16) * 32
     conv = 2 * (8 * 32 * 32 * 64) * (3 * 3 * 3)
-    dx = 2 * (8 * 32 * 32 * 3) * (3 * 3 * 64) / 4
+    strided = 2 * (8 * 16 * 16 * 64) * (3 * 3 * 3)  # forward of the stride-2 convolution
     per = cost.per_device()
-    assert per.matmul_flops[0] == gemm + batched + conv + dx
+    assert per.matmul_flops[0] == gemm + batched + conv + strided + strided
     assert cost.uncounted == ("mystery (my$kernel)",)
 
 

@@ -403,8 +403,19 @@ def test_config_reads_numbers_as_written_and_names_bad_files(tmp_path):
     with pytest.raises(ValueError, match="bin.yaml' is not text"):
         load_config(tmp_path / "bin.yaml")
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ValueError, match="is a file, not a folder"):
+    with pytest.raises(ValueError, match="is a file"):
         load_config(None, [f"out_dir={tmp_path / 'file'}"])
+    with pytest.raises(ValueError, match="cannot be a folder.*is a file"):
+        load_config(None, [f"out_dir={tmp_path / 'file' / 'sub'}"])
+    # Numbers inside mappings too: an aggregator's step size, adaptive candidates.
+    nested = load_config(
+        None,
+        ["aggregator=ar_topk", "aggregator_args.ratio=1e-2", "adaptive={candidates: [1e-1, 1e-2]}"],
+    )
+    assert nested.aggregator_args == {"ratio": 0.01} and nested.adaptive["candidates"] == [
+        0.1,
+        0.01,
+    ]
     from models import build_task
 
     with pytest.raises(ValueError, match="did you mean 'widht' -> 'width'"):

@@ -214,10 +214,11 @@ class Config:
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         self.network_schedule()  # a clear error for a bad network
-        if self.run_dir.exists() and not self.run_dir.is_dir():
+        blocked = next((p for p in (self.run_dir, *self.run_dir.parents) if p.is_file()), None)
+        if blocked is not None:
             raise ValueError(
-                f"out_dir {str(self.run_dir)!r} is a file, not a folder; choose a folder for "
-                "the run's outputs (--set out_dir=...)"
+                f"out_dir {str(self.run_dir)!r} cannot be a folder: {str(blocked)!r} is a file; "
+                "choose a folder for the run's outputs (--set out_dir=...)"
             )
 
     @property
@@ -342,8 +343,22 @@ _NUMBER = re.compile(r"^\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*$")
 _OPTIONAL_FLOAT = ("mfu",)  # float or None (None: the device's calibration or 0.5)
 
 
+def _numbers(value: Any) -> Any:
+    """Strings that are numbers as people write them (1e-3) as floats, inside mappings and
+    lists too (aggregator arguments, adaptive candidates)."""
+    if isinstance(value, str) and _NUMBER.match(value) and not value.strip().isdigit():
+        return float(value)
+    if isinstance(value, dict):
+        return {k: _numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_numbers(v) for v in value]
+    return value
+
+
 def _coerce(key: str, value: Any) -> Any:
     default = Config.__dataclass_fields__[key]
+    if isinstance(value, (dict, list)):
+        value = _numbers(value)
     kind = type(default.default) if default.default is not dataclasses.MISSING else dict
     if key in _OPTIONAL_FLOAT:
         if value is None:

@@ -40,14 +40,26 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: the kernel sends it SIGKILL when the launcher dies, even by
-    ``kill -9`` (which no handler of the launcher's sees), so no process trains on alone."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+def _death_signal_setter():
+    """A function for ``preexec_fn`` that asks the kernel to SIGKILL the child when the
+    launcher dies, even by ``kill -9`` (which no handler of the launcher's sees), so no
+    process trains on alone. ``prctl`` is looked up here, in the parent: the child between
+    fork and exec only calls it. The signal follows the thread that started the child, so
+    :func:`launch` runs its children from the thread that waits for them. None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def setter() -> None:
+        if prctl(1, signal.SIGKILL) != 0:  # PR_SET_PDEATHSIG
+            os._exit(125)
+        if os.getppid() != parent:  # the launcher died before the request took hold
+            os._exit(125)
+
+    return setter
 
 
 def _exit_code(rc: int) -> int:
@@ -95,6 +107,7 @@ def launch(
     flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
     lines: queue.Queue = queue.Queue()
     procs: list[subprocess.Popen] = []
+    die_with_parent = _death_signal_setter()
     for i in range(processes):
         penv = {
             **base,
@@ -115,7 +128,7 @@ def launch(
             text=True,
             errors="replace",  # a child's stray bytes must not kill the reader
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         procs.append(p)
         print(f"[launch] process {i}: pid {p.pid}", file=sys.stderr, flush=True)

@@ -165,18 +165,14 @@ class NetnsCluster:
 
     def _build(self) -> None:
         hostname = socket.gethostname()
-        self._made.append(self.hub)  # before it exists: a signal here still tears it down
-        _record(self.hub, etc_made=False)
-        _run("ip", "netns", "add", self.hub)
+        self._add(self.hub)
         _run("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
         _run("ip", "-n", self.hub, "link", "set", "br0", "up")
         if not NETNS_ETC.exists():
             NETNS_ETC.mkdir(parents=True)
             self._etc_root_made = True
         for i, ns in enumerate(self.hosts):
-            self._made.append(ns)
-            _record(ns, etc_made=True)  # checked absent above: made here, or not at all
-            _run("ip", "netns", "add", ns)
+            self._add(ns)
             # IPv4 on the test range only: no IPv6 link-local addresses either.
             _run("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
             dev, peer = f"{self.prefix}v{i}", f"{self.prefix}b{i}"
@@ -192,8 +188,23 @@ class NetnsCluster:
             _run("ip", "-n", self.hub, "link", "set", peer, "master", "br0")
             _run("ip", "-n", self.hub, "link", "set", peer, "up")
             etc = NETNS_ETC / ns
-            etc.mkdir()
+            etc.mkdir()  # refuses one that appeared since the check: never someone else's
+            _record(ns, etc_made=True)
             (etc / "hosts").write_text(f"{address(i)} {hostname}\n127.0.0.1 localhost\n")
+
+    def _add(self, ns: str) -> None:
+        """Create namespace ``ns`` and record it as this cluster's, with SIGINT and SIGTERM
+        held so that it is never made without its record (nor recorded unmade: a name
+        another process holds fails here and is not touched by :meth:`close`)."""
+        import signal
+
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            _run("ip", "netns", "add", ns)
+            _record(ns, etc_made=False)
+            self._made.append(ns)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
     def shape(self, rate_mbit: float | None) -> None:
         """(Re)shape every link to ``rate_mbit`` each way (None: remove the limits)."""

@@ -150,8 +150,14 @@ def _sha256(path: Any) -> str:
 
 
 def _checkpoint_files(run_dir: Any, step: int) -> dict[str, Any]:
-    root = run_dir / "checkpoints" / str(step)
-    return {str(p.relative_to(root)): p for p in sorted(root.rglob("*")) if p.is_file()}
+    """Every file of checkpoint ``step``: its Orbax folder and the message-buffer snapshots
+    saved with it (a pipeline's ``buffers/<step>``), by path relative to ``run_dir``."""
+    files = {}
+    for root in (run_dir / "checkpoints" / str(step), run_dir / "buffers" / str(step)):
+        for p in sorted(root.rglob("*")):
+            if p.is_file():
+                files[str(p.relative_to(run_dir))] = p
+    return files
 
 
 def write_checksums(run_dir: Any, step: int, kept: Any = ()) -> None:
@@ -519,6 +525,41 @@ class Trainer:
             "(step sizes such as lr may be changed with --set)"
         )
 
+    def _newest_intact(self, steps: list[int]) -> tuple[int, list[str]]:
+        """``(step, damaged)``: the newest checkpoint of ``steps`` (newest first) whose files
+        match their sums, or -1, and a line per damaged one; the damaged ones newer than
+        the step are moved to ``<run>/damaged/`` (kept for inspection, out of the way of
+        the steps about to be saved)."""
+        damaged: list[str] = []
+        for step in steps:
+            problem = verify_checksums(self.cfg.run_dir, step)
+            if problem is None:
+                break
+            damaged.append(f"step {step} ({problem})")
+            print(
+                f"checkpoint step {step} in {str(self.cfg.run_dir / 'checkpoints')!r} is "
+                f"damaged ({problem}); trying the next older one",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            return -1, damaged
+        for s in steps:
+            if s > step:
+                aside = self.cfg.run_dir / "damaged" / str(s)
+                aside.parent.mkdir(exist_ok=True)
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(self.cfg.run_dir / "checkpoints" / str(s), aside)
+                (self.cfg.run_dir / "checksums" / f"{s}.json").unlink(missing_ok=True)
+        if damaged:
+            print(
+                f"resuming from checkpoint step {step}; the damaged one(s) moved to "
+                f"{str(self.cfg.run_dir / 'damaged')!r}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return step, damaged
+
     def restore(self, manager: ocp.CheckpointManager) -> bool:
         """Load the newest intact checkpoint; False when there is none. Raises on a foreign
         one, or when every checkpoint is damaged.
@@ -530,41 +571,24 @@ class Trainer:
         steps = sorted(manager.all_steps(), reverse=True)
         if not steps:
             return False
-        damaged = []
-        for latest in steps:
-            problem = verify_checksums(self.cfg.run_dir, latest)
-            if problem is None:
-                break
-            damaged.append(f"step {latest} ({problem})")
-            print(
-                f"checkpoint step {latest} in {str(self.cfg.run_dir / 'checkpoints')!r} is "
-                f"damaged ({problem}); trying the next older one",
-                file=sys.stderr,
-                flush=True,
-            )
-        else:
+        # Process 0 checks the files and moves damaged checkpoints aside; the others wait
+        # for its choice, so no process reads a folder while it moves.
+        multi = jax.process_count() > 1
+        if multi:
+            from jax.experimental import multihost_utils
+        damaged: list[str] = []
+        latest = -1
+        if is_primary():
+            latest, damaged = self._newest_intact(steps)
+        if multi:
+            latest = int(multihost_utils.broadcast_one_to_all(np.asarray(latest, np.int64)))
+        if latest < 0:
             raise ValueError(
-                f"no intact checkpoint in {str(self.cfg.run_dir / 'checkpoints')!r}: "
-                + "; ".join(damaged)
+                f"no intact checkpoint in {str(self.cfg.run_dir / 'checkpoints')!r}"
+                + (": " + "; ".join(damaged) if damaged else " (see process 0's log)")
             )
-        if damaged:  # kept for inspection, out of the way of the steps about to be saved
-            newer = [s for s in steps if s > latest]
-            if is_primary():
-                for s in newer:
-                    aside = self.cfg.run_dir / "damaged" / str(s)
-                    aside.parent.mkdir(exist_ok=True)
-                    shutil.rmtree(aside, ignore_errors=True)
-                    os.replace(self.cfg.run_dir / "checkpoints" / str(s), aside)
-                    (self.cfg.run_dir / "checksums" / f"{s}.json").unlink(missing_ok=True)
-            print(
-                f"resuming from checkpoint step {latest}; the damaged one(s) moved to "
-                f"{str(self.cfg.run_dir / 'damaged')!r}",
-                file=sys.stderr,
-                flush=True,
-            )
-            if jax.process_count() > 1:  # every process sees the move before reloading
-                from jax.experimental import multihost_utils
-
+        if latest != steps[0]:  # the newer ones were damaged and are moved aside now
+            if multi:
                 multihost_utils.sync_global_devices("jaxcomm_damaged_checkpoints_moved")
             manager.reload()
         meta = manager.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
@@ -598,6 +622,7 @@ class Trainer:
             extras = {}  # a checkpoint written before host-side extras were saved
         self._restore_extras(extras)
         self.step = int(state["step"])
+        self._saved_step = self.step
         self.loader.restore({"position": int(state["loader_position"]), "seed": self.cfg.seed})
         self.clock.restore({"now": float(state["clock"]), "overlap": self.cfg.overlap})
         return True
