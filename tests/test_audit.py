@@ -70,7 +70,7 @@ def test_partial_pairs_conditionals_and_two_axis_groups():
     assert len(audit.conditionals) == 1
     with pytest.raises(ValueError, match="inside conditionals"):
         audit.traffic()
-    with pytest.raises(ValueError, match="exactly one conditional"):
+    with pytest.raises(ValueError, match="exactly one of the program.s conditionals"):
         audit.traffic({"nothing-like-this": 1})
     stage = np.arange(8) % 4  # device d = data * 4 + stage
     t = audit.traffic({"cond": (stage == 0).astype(int)})  # branch 1 = the true branch
