@@ -376,6 +376,9 @@ def test_step_sizes_may_change_on_resume_and_nothing_else(tmp_path, capsys):
     resumed = Trainer(_cfg(tmp_path, steps=4, **smaller))
     assert resumed.run(resume=True)["resumed"] and resumed.step == 4
     assert "aggregator_args.global_lr changed: 0.01 -> 0.005" in capsys.readouterr().out
+    resumed = Trainer(_cfg(tmp_path, steps=5, lr=1e-3, **{**smaller, "optimizer": "none"}))
+    resumed.run(resume=True)
+    assert "resuming with lr changed" in capsys.readouterr().out
     other = {**MARSIT, "aggregator_args": {**MARSIT["aggregator_args"], "full_sync_every": 2}}
     with pytest.raises(ValueError, match="aggregator_args: checkpoint"):
         Trainer(_cfg(tmp_path, steps=6, **other)).run(resume=True)

@@ -929,6 +929,13 @@ class Trainer:
                 if line and json.loads(line).get("step", 0) <= self.step
             ]
         if primary:  # files are written once, by process 0
+            if resumed and (run_dir / "config.json").is_file():
+                try:
+                    before = json.loads((run_dir / "config.json").read_text())
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    before = {}
+                if "lr" in before and before["lr"] != cfg.lr:
+                    print(f"resuming with lr changed: {before['lr']!r} -> {cfg.lr!r}", flush=True)
             metrics_path.write_text("".join(line + "\n" for line in kept))
             (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
 
