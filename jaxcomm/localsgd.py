@@ -149,7 +149,7 @@ def layer_wires(params: Any, layers: Layers, n: int, *, reduce: str = "ring") ->
 
 def layer_comm_s(wires: Sequence[Wire], network: Network) -> list[float]:
     """Modelled seconds of each layer's averaging: ``rounds * alpha + path_bytes * beta``."""
-    return [w.rounds * network.latency_s + w.path_bytes * network.beta for w in wires]
+    return [network.wire_seconds(w.rounds, w.path_bytes) for w in wires]
 
 
 def _distinct(groups: Sequence[tuple[int, ...]]) -> tuple[list[tuple[int, ...]], list[int]]:

@@ -205,6 +205,15 @@ class Network:
         """Seconds per byte, ``8 / bandwidth_bps``."""
         return 8.0 / self.bandwidth_bps
 
+    def wire_seconds(self, rounds: Any, path_bytes: Any, *, latency_s: Any = None) -> Any:
+        """The alpha-beta time of a wire: ``rounds * latency_s + path_bytes * beta`` seconds
+        for ``rounds`` sequential message rounds carrying ``path_bytes`` bytes along the
+        critical path (numbers or numpy arrays, broadcast). ``latency_s`` replaces the
+        ``rounds * latency_s`` term with seconds of latency already drawn (e.g. jittered
+        rounds). The one place the library turns traffic into time."""
+        latency = rounds * self.latency_s if latency_s is None else latency_s
+        return latency + path_bytes * self.beta
+
     @classmethod
     def parse(cls, spec: str) -> Network:
         """Parse ``"LATENCY,BANDWIDTH"``: ``"1ms,10Gbps"``, ``"50us,100Mbps"``, ``"0.001,1e9"``.
@@ -320,7 +329,7 @@ def collective_time(
         )
     calls = _int("calls", calls, 1)
     a, b = collective_cost(kind, n)
-    return calls * a * network.latency_s + b * nbytes_f * r * network.beta
+    return network.wire_seconds(calls * a, b * nbytes_f * r)
 
 
 def choose_collective(nbytes: float, n: int, ratio: float, network: Network) -> str:
@@ -738,7 +747,7 @@ def log_time(log: CommLog, network: Network) -> float:
     k = len(KINDS)
     rounds = np.asarray(log.rounds).reshape(-1, k).sum(axis=1)
     path = as_bytes(np.asarray(log.path_bytes).reshape(-1, k, 2)).sum(axis=1)
-    per_worker = rounds * network.latency_s + path.astype(np.float64) * network.beta
+    per_worker = network.wire_seconds(rounds, path.astype(np.float64))
     return float(per_worker.max()) if per_worker.size else 0.0
 
 
@@ -914,5 +923,5 @@ class Stragglers:
         factors = self.compute_factors(step, n, stream=stream)
         compute = float((np.broadcast_to(base, (n,)) * factors).max())
         latency = self.round_latency(step, rounds, n, network, stream=stream)
-        comm = latency + float(path_bytes) * network.beta
+        comm = network.wire_seconds(rounds, float(path_bytes), latency_s=latency)
         return (max(compute, comm) if overlap else compute + comm), compute, comm

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import train.trainer as trainer_mod
+from train.checkpoint import Checkpoints
 from train.config import Config
 from train.localsgd import LocalSGDTrainer
 from train.trainer import Trainer
@@ -141,7 +142,7 @@ def test_batches_are_prefetched_and_resume_sees_the_right_position(tmp_path, mon
     # The step-4 checkpoint was written while batch 4 sat prefetched: it stores position 4.
     shutil.rmtree(cfg.run_dir / "checkpoints" / "5")
     more = Trainer(cfg)
-    assert more.restore(more._manager())
+    assert more.restore(Checkpoints(more.cfg.run_dir, 3))
     assert more.step == 4 and more.loader.position == 4
 
 
@@ -162,7 +163,7 @@ def test_nonfinite_step_stops_there_with_lag(tmp_path, monkeypatch):
         trainer.run()
     assert [r["step"] for r in _rows(cfg)] == list(range(1, 7))
     again = Trainer(cfg)
-    assert again.restore(again._manager()) and again.step == 6
+    assert again.restore(Checkpoints(again.cfg.run_dir, 3)) and again.step == 6
 
 
 def test_lagged_loop_waits_for_the_devices_only_when_reading(tmp_path, monkeypatch):

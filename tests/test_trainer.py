@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from train.checkpoint import Checkpoints
 from train.cli import main
 from train.config import Config, load_config
 from train.trainer import Trainer
@@ -198,7 +199,7 @@ def test_nonfinite_step_stops_with_error_and_keeps_checkpoint(tmp_path):
     assert (cfg.run_dir / "checkpoints" / str(saved)).is_dir() and "--resume" in str(stop.value)
     # Every checkpoint on disk holds finite parameters.
     resumed = Trainer(_cfg(tmp_path, optimizer="sgd", lr=1e30, steps=20, checkpoint_every=1))
-    assert resumed.restore(resumed._manager())
+    assert resumed.restore(Checkpoints(cfg.run_dir, cfg.keep_checkpoints))
     for leaf in jax.tree_util.tree_leaves(resumed.worker_params()):
         assert np.all(np.isfinite(leaf))
 

@@ -665,8 +665,8 @@ class PipelineTrainer(Trainer):
                 cfg.microbatches,
                 f[idx] * factors[idx],
                 b[idx] * factors[idx],
-                lat[r, 0] + fw_msg * network.beta,
-                lat[r, 1] + bw_msg * network.beta,
+                network.wire_seconds(1, fw_msg, latency_s=lat[r, 0]),
+                network.wire_seconds(1, bw_msg, latency_s=lat[r, 1]),
                 overlap=overlap,
             )
             pipes.append(line.seconds + float(np.max(rest[idx] * factors[idx])))
@@ -677,21 +677,24 @@ class PipelineTrainer(Trainer):
                 "the step's traffic holds fewer rounds or bytes than its pipeline messages: "
                 f"rounds {traffic.rounds.tolist()}, path bytes {traffic.path_bytes.tolist()}"
             )
-        busiest = int(np.argmax(rounds * network.latency_s + path * network.beta))
+        busiest = int(np.argmax(network.wire_seconds(rounds, path)))
         if self.stragglers is not None:
             lat = self.stragglers.round_latency(
                 step, int(rounds[busiest]), cfg.workers, network, stream=1
             )
         else:
             lat = int(rounds[busiest]) * network.latency_s
-        other = lat + float(path[busiest]) * network.beta
+        other = network.wire_seconds(rounds[busiest], float(path[busiest]), latency_s=lat)
         pipe = max(pipes)
         # The data-parallel collectives follow the backward, after the pipeline's own
         # messages on the same links; ``overlap`` hides messages behind compute, not behind
         # other messages.
         seconds = pipe + other
         compute = float(np.max((self._tick_busy(key, branches) + rest) * factors))
-        comm = p2p_rounds * latency + (ticks - 1) * (fw_msg + bw_msg) * network.beta + other
+        p2p = network.wire_seconds(
+            p2p_rounds, (ticks - 1) * (fw_msg + bw_msg), latency_s=p2p_rounds * latency
+        )
+        comm = p2p + other
         return seconds, compute, comm
 
     def _message_bytes(self, key: Any) -> tuple[int, int]:

@@ -29,13 +29,9 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import hashlib
 import json
 import math
 import os
-import shutil
-import socket
-import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -45,22 +41,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
-from flax import serialization
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm.network import (
-    KINDS,
     CommLog,
     Network,
     SimClock,
-    as_bytes,
     find_logs,
 )
 from jaxcomm.sparse import TopkState
 from models import build_task
+from train.checkpoint import (
+    Checkpoints,
+    RunFolderBusy,
+    load_model_params,
+    resume_note,
+    run_lock,
+    save_model_params,
+)
+from train.clock import StepTraffic, step_traffic, synchronous_step, wire_time
 from train.config import DENSE_AGGREGATORS, Config
 from train.data import Loader, Subset, get_dataset, shard
 from train.distributed import is_primary, to_host
@@ -74,6 +75,7 @@ __all__ = [
     "step_traffic",
     "save_model_params",
     "load_model_params",
+    "RunFolderBusy",
 ]
 
 AXIS = "data"
@@ -122,112 +124,6 @@ def structs(tree: Any, sharding: Any, lead: tuple[int, ...] = ()) -> Any:
 
 def _squeeze(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda a: a[0], tree)
-
-
-# Aggregator settings that are step sizes: they change no state's shape, so a resumed run
-# may change them (e.g. a smaller step after a non-finite stop).
-STEP_SIZES = ("lr", "local_lr", "global_lr", "momentum")
-
-
-def _changed_step_sizes(old: Any, new: Any) -> dict[str, tuple[Any, Any]] | None:
-    """``{key: (old, new)}`` of the step sizes that differ when ``old`` and ``new``
-    aggregator arguments differ in step sizes only; None when anything else differs (or
-    nothing does)."""
-    if not isinstance(old, dict) or not isinstance(new, dict) or old == new:
-        return None
-    rest = lambda d: {k: v for k, v in d.items() if k not in STEP_SIZES}  # noqa: E731
-    if rest(old) != rest(new):
-        return None
-    return {k: (old.get(k), new.get(k)) for k in STEP_SIZES if old.get(k) != new.get(k)}
-
-
-def _sha256(path: Any) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _checkpoint_files(run_dir: Any, step: int) -> dict[str, Any]:
-    """Every file of checkpoint ``step``: its Orbax folder and the message-buffer snapshots
-    saved with it (a pipeline's ``buffers/<step>``), by path relative to ``run_dir``."""
-    files = {}
-    for root in (run_dir / "checkpoints" / str(step), run_dir / "buffers" / str(step)):
-        for p in sorted(root.rglob("*")):
-            if p.is_file():
-                files[str(p.relative_to(run_dir))] = p
-    return files
-
-
-def write_checksums(run_dir: Any, step: int, kept: Any = ()) -> None:
-    """Write the SHA-256 of every file of checkpoint ``step`` to ``run_dir/checksums/
-    <step>.json`` (atomically), and drop the sums of checkpoints no longer kept."""
-    folder = run_dir / "checksums"
-    folder.mkdir(exist_ok=True)
-    sums = {name: _sha256(p) for name, p in _checkpoint_files(run_dir, step).items()}
-    tmp = folder / f".{step}.json.tmp"
-    tmp.write_text(json.dumps(sums, indent=0, sort_keys=True))
-    os.replace(tmp, folder / f"{step}.json")
-    keep = {f"{s}.json" for s in kept} | {f"{step}.json"}
-    for old in folder.glob("*.json"):
-        if old.name not in keep:
-            old.unlink(missing_ok=True)
-
-
-def verify_checksums(run_dir: Any, step: int) -> str | None:
-    """None when checkpoint ``step``'s files match the sums written at its commit (or it has
-    no sums, said on stderr); otherwise what is wrong, naming the first bad file."""
-    path = run_dir / "checksums" / f"{step}.json"
-    try:
-        sums = json.loads(path.read_text())
-    except FileNotFoundError:
-        print(
-            f"checkpoint step {step} has no checksums ({path}): using it unverified",
-            file=sys.stderr,
-            flush=True,
-        )
-        return None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return f"its checksum file {path} is unreadable"
-    files = _checkpoint_files(run_dir, step)
-    for name, digest in sums.items():
-        if name not in files:
-            return f"file {name} is missing"
-        if _sha256(files[name]) != digest:
-            return f"file {name} differs from what was written"
-    return None
-
-
-class RunFolderBusy(RuntimeError):
-    """Another live run holds the run folder's lock."""
-
-
-@contextlib.contextmanager
-def _run_lock(run_dir: Any):
-    """Hold an exclusive lock on ``run_dir/.lock`` (released when the process ends, however
-    it ends); raise ``RuntimeError`` naming the holder when another run has it."""
-    import fcntl
-
-    path = run_dir / ".lock"
-    with open(path, "a+") as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.seek(0)
-            holder = f.read().strip() or "unknown"
-            raise RunFolderBusy(
-                f"another run is writing to {str(run_dir)!r} (process {holder}); wait for it, "
-                "or give this run another folder (--set name=... or --set out_dir=...)"
-            ) from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()} on {socket.gethostname()}")
-        f.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def costed(program: Any) -> jaxcomm.ProgramCost:
@@ -492,137 +388,27 @@ class Trainer:
         them)."""
         self.params, self.opt_state = params, opt_state
 
-    def _manager(self) -> ocp.CheckpointManager:
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=self.cfg.keep_checkpoints, create=True, enable_async_checkpointing=False
-        )
-        return ocp.CheckpointManager((self.cfg.run_dir / "checkpoints").absolute(), options=options)
-
-    def save(self, manager: ocp.CheckpointManager) -> None:
+    def save(self, store: Checkpoints) -> None:
         """Write a checkpoint of the current step (atomic: a crash leaves the previous one)."""
-        manager.save(
-            self.step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(self._state_tree()),
-                meta=ocp.args.JsonSave(self.fingerprint()),
-                extras=ocp.args.JsonSave(self._checkpoint_extras()),
-            ),
-            force=True,
-        )
-        manager.wait_until_finished()
-        if is_primary():
-            write_checksums(self.cfg.run_dir, self.step, manager.all_steps())
-        self._saved_step = self.step
+        store.save(self.step, self._state_tree(), self.fingerprint(), self._checkpoint_extras())
+        self.store = store
 
     def _checkpoint_note(self) -> str:
         """Where a stopped run can continue from, for its error message."""
-        step = getattr(self, "_saved_step", None)
-        if step is None:
-            return "no checkpoint was written yet: start again (e.g. with a smaller lr)"
-        path = self.cfg.run_dir / "checkpoints" / str(step)
-        return (
-            f"the newest checkpoint, step {step} ({path}), is intact: continue it with --resume "
-            "(step sizes such as lr may be changed with --set)"
-        )
+        store = getattr(self, "store", None)
+        return resume_note(store.folder if store else None, store.saved_step if store else None)
 
-    def _newest_intact(self, steps: list[int]) -> tuple[int, list[str]]:
-        """``(step, damaged)``: the newest checkpoint of ``steps`` (newest first) whose files
-        match their sums, or -1, and a line per damaged one; the damaged ones newer than
-        the step are moved to ``<run>/damaged/`` (kept for inspection, out of the way of
-        the steps about to be saved)."""
-        damaged: list[str] = []
-        for step in steps:
-            problem = verify_checksums(self.cfg.run_dir, step)
-            if problem is None:
-                break
-            damaged.append(f"step {step} ({problem})")
-            print(
-                f"checkpoint step {step} in {str(self.cfg.run_dir / 'checkpoints')!r} is "
-                f"damaged ({problem}); trying the next older one",
-                file=sys.stderr,
-                flush=True,
-            )
-        else:
-            return -1, damaged
-        for s in steps:
-            if s > step:
-                aside = self.cfg.run_dir / "damaged" / str(s)
-                aside.parent.mkdir(exist_ok=True)
-                shutil.rmtree(aside, ignore_errors=True)
-                os.replace(self.cfg.run_dir / "checkpoints" / str(s), aside)
-                (self.cfg.run_dir / "checksums" / f"{s}.json").unlink(missing_ok=True)
-        if damaged:
-            print(
-                f"resuming from checkpoint step {step}; the damaged one(s) moved to "
-                f"{str(self.cfg.run_dir / 'damaged')!r}",
-                file=sys.stderr,
-                flush=True,
-            )
-        return step, damaged
-
-    def restore(self, manager: ocp.CheckpointManager) -> bool:
-        """Load the newest intact checkpoint; False when there is none. Raises on a foreign
-        one, or when every checkpoint is damaged.
-
-        Each checkpoint's files are checked against the SHA-256 sums written when it was
-        committed (``<run>/checksums/<step>.json``); a damaged one is named in one line and
-        the next older one is tried. A checkpoint without sums (its writer stopped between
-        the commit and the sums) is used as it is, with a line saying so."""
-        steps = sorted(manager.all_steps(), reverse=True)
-        if not steps:
+    def restore(self, store: Checkpoints) -> bool:
+        """Load the newest intact checkpoint of ``store`` (see :meth:`Checkpoints.restore`);
+        False when there is none."""
+        self.store = store
+        found = store.restore(self._state_tree(), self.fingerprint())
+        if found is None:
             return False
-        # Process 0 checks the files and moves damaged checkpoints aside; the others wait
-        # for its choice, so no process reads a folder while it moves.
-        multi = jax.process_count() > 1
-        if multi:
-            from jax.experimental import multihost_utils
-        damaged: list[str] = []
-        latest = -1
-        if is_primary():
-            latest, damaged = self._newest_intact(steps)
-        if multi:
-            latest = int(multihost_utils.broadcast_one_to_all(np.asarray(latest, np.int64)))
-        if latest < 0:
-            raise ValueError(
-                f"no intact checkpoint in {str(self.cfg.run_dir / 'checkpoints')!r}"
-                + (": " + "; ".join(damaged) if damaged else " (see process 0's log)")
-            )
-        if latest != steps[0]:  # the newer ones were damaged and are moved aside now
-            if multi:
-                multihost_utils.sync_global_devices("jaxcomm_damaged_checkpoints_moved")
-            manager.reload()
-        meta = manager.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        mine = json.loads(json.dumps(self.fingerprint()))
-        changed = _changed_step_sizes(meta.get("aggregator_args"), mine.get("aggregator_args"))
-        if changed is not None:  # step sizes may change on resume; nothing else may
-            meta = {**meta, "aggregator_args": mine.get("aggregator_args")}
-        diff = {k: (meta.get(k), v) for k, v in mine.items() if meta.get(k) != v}
-        if diff:
-            details = "; ".join(
-                "parameter shapes differ" if k == "param_shapes"
-                else f"{k}: checkpoint {a!r} vs config {b!r}"
-                for k, (a, b) in diff.items()
-            )  # fmt: skip
-            raise ValueError(
-                f"checkpoint directory {str(self.cfg.run_dir / 'checkpoints')!r} holds a "
-                f"different run ({details}); choose another out_dir or matching settings"
-            )
-        for key, (old, new) in (changed or {}).items():
-            print(f"resuming with aggregator_args.{key} changed: {old!r} -> {new!r}", flush=True)
-        target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, self._state_tree())
-        state = manager.restore(
-            latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
-        )["state"]
+        step, state, extras = found
         self._set_state(state["params"], state["opt_state"])
-        try:
-            extras = manager.restore(
-                latest, args=ocp.args.Composite(extras=ocp.args.JsonRestore())
-            )["extras"]
-        except (KeyError, ValueError, FileNotFoundError):
-            extras = {}  # a checkpoint written before host-side extras were saved
         self._restore_extras(extras)
-        self.step = int(state["step"])
-        self._saved_step = self.step
+        self.step = step
         self.loader.restore({"position": int(state["loader_position"]), "seed": self.cfg.seed})
         self.clock.restore({"now": float(state["clock"]), "overlap": self.cfg.overlap})
         return True
@@ -740,18 +526,14 @@ class Trainer:
             per: Any = measured_s
         else:
             per = self._modelled_per_device(key, branches)
-        times = traffic.rounds * network.latency_s + traffic.path_bytes * network.beta
-        if self.stragglers is None:
-            compute, comm = float(np.max(per)), float(np.max(times))
-            return (max(compute, comm) if overlap else compute + comm), compute, comm
-        busiest = int(np.argmax(times))
-        return self.stragglers.step_seconds(
-            step,
-            self.mesh.devices.size,
+        return synchronous_step(
             per,
-            int(traffic.rounds[busiest]),
-            float(traffic.path_bytes[busiest]),
+            traffic.rounds,
+            traffic.path_bytes,
             network,
+            step,
+            devices=self.mesh.devices.size,
+            stragglers=self.stragglers,
             overlap=overlap,
             stream=stream,
         )
@@ -906,13 +688,13 @@ class Trainer:
         second run into the same folder while this one lives is refused, naming this one's
         process, instead of interleaving metrics and overwriting checkpoints."""
         self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        with _run_lock(self.cfg.run_dir) if is_primary() else contextlib.nullcontext():
+        with run_lock(self.cfg.run_dir) if is_primary() else contextlib.nullcontext():
             return self._run(resume=resume, metrics_cb=metrics_cb)
 
     def _run(self, *, resume: bool, metrics_cb: Callable | None) -> dict[str, Any]:
         cfg = self.cfg
         run_dir = cfg.run_dir
-        manager = self._manager()
+        manager = self.store = Checkpoints(run_dir, cfg.keep_checkpoints)
         if manager.latest_step() is not None and not resume:
             raise ValueError(
                 f"{str(run_dir)!r} already holds checkpoints (newest: step "
@@ -1079,128 +861,6 @@ class Trainer:
     def model_params(self) -> Any:
         """Worker 0's parameters in the model's own layout (what ``init_params`` loads)."""
         return self.worker_params(0)
-
-
-def save_model_params(path: str | os.PathLike, params: Any) -> None:
-    """Write a parameter tree to ``path`` as msgpack, atomically (temporary file, rename)."""
-    path = os.fspath(path)
-    data = serialization.msgpack_serialize(
-        serialization.to_state_dict(jax.tree_util.tree_map(np.asarray, params))
-    )
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def load_model_params(path: str | os.PathLike, template: Any) -> Any:
-    """Read parameters written by :func:`save_model_params` into ``template``'s structure.
-
-    Raises ``ValueError`` naming the first leaf whose path, shape or dtype differs.
-    """
-    with open(path, "rb") as f:
-        state = serialization.msgpack_restore(f.read())
-    want = jax.tree_util.tree_flatten_with_path(serialization.to_state_dict(template))[0]
-    got = dict(jax.tree_util.tree_flatten_with_path(state)[0])
-    for key, leaf in want:
-        name = jax.tree_util.keystr(key)
-        if key not in got:
-            raise ValueError(f"init_params {os.fspath(path)!r} has no parameter {name}")
-        have = np.asarray(got.pop(key))
-        if have.shape != np.shape(leaf) or have.dtype != np.asarray(leaf).dtype:
-            raise ValueError(
-                f"init_params {os.fspath(path)!r}: parameter {name} is {have.dtype}"
-                f"{list(have.shape)}, the model needs {np.asarray(leaf).dtype}"
-                f"{list(np.shape(leaf))}"
-            )
-    if got:
-        extra = jax.tree_util.keystr(next(iter(got)))
-        raise ValueError(
-            f"init_params {os.fspath(path)!r} has a parameter the model lacks: {extra}"
-        )
-    return serialization.from_state_dict(template, state)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepTraffic:
-    """A step's communication per device, summed over all its logs (host side, int64).
-
-    Attributes: ``calls``, ``message_bytes``, ``rounds``, ``path_bytes``: ``[devices, K]``
-    per kind of :data:`~jaxcomm.network.KINDS`; ``ratio`` ``[devices, K]``; ``sent``
-    ``[devices]`` bytes each device sent.
-    """
-
-    calls: np.ndarray
-    message_bytes: np.ndarray
-    ratio: np.ndarray
-    rounds: np.ndarray
-    path_bytes: np.ndarray
-    sent: np.ndarray
-
-    def times(self, network: Network) -> np.ndarray:
-        """Modelled seconds per device: ``rounds * alpha + path_bytes * beta``."""
-        return (
-            self.rounds.sum(1) * network.latency_s
-            + self.path_bytes.sum(1).astype(np.float64) * network.beta
-        )
-
-    def wire_record(self, network: Network) -> list[list]:
-        """``[[kind, calls, message_bytes, ratio, rounds, path_bytes], ...]`` of the device
-        whose communication takes longest, to re-model the step (:func:`wire_time`)."""
-        w = int(np.argmax(self.times(network)))
-        return [
-            [
-                kind,
-                int(self.calls[w, i]),
-                int(self.message_bytes[w, i]),
-                float(self.ratio[w, i]),
-                int(self.rounds[w, i]),
-                int(self.path_bytes[w, i]),
-            ]
-            for i, kind in enumerate(KINDS)
-            if self.calls[w, i] > 0
-        ]
-
-
-def step_traffic(logs: list[CommLog]) -> StepTraffic:
-    """Sum a step's logs per device. Logs kept in per-worker state carry leading mesh axes
-    (``[N, ...]``, ``[D, S, ...]``), flattened here; a log without them counts for every
-    device."""
-    k = len(KINDS)
-    parts = []
-    for log in logs:
-        calls = np.asarray(log.calls).reshape(-1, k).astype(np.int64)
-        parts.append(
-            (
-                calls,
-                as_bytes(np.asarray(log.message_bytes).reshape(-1, k, 2)),
-                np.asarray(log.ratio, np.float64).reshape(-1, k),
-                np.asarray(log.rounds).reshape(-1, k).astype(np.int64),
-                as_bytes(np.asarray(log.path_bytes).reshape(-1, k, 2)),
-                as_bytes(np.asarray(log.sent_bytes).reshape(-1, 2)),
-            )
-        )
-    devices = max((p[0].shape[0] for p in parts), default=1)
-    zeros = np.zeros((devices, k), np.int64)
-    calls, mbytes, rounds, path = zeros.copy(), zeros.copy(), zeros.copy(), zeros.copy()
-    weighted, sent = np.zeros((devices, k)), np.zeros(devices, np.int64)
-    for c, m, r, ro, pa, se in parts:
-        calls += c
-        mbytes += m
-        weighted += r * m
-        rounds += ro
-        path += pa
-        sent += se
-    ratio = np.where(mbytes > 0, weighted / np.maximum(mbytes, 1), 1.0)
-    return StepTraffic(calls, mbytes, ratio, rounds, path, sent)
-
-
-def wire_time(wire: list[list], network: Network) -> float:
-    """Modelled seconds of a metrics row's ``wire`` record under another ``network``:
-    ``sum(rounds) * alpha + sum(path_bytes) * beta``."""
-    return sum(rounds * network.latency_s + path * network.beta for *_, rounds, path in wire)
 
 
 def _progress(cfg: Config, start: int):

@@ -1,0 +1,132 @@
+"""Short runs of every shipped config (and the layouts x synchronisations the CLI composes),
+recording each run's simulated time, final loss and bytes per step.
+
+    python benchmarks/config_table.py --out benchmarks/results/config_table/after.json
+    python benchmarks/config_table.py --compare before.json after.json   # a markdown table
+
+Each row is ``python -m train`` on a config with a few overrides (a short step count, no
+evaluation, no progress bar); the estimate-only configs (too large for a CPU) are compiled
+from shapes by ``python -m train.estimate``. Compute is each config's roofline, so the
+simulated time depends on the config alone and two source trees can be compared to the
+digit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHORT = ["steps=10", "eval_every=0", "eval_batches=1", "progress=false", "checkpoint_every=5"]
+PIPE = ["stages=2", "workers=4", "microbatches=2", "global_batch=16", "train_samples=32"]
+
+# name -> (config, overrides); "estimate:" rows run train.estimate instead of a run.
+ROWS: dict[str, tuple[str, list[str]]] = {
+    "dp_default": ("configs/dp_default.yaml", SHORT),
+    "artopk_default": ("configs/artopk_default.yaml", SHORT),
+    "artopk_adaptive": (
+        "configs/artopk_adaptive.yaml",
+        [*SHORT, "steps=14", "adaptive.trial_steps=2", "adaptive.min_interval=6"],
+    ),
+    "dreamddp_default": ("configs/dreamddp_default.yaml", SHORT),
+    "marsit_default": ("configs/marsit_default.yaml", [*SHORT, "steps=12"]),
+    "dp_stragglers": (
+        "configs/dp_default.yaml",
+        [*SHORT, "stragglers={seed: 1, compute_sigma: 0.2, latency_jitter: 0.5}"],
+    ),
+    "pipeline_aqsgd": (
+        "configs/dp_default.yaml",
+        [*SHORT, *PIPE, "boundary=aqsgd", "fw_bits=3", "bw_bits=6"],
+    ),
+    "pipeline_ec_quantized": (
+        "configs/dp_default.yaml",
+        [*SHORT, *PIPE, "aggregator=ec_quantized", "stragglers={seed: 2, compute_sigma: 0.1}"],
+    ),
+    "estimate:aqsgd_gpt2xl": ("configs/aqsgd_gpt2xl.yaml", []),
+    "estimate:marsit_resnet50": (
+        "configs/marsit_resnet50.yaml",
+        ["workers=8", "global_batch=64", "branch:marsit_round=0"],
+    ),
+}
+
+
+def _run(root: Path, config: str, overrides: list[str], out: Path, estimate: bool) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    sets = [a for o in overrides if not o.startswith("branch:") for a in ("--set", o)]
+    sets += [a for o in overrides if o.startswith("branch:") for a in ("--branch", o[7:])]
+    if estimate:
+        out.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "train.estimate", "--config", config, *sets]
+        cmd += ["--json", str(out / "estimate.json")]
+    else:
+        cmd = [sys.executable, "-m", "train", "--config", config, *sets, "--set", f"out_dir={out}"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    if estimate:
+        return {"estimate": json.loads((out / "estimate.json").read_text())}
+    summary = json.loads((out / "summary.json").read_text())
+    return {
+        "sim_time_s": summary["sim_time_s"],
+        "final_loss": summary["final_loss"],
+        "sent_bytes_per_step": summary["sent_bytes_per_step"],
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+
+
+def measure(root: Path, names: list[str], path: Path | None = None) -> dict:
+    """Run every named row in source tree ``root``; ``{name: figures}``, also merged into
+    the JSON file ``path`` after each row."""
+    out: dict = json.loads(path.read_text()) if path is not None and path.exists() else {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            config, overrides = ROWS[name]
+            estimate = name.startswith("estimate:")
+            out[name] = _run(root, config, overrides, Path(tmp) / name.replace(":", "_"), estimate)
+            print(name, out[name], flush=True)
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(out, indent=1))
+    return out
+
+
+def compare(before: dict, after: dict) -> str:
+    """A markdown table of two :func:`measure` results, row by row."""
+    keys = ("sim_time_s", "final_loss", "sent_bytes_per_step", "estimate")
+    lines = [
+        "| run | " + " | ".join(f"{k} before | after" for k in keys) + " | equal |",
+        "|---|" + "---|---|" * len(keys) + "---|",
+    ]
+    for name in before:
+        b, a = before[name], after.get(name, {})
+        cells = []
+        for k in keys:
+            cells += [repr(b.get(k, "")), repr(a.get(k, ""))]
+        same = all(b.get(k) == a.get(k) for k in keys)
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {'yes' if same else 'NO'} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--root", default=str(ROOT), help="source tree to run (default: this one)")
+    p.add_argument("--out", help="write the figures to this JSON file")
+    p.add_argument("--only", nargs="*", default=None, help="row names (default: all)")
+    p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+    args = p.parse_args()
+    if args.compare:
+        before, after = (json.loads(Path(f).read_text()) for f in args.compare)
+        print(compare(before, after))
+        return
+    measure(Path(args.root), args.only or list(ROWS), Path(args.out) if args.out else None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,344 @@
+"""A run's state on disk: the run-folder lock, Orbax checkpoints with SHA-256 sums and a
+fallback to the newest intact one, and the exported model parameters.
+
+:class:`Checkpoints` saves whatever state tree a trainer gives it, with a fingerprint of the
+run (what a checkpoint must match to be resumed) and host-side extras as JSON; restoring
+checks the files against the sums written at the commit, moves damaged newer checkpoints
+aside, and refuses a checkpoint of a different run, naming what differs. Step sizes
+(:data:`STEP_SIZES`) may change on resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import serialization
+
+from train.distributed import is_primary
+
+__all__ = [
+    "Checkpoints",
+    "RunFolderBusy",
+    "run_lock",
+    "write_checksums",
+    "verify_checksums",
+    "save_model_params",
+    "load_model_params",
+    "STEP_SIZES",
+    "resume_note",
+]
+
+# Aggregator settings that are step sizes: they change no state's shape, so a resumed run
+# may change them (e.g. a smaller step after a non-finite stop).
+STEP_SIZES = ("lr", "local_lr", "global_lr", "momentum")
+
+
+def _changed_step_sizes(old: Any, new: Any) -> dict[str, tuple[Any, Any]] | None:
+    """``{key: (old, new)}`` of the step sizes that differ when ``old`` and ``new``
+    aggregator arguments differ in step sizes only; None when anything else differs (or
+    nothing does)."""
+    if not isinstance(old, dict) or not isinstance(new, dict) or old == new:
+        return None
+    rest = lambda d: {k: v for k, v in d.items() if k not in STEP_SIZES}  # noqa: E731
+    if rest(old) != rest(new):
+        return None
+    return {k: (old.get(k), new.get(k)) for k in STEP_SIZES if old.get(k) != new.get(k)}
+
+
+def _sha256(path: Any) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _checkpoint_files(run_dir: Any, step: int) -> dict[str, Any]:
+    """Every file of checkpoint ``step``: its Orbax folder and the message-buffer snapshots
+    saved with it (a pipeline's ``buffers/<step>``), by path relative to ``run_dir``."""
+    files = {}
+    for root in (run_dir / "checkpoints" / str(step), run_dir / "buffers" / str(step)):
+        for p in sorted(root.rglob("*")):
+            if p.is_file():
+                files[str(p.relative_to(run_dir))] = p
+    return files
+
+
+def write_checksums(run_dir: Any, step: int, kept: Any = ()) -> None:
+    """Write the SHA-256 of every file of checkpoint ``step`` to ``run_dir/checksums/
+    <step>.json`` (atomically), and drop the sums of checkpoints no longer kept."""
+    folder = run_dir / "checksums"
+    folder.mkdir(exist_ok=True)
+    sums = {name: _sha256(p) for name, p in _checkpoint_files(run_dir, step).items()}
+    tmp = folder / f".{step}.json.tmp"
+    tmp.write_text(json.dumps(sums, indent=0, sort_keys=True))
+    os.replace(tmp, folder / f"{step}.json")
+    keep = {f"{s}.json" for s in kept} | {f"{step}.json"}
+    for old in folder.glob("*.json"):
+        if old.name not in keep:
+            old.unlink(missing_ok=True)
+
+
+def verify_checksums(run_dir: Any, step: int) -> str | None:
+    """None when checkpoint ``step``'s files match the sums written at its commit (or it has
+    no sums, said on stderr); otherwise what is wrong, naming the first bad file."""
+    path = run_dir / "checksums" / f"{step}.json"
+    try:
+        sums = json.loads(path.read_text())
+    except FileNotFoundError:
+        print(
+            f"checkpoint step {step} has no checksums ({path}): using it unverified",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return f"its checksum file {path} is unreadable"
+    files = _checkpoint_files(run_dir, step)
+    for name, digest in sums.items():
+        if name not in files:
+            return f"file {name} is missing"
+        if _sha256(files[name]) != digest:
+            return f"file {name} differs from what was written"
+    return None
+
+
+class RunFolderBusy(RuntimeError):
+    """Another live run holds the run folder's lock."""
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Any):
+    """Hold an exclusive lock on ``run_dir/.lock`` (released when the process ends, however
+    it ends); raise ``RuntimeError`` naming the holder when another run has it."""
+    import fcntl
+
+    path = run_dir / ".lock"
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise RunFolderBusy(
+                f"another run is writing to {str(run_dir)!r} (process {holder}); wait for it, "
+                "or give this run another folder (--set name=... or --set out_dir=...)"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()} on {socket.gethostname()}")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def save_model_params(path: str | os.PathLike, params: Any) -> None:
+    """Write a parameter tree to ``path`` as msgpack, atomically (temporary file, rename)."""
+    path = os.fspath(path)
+    data = serialization.msgpack_serialize(
+        serialization.to_state_dict(jax.tree_util.tree_map(np.asarray, params))
+    )
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_model_params(path: str | os.PathLike, template: Any) -> Any:
+    """Read parameters written by :func:`save_model_params` into ``template``'s structure.
+
+    Raises ``ValueError`` naming the first leaf whose path, shape or dtype differs.
+    """
+    with open(path, "rb") as f:
+        state = serialization.msgpack_restore(f.read())
+    want = jax.tree_util.tree_flatten_with_path(serialization.to_state_dict(template))[0]
+    got = dict(jax.tree_util.tree_flatten_with_path(state)[0])
+    for key, leaf in want:
+        name = jax.tree_util.keystr(key)
+        if key not in got:
+            raise ValueError(f"init_params {os.fspath(path)!r} has no parameter {name}")
+        have = np.asarray(got.pop(key))
+        if have.shape != np.shape(leaf) or have.dtype != np.asarray(leaf).dtype:
+            raise ValueError(
+                f"init_params {os.fspath(path)!r}: parameter {name} is {have.dtype}"
+                f"{list(have.shape)}, the model needs {np.asarray(leaf).dtype}"
+                f"{list(np.shape(leaf))}"
+            )
+    if got:
+        extra = jax.tree_util.keystr(next(iter(got)))
+        raise ValueError(
+            f"init_params {os.fspath(path)!r} has a parameter the model lacks: {extra}"
+        )
+    return serialization.from_state_dict(template, state)
+
+
+def resume_note(folder: Path | None, step: int | None) -> str:
+    """Where a stopped run can continue from (checkpoint ``step`` in ``folder``; None: none
+    was written), for its error message."""
+    if step is None or folder is None:
+        return "no checkpoint was written yet: start again (e.g. with a smaller lr)"
+    return (
+        f"the newest checkpoint, step {step} ({folder / str(step)}), is intact: continue it "
+        "with --resume (step sizes such as lr may be changed with --set)"
+    )
+
+
+class Checkpoints:
+    """The checkpoints of one run folder (``<run>/checkpoints/<step>``, Orbax, synchronous).
+
+    Each checkpoint holds a state tree (any pytree of arrays), the run's fingerprint (JSON)
+    and host-side extras (JSON). ``saved_step`` is the newest step written or restored by
+    this object (None before either)."""
+
+    def __init__(self, run_dir: Path, keep: int):
+        self.run_dir = Path(run_dir)
+        self.folder = self.run_dir / "checkpoints"
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=False
+        )
+        self.manager = ocp.CheckpointManager(self.folder.absolute(), options=options)
+        self.saved_step: int | None = None
+
+    def latest_step(self) -> int | None:
+        """The newest step on disk (None: none)."""
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """Every step on disk."""
+        return list(self.manager.all_steps())
+
+    def close(self) -> None:
+        """Release the Orbax manager."""
+        self.manager.close()
+
+    def save(self, step: int, state: Any, fingerprint: dict, extras: dict) -> None:
+        """Write checkpoint ``step`` (atomic: a crash leaves the previous one) and, on
+        process 0, its SHA-256 sums."""
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                meta=ocp.args.JsonSave(fingerprint),
+                extras=ocp.args.JsonSave(extras),
+            ),
+            force=True,
+        )
+        self.manager.wait_until_finished()
+        if is_primary():
+            write_checksums(self.run_dir, step, self.manager.all_steps())
+        self.saved_step = step
+
+    def _newest_intact(self, steps: list[int]) -> tuple[int, list[str]]:
+        """``(step, damaged)``: the newest checkpoint of ``steps`` (newest first) whose files
+        match their sums, or -1, and a line per damaged one; the damaged ones newer than
+        the step are moved to ``<run>/damaged/`` (kept for inspection, out of the way of
+        the steps about to be saved)."""
+        damaged: list[str] = []
+        for step in steps:
+            problem = verify_checksums(self.run_dir, step)
+            if problem is None:
+                break
+            damaged.append(f"step {step} ({problem})")
+            print(
+                f"checkpoint step {step} in {str(self.folder)!r} is damaged ({problem}); "
+                "trying the next older one",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            return -1, damaged
+        for s in steps:
+            if s > step:
+                aside = self.run_dir / "damaged" / str(s)
+                aside.parent.mkdir(exist_ok=True)
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(self.folder / str(s), aside)
+                (self.run_dir / "checksums" / f"{s}.json").unlink(missing_ok=True)
+        if damaged:
+            print(
+                f"resuming from checkpoint step {step}; the damaged one(s) moved to "
+                f"{str(self.run_dir / 'damaged')!r}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return step, damaged
+
+    def restore(self, template: Any, fingerprint: dict) -> tuple[int, Any, dict] | None:
+        """``(step, state, extras)`` of the newest intact checkpoint, the state in
+        ``template``'s structure, shapes and shardings; None when there is none. Raises
+        on a different run's checkpoint (naming what differs), or when every checkpoint
+        is damaged.
+
+        Each checkpoint's files are checked against the SHA-256 sums written when it was
+        committed (``<run>/checksums/<step>.json``); a damaged one is named in one line and
+        the next older one is tried. A checkpoint without sums (its writer stopped between
+        the commit and the sums) is used as it is, with a line saying so."""
+        manager = self.manager
+        steps = sorted(manager.all_steps(), reverse=True)
+        if not steps:
+            return None
+        # Process 0 checks the files and moves damaged checkpoints aside; the others wait
+        # for its choice, so no process reads a folder while it moves.
+        multi = jax.process_count() > 1
+        if multi:
+            from jax.experimental import multihost_utils
+        damaged: list[str] = []
+        latest = -1
+        if is_primary():
+            latest, damaged = self._newest_intact(steps)
+        if multi:
+            latest = int(multihost_utils.broadcast_one_to_all(np.asarray(latest, np.int64)))
+        if latest < 0:
+            raise ValueError(
+                f"no intact checkpoint in {str(self.folder)!r}"
+                + (": " + "; ".join(damaged) if damaged else " (see process 0's log)")
+            )
+        if latest != steps[0]:  # the newer ones were damaged and are moved aside now
+            if multi:
+                multihost_utils.sync_global_devices("jaxcomm_damaged_checkpoints_moved")
+            manager.reload()
+        meta = manager.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        mine = json.loads(json.dumps(fingerprint))
+        changed = _changed_step_sizes(meta.get("aggregator_args"), mine.get("aggregator_args"))
+        if changed is not None:  # step sizes may change on resume; nothing else may
+            meta = {**meta, "aggregator_args": mine.get("aggregator_args")}
+        diff = {k: (meta.get(k), v) for k, v in mine.items() if meta.get(k) != v}
+        if diff:
+            details = "; ".join(
+                "parameter shapes differ" if k == "param_shapes"
+                else f"{k}: checkpoint {a!r} vs config {b!r}"
+                for k, (a, b) in diff.items()
+            )  # fmt: skip
+            raise ValueError(
+                f"checkpoint directory {str(self.folder)!r} holds a different run "
+                f"({details}); choose another out_dir or matching settings"
+            )
+        for key, (old, new) in (changed or {}).items():
+            print(f"resuming with aggregator_args.{key} changed: {old!r} -> {new!r}", flush=True)
+        target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, template)
+        state = manager.restore(
+            latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+        )["state"]
+        try:
+            extras = manager.restore(
+                latest, args=ocp.args.Composite(extras=ocp.args.JsonRestore())
+            )["extras"]
+        except (KeyError, ValueError, FileNotFoundError):
+            extras = {}  # a checkpoint written before host-side extras were saved
+        self.saved_step = latest
+        return latest, state, extras
