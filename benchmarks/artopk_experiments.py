@@ -43,7 +43,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 from _meta import run_meta  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from train.adaptive import AdaptiveTrainer  # noqa: E402
 from train.config import Config  # noqa: E402
 from train.plot import read_metrics  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
@@ -89,7 +88,7 @@ def config(name: str, out: Path, steps: int, lr: float, **kw) -> Config:
 
 def run(cfg: Config) -> dict:
     """Train; the summary, metric rows and mean step figures."""
-    trainer = (AdaptiveTrainer if cfg.adaptive else Trainer)(cfg)
+    trainer = Trainer(cfg)
     summary = trainer.run()
     rows = read_metrics(cfg.run_dir / "metrics.jsonl")
     return {

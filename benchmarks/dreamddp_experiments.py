@@ -53,7 +53,7 @@ from tqdm.auto import tqdm  # noqa: E402
 import jaxcomm  # noqa: E402
 from jaxcomm import Network  # noqa: E402
 from train.config import Config  # noqa: E402
-from train.localsgd import LocalSGDTrainer  # noqa: E402
+from train.localsgd import LocalSGD  # noqa: E402
 from train.plot import read_metrics  # noqa: E402
 from train.trainer import Trainer, wire_time  # noqa: E402
 
@@ -101,7 +101,7 @@ def config(name: str, out: Path, steps: int, **kw) -> Config:
 
 def step_seconds(trainer: Trainer, rows: list[dict], network: Network) -> np.ndarray:
     """Simulated seconds of every step of a finished run, re-modelled on ``network``."""
-    if isinstance(trainer, LocalSGDTrainer):
+    if isinstance(trainer.sync, LocalSGD):
         return np.array(
             [trainer.simulate_logged(None, network, r["step"] - 1, measured_s=0.0)[0] for r in rows]
         )
@@ -147,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
             slug = f"{LOCAL[name]}{'_fused' * sync['fused']}_h{h}"
             slug += f"_{net.replace(' ', '')}" if net else ""
             cfg = config(slug, out, steps, aggregator="none", sync=sync, network=network)
-        trainer = LocalSGDTrainer(cfg) if cfg.sync else Trainer(cfg)
+        trainer = Trainer(cfg)
         if name == "DreamDDP":
-            key = (h, trainer.sync_schedule.groups)
+            key = (h, trainer.sync.sync_schedule.groups)
             if key in schedules:  # the same schedule trains the same model
                 src = schedules[key]
                 runs[src]["networks"].append(net)
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             "period": h,
             "method": name,
             "networks": [net] if net else list(NETWORKS),
-            "schedule": str(getattr(trainer, "sync_schedule", "")),
+            "schedule": str(getattr(trainer.sync, "sync_schedule", "")),
         }
         for n in runs[label]["networks"]:
             times[(label, n)] = step_seconds(trainer, rows, nets[n])
@@ -221,8 +221,8 @@ def summarise(runs: dict, times: dict) -> dict:
 def profile_record(runs: dict) -> dict:
     """The per-layer profile and the modelled S-SGD with WFBP (per-layer all-reduce started
     after each layer's backward: the iteration timeline with every layer in the group)."""
-    trainer = next(r["trainer"] for r in runs.values() if isinstance(r["trainer"], LocalSGDTrainer))
-    prof = trainer.profile
+    trainer = next(r["trainer"] for r in runs.values() if isinstance(r["trainer"].sync, LocalSGD))
+    prof = trainer.sync.profile
     compute = float(np.mean([r["sim_compute_s"] for r in runs["S-SGD"]["rows"]]))
     forward = compute - sum(prof.backward_s)
     wfbp = {}

@@ -47,7 +47,6 @@ from tqdm.auto import tqdm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from train.config import Config  # noqa: E402
-from train.localsgd import LocalSGDTrainer  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 
 GPT = {"num_layers": 4, "width": 128, "num_heads": 4, "seq_len": 64}
@@ -61,7 +60,7 @@ CASES = {
         dict(task="gpt", model=GPT, dataset="shakespeare", global_batch=64, aggregator="ring"),
     ),
     "mlp local SGD (H=4)": (
-        LocalSGDTrainer,
+        Trainer,
         dict(
             task="mlp",
             model={"features": [32]},

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from jaxcomm.adaptive import AdaptiveRatio, Trial, knee, non_dominated
 from jaxcomm.network import Network
-from train.adaptive import AdaptiveTrainer
 from train.config import Config, load_config
+from train.trainer import Trainer
 
 
 def test_non_dominated_and_knee_by_hand():
@@ -187,26 +187,26 @@ def _host(tree):
 
 
 def test_a_search_leaves_every_piece_of_state_bit_identical(tmp_path):
-    trainer = AdaptiveTrainer(_cfg(tmp_path, steps=3))
+    trainer = Trainer(_cfg(tmp_path, steps=3))
     trainer.run()
     before = (_host(trainer.params), _host(trainer.opt_state), trainer.loader.position)
     clock = trainer.clock.now
-    trials = trainer.search(Network(1e-3, 1e9))
+    trials = trainer.control.search(trainer, Network(1e-3, 1e9))
     after = (_host(trainer.params), _host(trainer.opt_state), trainer.loader.position)
     for a, b in zip(before[0] + before[1], after[0] + after[1], strict=True):
         np.testing.assert_array_equal(a, b)
     assert before[2] == after[2]
-    assert [t.ratio for t in trials] == list(trainer.controller.candidates)
+    assert [t.ratio for t in trials] == list(trainer.control.controller.candidates)
     gains = [t.gain for t in trials]
     assert gains == sorted(gains, reverse=True) and gains[0] > gains[-1]  # less kept, less gain
     assert trainer.clock.now > clock  # the trials' time is charged
-    assert trainer.controller.ratio in trainer.controller.candidates
+    assert trainer.control.controller.ratio in trainer.control.controller.candidates
 
 
 def test_trial_steps_draw_their_own_stragglers(tmp_path):
     """With stragglers, each candidate's trial steps are charged with their own draws
     (stream 2 + candidate), not with those of the training steps that follow."""
-    trainer = AdaptiveTrainer(_cfg(tmp_path, steps=1, stragglers={"seed": 4, "compute_sigma": 0.5}))
+    trainer = Trainer(_cfg(tmp_path, steps=1, stragglers={"seed": 4, "compute_sigma": 0.5}))
     trainer.run()
     streams = []
     simulate = trainer.simulate_logged
@@ -216,9 +216,9 @@ def test_trial_steps_draw_their_own_stragglers(tmp_path):
         return simulate(*args, stream=stream, **kw)
 
     trainer.simulate_logged = record
-    trainer.search(Network(1e-3, 1e9))
-    n = len(trainer.controller.candidates)
-    steps = trainer.controller.trial_steps
+    trainer.control.search(trainer, Network(1e-3, 1e9))
+    n = len(trainer.control.controller.candidates)
+    steps = trainer.control.controller.trial_steps
     want = [(trainer.step + i, 2 + c) for c in range(n) for i in range(steps)]
     assert streams == want
     s = trainer.stragglers
@@ -227,7 +227,7 @@ def test_trial_steps_draw_their_own_stragglers(tmp_path):
 
 def test_ratio_and_collective_are_logged_and_switch_with_the_network(tmp_path):
     cfg = _cfg(tmp_path)
-    AdaptiveTrainer(cfg).run()
+    Trainer(cfg).run()
     rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["search"] == "search" and rows[0]["search_s"] > 0
     assert all({"ratio", "collective", "gain", "search"} <= set(r) for r in rows)
@@ -238,16 +238,16 @@ def test_ratio_and_collective_are_logged_and_switch_with_the_network(tmp_path):
 
 
 def test_resume_is_bit_exact(tmp_path):
-    full = AdaptiveTrainer(_cfg(tmp_path / "a"))
+    full = Trainer(_cfg(tmp_path / "a"))
     full.run()
-    AdaptiveTrainer(_cfg(tmp_path / "b", steps=4)).run()
-    resumed = AdaptiveTrainer(_cfg(tmp_path / "b"))
+    Trainer(_cfg(tmp_path / "b", steps=4)).run()
+    resumed = Trainer(_cfg(tmp_path / "b"))
     resumed.run(resume=True)
     for a, b in zip(_host(full.params), _host(resumed.params), strict=True):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(_host(full.opt_state), _host(resumed.opt_state), strict=True):
         np.testing.assert_array_equal(a, b)
-    assert full.controller.state_dict() == resumed.controller.state_dict()
+    assert full.control.controller.state_dict() == resumed.control.controller.state_dict()
     rows = lambda d: [  # noqa: E731
         json.loads(x) for x in (d / "run" / "metrics.jsonl").read_text().splitlines()
     ]
@@ -287,10 +287,10 @@ def test_the_shipped_configs_run_from_the_command_line(tmp_path):
 def test_a_model_too_small_for_some_candidates_skips_them(tmp_path, capsys):
     """An MLP of 64-2-10 (160 parameters): 0.004 and 0.001 give k = 0 and are left out with
     a line; the search runs over the rest."""
-    trainer = AdaptiveTrainer(_cfg(tmp_path, model={"features": [2]}, steps=3))
+    trainer = Trainer(_cfg(tmp_path, model={"features": [2]}, steps=3))
     assert trainer.num_params() == 160
-    assert trainer.controller.candidates == (0.1, 0.033, 0.011)
+    assert trainer.control.controller.candidates == (0.1, 0.033, 0.011)
     assert "left out" in capsys.readouterr().out
     trainer.run()
-    trials = trainer.search(Network(1e-3, 1e9))
-    assert [t.ratio for t in trials] == list(trainer.controller.candidates)
+    trials = trainer.control.search(trainer, Network(1e-3, 1e9))
+    assert [t.ratio for t in trials] == list(trainer.control.controller.candidates)

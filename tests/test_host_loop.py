@@ -14,7 +14,6 @@ import pytest
 import train.trainer as trainer_mod
 from train.checkpoint import Checkpoints
 from train.config import Config
-from train.localsgd import LocalSGDTrainer
 from train.trainer import Trainer
 
 MLP = dict(task="mlp", model={"features": [16]}, dataset="digits", lr=0.05, optimizer="sgd")
@@ -93,15 +92,15 @@ def test_synchronous_loop_reads_each_step_first(tmp_path, monkeypatch):
     assert kinds == ["dispatch", "read"] * 4
 
 
-@pytest.mark.parametrize("cls, extra", [(Trainer, {}), (LocalSGDTrainer, {})])
-def test_lagged_and_synchronous_runs_are_identical(tmp_path, cls, extra):
+@pytest.mark.parametrize("cls", ["every_step", "local_sgd"])
+def test_lagged_and_synchronous_runs_are_identical(tmp_path, cls):
     kw = dict(steps=6, checkpoint_every=4, eval_every=3, **MLP)
-    if cls is LocalSGDTrainer:
+    if cls == "local_sgd":
         kw.update(aggregator="none", sync={"method": "local_sgd", "period": 2})
     runs = []
     for lag in (True, False):
         cfg = _cfg(tmp_path / str(lag), async_steps=lag, **kw)
-        t = cls(cfg)
+        t = Trainer(cfg)
         t.run()
         runs.append((t, _rows(cfg)))
     (a, rows_a), (b, rows_b) = runs
@@ -111,7 +110,7 @@ def test_lagged_and_synchronous_runs_are_identical(tmp_path, cls, extra):
     ]
     assert strip[0] == strip[1]
     assert len(rows_a) == 6 and "valid_loss" in rows_a[2]
-    if cls is LocalSGDTrainer:
+    if cls == "local_sgd":
         assert rows_a[0]["divergence"] > 1e-4 > 1e6 * rows_a[1]["divergence"]
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -1,4 +1,4 @@
-"""Data-parallel training with AR-Topk's adaptive compression ratio (``adaptive:`` in a config).
+"""AR-Topk's adaptive compression ratio as a trainer's controller (``adaptive:`` in a config).
 
 Before each step the :class:`~jaxcomm.adaptive.AdaptiveRatio` controller says whether to
 search. A search snapshots the training state in memory (parameters, optimizer state with
@@ -34,43 +34,49 @@ import jaxcomm
 from jaxcomm.adaptive import REDUCE, Trial
 from jaxcomm.network import Network, choose_collective
 from jaxcomm.sparse import TopkState, ratio_k
+from train.clock import step_traffic
 from train.config import Config
-from train.trainer import Trainer, checked, host_finite, make_optimizer, step_traffic
+from train.sync import Controller
+from train.trainer import Trainer, host_finite, make_optimizer
 
-__all__ = ["AdaptiveTrainer"]
+__all__ = ["AdaptiveRatio"]
 
 
 def _copy(tree: Any) -> Any:
     return jax.tree.map(jnp.copy, tree)
 
 
-class AdaptiveTrainer(Trainer):
-    """:class:`~train.trainer.Trainer` whose AR-Topk ratio and collective adapt (see module)."""
+class AdaptiveRatio(Controller):
+    """AR-Topk's ratio and collective, searched and chosen between steps (see module)."""
 
-    def __init__(self, cfg: Config, **kwargs: Any):
+    def __init__(self, cfg: Config):
         if jax.process_count() > 1:
             raise ValueError(
-                f"the adaptive-ratio trainer runs in one process (this run has "
-                f"{jax.process_count()}): its trial steps time the host; run it without "
-                "train.launch"
+                f"the adaptive ratio runs in one process (this run has {jax.process_count()}): "
+                "its trial steps time the host; run it without train.launch"
             )
         self.controller = cfg.adaptive_model()
         if self.controller is None:
-            raise ValueError("AdaptiveTrainer needs a config with adaptive settings")
-        if "ratio" not in cfg.aggregator_args:  # the searches choose it
-            args = {**cfg.aggregator_args, "ratio": self.controller.candidates[0]}
-            cfg = dataclasses.replace(cfg, aggregator_args=args)
-        self._steps: dict[tuple[float, str], Any] = {}
+            raise ValueError("AdaptiveRatio needs a config with adaptive settings")
+        self.cfg = self.adjust_config(cfg)
         self._compress: dict[float, float] = {}
         self._event, self._search_s = "", 0.0
-        super().__init__(cfg, **kwargs)
-        self._dense_bytes = 4 * self.num_params()
-        self._drop_empty_candidates()
+        self.last_search_s = 0.0
 
-    def _drop_empty_candidates(self) -> None:
-        """Leave out candidate ratios whose ``k = ratio * d`` would round to 0 entries on this
-        model (a small model with the paper's 0.001), saying so; none left is an error."""
-        d = self.num_params()
+    def adjust_config(self, cfg: Config) -> Config:
+        """Before the first search the step runs the first candidate ratio, unless the
+        config names one."""
+        if "ratio" in cfg.aggregator_args:
+            return cfg
+        args = {**cfg.aggregator_args, "ratio": self.controller.candidates[0]}
+        return dataclasses.replace(cfg, aggregator_args=args)
+
+    def start(self, trainer: Trainer) -> None:
+        """Size the search to the trainer's model: leave out candidate ratios whose
+        ``k = ratio * d`` would round to 0 entries (a small model with the paper's 0.001),
+        saying so; none left is an error."""
+        d = trainer.num_params()
+        self._dense_bytes = 4 * d
         keep = tuple(c for c in self.controller.candidates if c * d >= 1.0)
         if not keep:
             raise ValueError(
@@ -84,7 +90,7 @@ class AdaptiveTrainer(Trainer):
 
     # ------------------------------------------------------------------ programs
 
-    def _program_key(self) -> tuple[float, str]:
+    def program_key(self, trainer: Trainer) -> tuple[float, str]:
         c = self.controller
         if c.ratio is None:  # before the first search: the config's own setting
             args = self.cfg.aggregator_args
@@ -92,32 +98,14 @@ class AdaptiveTrainer(Trainer):
             return float(args["ratio"]), "ring" if reduce == "auto" else reduce
         return c.ratio, c.collective
 
-    def _tx(self, key: tuple[float, str]) -> optax.GradientTransformation:
+    def make_tx(self, trainer: Trainer, key: tuple[float, str]) -> optax.GradientTransformation:
         args = {k: v for k, v in self.cfg.aggregator_args.items() if k != "network"}
         args.update(ratio=key[0], reduce=key[1])
         return optax.chain(jaxcomm.ar_topk("data", **args), make_optimizer(self.cfg))
 
-    def _program(self, key: tuple[float, str]) -> Any:
-        if key not in self._steps:
-            batch = self._put_batch(self.train_data.get(self.loader.batch_ids(0)))
-            step = self._build_step(self._tx(key))
-            self._steps[key] = checked(step.lower(self.params, self.opt_state, batch).compile())
-        return self._steps[key]
-
-    def _compile(self) -> Any:
-        # Each step runs the program of the ratio and collective chosen before it.
-        return None
-
-    def step_programs(self, key: Any = None) -> list[tuple[Any, np.ndarray]]:
-        key = self._program_key() if key is None else key
-        return [(self._program(key), np.arange(self.n))]
-
-    def _step_once(self, compiled: Any) -> tuple:
-        return super()._step_once(self._program(self._program_key()))
-
     # ------------------------------------------------------------------ search
 
-    def compress_seconds(self, ratio: float) -> float:
+    def compress_seconds(self, trainer: Trainer, ratio: float) -> float:
         """Seconds of one top-k selection of this model's gradient at ``ratio``.
 
         Measured on this host as a multiple of a copy of the same array; with a ``compute``
@@ -127,35 +115,38 @@ class AdaptiveTrainer(Trainer):
         run chooses with the same figures.
         """
         if ratio not in self._compress:
-            d = self.num_params()
+            d = trainer.num_params()
             k = max(1, ratio_k(ratio, d))
             method = self.cfg.aggregator_args.get("method", "auto")
             select_s, copy_s = _selection_cost(d, k, method)
-            if self.compute_model is None:
+            if trainer.compute_model is None:
                 self._compress[ratio] = select_s
             else:
                 x = jax.ShapeDtypeStruct((d,), jnp.float32)
                 copy = jax.jit(jnp.copy).lower(x).compile()
-                device_copy = self.compute_model.seconds(jaxcomm.program_cost(copy).per_device())[0]
+                model = trainer.compute_model
+                device_copy = model.seconds(jaxcomm.program_cost(copy).per_device())[0]
                 self._compress[ratio] = float(select_s / copy_s * device_copy)
         return self._compress[ratio]
 
-    def search(self, network: Network) -> list[Trial]:
-        """Try every candidate from a snapshot of the state, restore it, choose the knee.
+    def search(self, trainer: Trainer, network: Network) -> list[Trial]:
+        """Try every candidate from a snapshot of the trainer's state, restore it, choose
+        the knee.
 
         Returns the trials; the parameters, optimizer state (residuals included) and data
         position are exactly as before. The trial steps' simulated seconds are added to the
         clock and kept in ``last_search_s``.
         """
-        params, opt_state, position = self.params, self.opt_state, self.loader.position
+        params, opt_state = trainer.params, trainer.opt_state
+        position = trainer.loader.position
         trials, seconds = [], 0.0
         for c, ratio in enumerate(self.controller.candidates):
-            key = (ratio, REDUCE[choose_collective(self._dense_bytes, self.n, ratio, network)])
-            program = self._program(key)
+            key = (ratio, REDUCE[choose_collective(self._dense_bytes, trainer.n, ratio, network)])
+            program = trainer.compiled_step(key)
             p, s = _copy(params), _copy(opt_state)
             gains = []
             for i in range(self.controller.trial_steps):
-                batch = self._put_batch(self.loader.next())
+                batch = trainer._put_batch(trainer.loader.next())
                 t0 = time.perf_counter()
                 p, s, _, finite, _ = program(p, s, batch)
                 jax.block_until_ready((p, s))
@@ -166,60 +157,56 @@ class AdaptiveTrainer(Trainer):
                 traffic = step_traffic(jaxcomm.network.find_logs(s))
                 # Trial steps run on the cluster beside the numbered ones: their own
                 # straggler draws (stream 2 + candidate), not those of the steps that follow.
-                seconds += self.simulate_logged(
-                    traffic, network, self.step + i, measured_s=measured, key=key, stream=2 + c
+                seconds += trainer.simulate_logged(
+                    traffic, network, trainer.step + i, measured_s=measured, key=key, stream=2 + c
                 )[0]
             else:
-                trials.append(Trial(ratio, float(np.mean(gains)), self.compress_seconds(ratio)))
-            self.loader.restore({"position": position, "seed": self.cfg.seed})
-        self.params, self.opt_state = params, opt_state
+                trials.append(
+                    Trial(ratio, float(np.mean(gains)), self.compress_seconds(trainer, ratio))
+                )
+            trainer.loader.restore({"position": position, "seed": self.cfg.seed})
+        trainer.params, trainer.opt_state = params, opt_state
         if not trials:
             raise FloatingPointError(
-                f"step {self.step + 1}: every candidate ratio became non-finite in its trial; "
-                f"{self._checkpoint_note()}"
+                f"step {trainer.step + 1}: every candidate ratio became non-finite in its "
+                f"trial; {trainer._checkpoint_note()}"
             )
-        self.controller.record(trials, self.step)
-        self.controller.choose(self._dense_bytes, self.n, network)
-        self.clock.advance(seconds)
+        self.controller.record(trials, trainer.step)
+        self.controller.choose(self._dense_bytes, trainer.n, network)
+        trainer.clock.advance(seconds)
         self.last_search_s = seconds
         return trials
 
     # ------------------------------------------------------------------ hooks
 
-    def _before_step(self) -> None:
-        network = self.schedule.at(self.step)
-        due = self.controller.due(self.step, network)
+    def before_step(self, trainer: Trainer) -> None:
+        network = trainer.schedule.at(trainer.step)
+        due = self.controller.due(trainer.step, network)
         self._event, self._search_s = due or "", 0.0
         if due == "search":
-            self.search(network)
+            self.search(trainer, network)
             self._search_s = self.last_search_s
         elif due == "choose":
-            self.controller.choose(self._dense_bytes, self.n, network)
+            self.controller.choose(self._dense_bytes, trainer.n, network)
 
-    def _after_step(self) -> None:
-        self.controller.observe(_gain(self.opt_state))
-
-    def _lags(self) -> bool:
+    def after_step(self, trainer: Trainer) -> None:
         # The controller reads each step's gain before it decides on the next step.
-        return False
+        self.controller.observe(_gain(trainer.opt_state))
 
-    def _step_extras(self, report: dict[str, Any]) -> dict[str, Any]:
-        ratio, collective = self._program_key()
+    def step_extras(self, trainer: Trainer, report: dict[str, Any]) -> dict[str, Any]:
+        ratio, collective = self.program_key(trainer)
         return {
-            **super()._step_extras(report),
             "ratio": ratio,
             "collective": collective,
             "search": self._event,
             "search_s": self._search_s,
         }
 
-    def _checkpoint_extras(self) -> dict[str, Any]:
-        return {"adaptive": self.controller.state_dict(), "compress_s": self._compress_table()}
+    def checkpoint_extras(self) -> dict[str, Any]:
+        table = [[r, s] for r, s in self._compress.items()]
+        return {"adaptive": self.controller.state_dict(), "compress_s": table}
 
-    def _compress_table(self) -> list[list[float]]:
-        return [[r, s] for r, s in self._compress.items()]
-
-    def _restore_extras(self, extras: dict[str, Any]) -> None:
+    def restore_extras(self, trainer: Trainer, extras: dict[str, Any]) -> None:
         if "adaptive" not in extras:
             raise ValueError(
                 "the checkpoint holds no adaptive-ratio state; it was not written by an "
@@ -228,7 +215,7 @@ class AdaptiveTrainer(Trainer):
         self.controller.load_state_dict(extras["adaptive"])
         self._compress = {float(r): float(s) for r, s in extras.get("compress_s", [])}
 
-    def _summary_extras(self) -> dict[str, Any]:
+    def summary_extras(self) -> dict[str, Any]:
         return {"ratio": self.controller.ratio, "collective": self.controller.collective}
 
 

@@ -55,10 +55,6 @@ def main(argv: list[str] | None = None) -> int:
 
     if cfg.stages > 1:
         from train.pipeline_trainer import PipelineTrainer as Trainer
-    elif cfg.adaptive:
-        from train.adaptive import AdaptiveTrainer as Trainer
-    elif cfg.sync:
-        from train.localsgd import LocalSGDTrainer as Trainer
     try:
         summary = Trainer(cfg).run(resume=args.resume)
     except (ValueError, FloatingPointError, FileNotFoundError, RunFolderBusy) as e:

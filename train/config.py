@@ -277,12 +277,16 @@ class Config:
                 "overlap=true with sync: local SGD follows DreamDDP's iteration timeline, "
                 "whose averaging overlaps the backward pass by construction; set overlap=false"
             )
-        if self.aggregator != "none" or self.stages != 1 or self.adaptive or self.stragglers:
+        if self.aggregator != "none":
             raise ValueError(
-                f"sync={self.sync!r} needs aggregator='none', stages=1, no adaptive and no "
-                f"stragglers (not modelled for local SGD); got aggregator={self.aggregator!r}, "
-                f"stages={self.stages}, adaptive={self.adaptive!r}, "
-                f"stragglers={self.stragglers!r}"
+                f"sync={self.sync!r} needs aggregator='none' (each worker steps on its own "
+                f"gradient; the sync wrapper averages parameters), got "
+                f"aggregator={self.aggregator!r}"
+            )
+        if self.stages != 1:
+            raise ValueError(
+                f"sync={self.sync!r} with stages={self.stages}: a pipeline's data replicas do "
+                "not yet synchronise by local SGD; use stages=1 or sync={}"
             )
         return out
 

@@ -1,4 +1,4 @@
-"""Data-parallel training with a sync wrapper around the optimizer (``sync:`` in a config).
+"""Local SGD as a trainer's synchronisation (``sync:`` in a config).
 
 Local SGD (FLSGD), partial local SGD with an equal-number partition (PLSGD-ENP) and DreamDDP
 all run :func:`jaxcomm.partial_local_sgd` around the configured optimizer, with
@@ -42,10 +42,10 @@ from jaxcomm.localsgd import SYNC_SCOPE, layer_comm_s, layer_wires, sync_branch
 from jaxcomm.network import Network
 from models import layer_groups
 from train.config import Config
-from train.distributed import to_host
+from train.sync import Sync
 from train.trainer import AXIS, Trainer, make_optimizer
 
-__all__ = ["LocalSGDTrainer"]
+__all__ = ["LocalSGD"]
 
 
 @jax.jit
@@ -62,34 +62,39 @@ def _divergence(params: Any) -> jax.Array:
     return _mean_and_divergence(params)[1]
 
 
-class LocalSGDTrainer(Trainer):
-    """:class:`~train.trainer.Trainer` with a local SGD sync wrapper (see module)."""
+class LocalSGD(Sync):
+    """Local SGD, PLSGD-ENP or DreamDDP around the optimizer (see module)."""
 
-    def __init__(self, cfg: Config, **kwargs: Any):
+    reads_state = False
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
         self.sync = cfg.sync_settings()
-        self.compute_device = cfg.roofline()  # None: layers timed on this host
         if not self.sync:
-            raise ValueError("LocalSGDTrainer needs a config with sync settings")
-        super().__init__(cfg, **kwargs)
+            raise ValueError("LocalSGD needs a config with sync settings")
+        self.sync_schedule: jaxcomm.Schedule | None = None
+        self._branch_s: dict[int, float] = {}
+        self._lag: np.ndarray | None = None  # each worker's time behind the clock (stragglers)
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"sync": self.sync}
 
     # ------------------------------------------------------------------ schedule
 
-    def _make_tx(self) -> optax.GradientTransformation:
-        sample = self.train_data.get(np.arange(self.cfg.global_batch // self.n))
-        params = jax.eval_shape(lambda k: self.task.init(k, sample), jax.random.key(0))
-        self.profile = self._profile(params, sample, layer_groups(params))
-        # What the wrapper averages as one message: each layer, or (fused) the whole model.
-        self.layers = None if self.sync["fused"] else list(self.profile.names)
-        self.layer_wires = layer_wires(params, self.layers, self.n, reduce=self.sync["reduce"])
-        self._branch_s: dict[int, float] = {}
-        self.sync_schedule = self._schedule(self.cfg.network_schedule().at(0))
-        return self._wrap(self.sync_schedule)
-
-    def _wrap(self, schedule: jaxcomm.Schedule) -> optax.GradientTransformation:
+    def make_tx(self, trainer: Trainer) -> optax.GradientTransformation:
+        if self.sync_schedule is None:
+            n, data = trainer.n, trainer.train_data
+            sample = data.get(np.arange(self.cfg.global_batch // n))
+            params = jax.eval_shape(lambda k: trainer.task.init(k, sample), jax.random.key(0))
+            self.profile = self._profile(trainer, params, sample, layer_groups(params))
+            # What the wrapper averages as one message: each layer, or (fused) the whole model.
+            self.layers = None if self.sync["fused"] else list(self.profile.names)
+            self.layer_wires = layer_wires(params, self.layers, n, reduce=self.sync["reduce"])
+            self.sync_schedule = self._schedule(self.cfg.network_schedule().at(0))
         wrapper = jaxcomm.partial_local_sgd(
             make_optimizer(self.cfg),
             AXIS,
-            schedule=schedule,
+            schedule=self.sync_schedule,
             layers=self.layers,
             reduce=self.sync["reduce"],
         )
@@ -102,14 +107,15 @@ class LocalSGDTrainer(Trainer):
         return [sum(backward)] if self.layers is None else backward
 
     def _profile(
-        self, params: Any, sample: dict[str, np.ndarray], names: list[str]
+        self, trainer: Trainer, params: Any, sample: dict[str, np.ndarray], names: list[str]
     ) -> jaxcomm.LayerProfile:
         """Per-layer times of one worker's step (its share of the global batch)."""
-        loss = lambda p, b: self.task.loss(p, b)[0]  # noqa: E731
-        if self.compute_device is not None:
+        loss = lambda p, b: trainer.task.loss(p, b)[0]  # noqa: E731
+        device = self.cfg.roofline()  # None: layers timed on this host
+        if device is not None:
             batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), sample)
-            return jaxcomm.profile_layers(loss, params, batch, names, roofline=self.compute_device)
-        real = self.task.init(jax.random.key(0), sample)
+            return jaxcomm.profile_layers(loss, params, batch, names, roofline=device)
+        real = trainer.task.init(jax.random.key(0), sample)
         profile = jaxcomm.profile_layers(loss, real, sample, names)
         if jax.process_count() > 1:
             # Each host times its own layers; every process must build the same schedule
@@ -138,15 +144,18 @@ class LocalSGDTrainer(Trainer):
             fill_bubbles=self.sync["fill_bubbles"],
         )
 
-    def _checkpoint_extras(self) -> dict[str, Any]:
-        return {
+    def checkpoint_extras(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "schedule": [list(g) for g in self.sync_schedule.groups],
             "profile": {"forward_s": self.profile.forward_s, "backward_s": self.profile.backward_s},
         }
+        if self._lag is not None:
+            out["worker_lag_s"] = [float(v) for v in self._lag]
+        return out
 
-    def _restore_extras(self, extras: dict[str, Any]) -> None:
+    def restore_extras(self, trainer: Trainer, extras: dict[str, Any]) -> None:
         """A measured profile can differ between processes: resume with the saved profile
-        (the clock's forward/backward split) and schedule."""
+        (the clock's forward/backward split), schedule and workers' lags."""
         prof = extras.get("profile")
         if prof is not None:
             self.profile = dataclasses.replace(
@@ -154,62 +163,88 @@ class LocalSGDTrainer(Trainer):
                 forward_s=float(prof["forward_s"]),
                 backward_s=tuple(float(b) for b in prof["backward_s"]),
             )
+        if extras.get("worker_lag_s") is not None:
+            self._lag = np.asarray(extras["worker_lag_s"], np.float64)
         saved = extras.get("schedule")
         if saved is None:
             return
         schedule = jaxcomm.as_schedule([tuple(g) for g in saved], len(self.layer_wires))
         if schedule.groups != self.sync_schedule.groups:
             self.sync_schedule = schedule
-            self.tx = self._wrap(schedule)
-            self._train_step = self._build_step()
-            self._step_program = None
-            self._modelled.clear()
             self._branch_s.clear()
+            trainer.rebuild_step()
 
     # ------------------------------------------------------------------ clock
 
-    def simulate_logged(self, traffic, network, step, *, measured_s, key=None, stream=0):
-        """One iteration of DreamDDP's timeline (see module): ``(step, compute, comm)``
-        (``traffic`` and ``stream`` are unused: the layers' wires give the communication, and
-        a config with sync has no stragglers)."""
+    def step_seconds(self, trainer, traffic, network, step, measured_s):
+        """One iteration of DreamDDP's timeline (see module): ``(step, compute, comm)``;
+        the layers' wires give the communication (``traffic`` is unused).
+
+        With stragglers each worker runs its local steps at its own pace (its compute
+        scaled by its draw) and keeps how far it is behind the clock; a step that averages
+        layers waits, layer by layer, for the last worker's backward of that layer (each
+        layer's rounds jittered), and every worker leaves it when the last averaging ends.
+        A step that averages nothing waits for nobody: the clock is the slowest worker's
+        time and the others' lead carries over, so local SGD absorbs stragglers between
+        averagings."""
         group = self.sync_schedule.groups[step % self.sync_schedule.period]
-        if self.compute_model is None:
+        if trainer.compute_model is None:
             compute = float(measured_s)
         else:
-            compute = self.branch_compute_s(sync_branch(self.sync_schedule, step))
+            compute = self.branch_compute_s(trainer, sync_branch(self.sync_schedule, step))
         backward = self.timeline_backward()
         forward = max(compute - sum(backward), 0.0)
+        if trainer.stragglers is not None:
+            return self._straggled(trainer, group, forward, backward, network, step)
         comm = layer_comm_s(self.layer_wires, network)
         seconds = jaxcomm.iteration_time(group, forward, backward, comm)
         return seconds, forward + sum(backward), float(sum(comm[layer] for layer in group))
 
-    def branch_compute_s(self, branch: int) -> float:
+    def _straggled(self, trainer, group, forward, backward, network, step):
+        """:meth:`step_seconds` with stragglers: ``(clock advance, compute, comm)``."""
+        n, stragglers = trainer.n, trainer.stragglers
+        factors = stragglers.compute_factors(step, n)
+        start = np.zeros(n) if self._lag is None else -self._lag
+        # ends[w, l]: when worker w's backward of layer l ends, from the clock's now.
+        ends = np.zeros((n, len(backward)))
+        t = start + factors * forward
+        for layer in range(len(backward) - 1, -1, -1):
+            t = t + factors * backward[layer]
+            ends[:, layer] = t
+        done, comm = -np.inf, 0.0
+        for layer in sorted(group, reverse=True):
+            wire = self.layer_wires[layer]
+            latency = stragglers.round_latency(step, wire.rounds, n, network, stream=1 + layer)
+            seconds = network.wire_seconds(wire.rounds, wire.path_bytes, latency_s=latency)
+            done = max(float(ends[:, layer].max()), done) + seconds
+            comm += seconds
+        local = np.maximum(ends[:, 0], done) if group else ends[:, 0]
+        now = float(local.max())
+        self._lag = now - local
+        return now, float(np.max(factors * (forward + sum(backward)))), comm
+
+    def branch_compute_s(self, trainer: Trainer, branch: int) -> float:
         """Roofline seconds of the step taking averaging branch ``branch`` (its group's
         averaging arithmetic, not the costliest branch's), on the slowest device."""
         if branch not in self._branch_s:
-            per = self._modelled_per_device(None, {SYNC_SCOPE: branch})
+            per = trainer._modelled_per_device(None, {SYNC_SCOPE: branch})
             self._branch_s[branch] = float(np.max(per))
         return self._branch_s[branch]
 
     # ------------------------------------------------------------------ the averaged model
 
-    def _report(self, params: Any, opt_state: Any) -> dict[str, Any]:
+    def report(self, trainer: Trainer, params: Any, opt_state: Any) -> dict[str, Any]:
         # The divergence is computed on the devices beside the step, so that reading it
         # does not stall the loop.
-        return {**super()._report(params, opt_state), "divergence": _divergence(params)}
+        return {"divergence": _divergence(params)}
 
-    def _step_extras(self, report: dict[str, Any]) -> dict[str, Any]:
-        group = self.sync_schedule.groups[(self.step - 1) % self.sync_schedule.period]
-        div = float(report["divergence"])
-        return {**super()._step_extras(report), "divergence": div, "sync_layers": len(group)}
+    def step_extras(self, trainer: Trainer, report: dict[str, Any]) -> dict[str, Any]:
+        group = self.sync_schedule.groups[(trainer.step - 1) % self.sync_schedule.period]
+        return {"divergence": float(report["divergence"]), "sync_layers": len(group)}
 
-    def _eval_params(self) -> Any:
-        mean = _mean_and_divergence(self.params)[0]
-        return jax.tree.map(lambda a: jax.device_put(a, self.sharded), mean)
+    def eval_params(self, trainer: Trainer, params: Any) -> Any:
+        mean = _mean_and_divergence(params)[0]
+        return jax.tree.map(lambda a: jax.device_put(a, trainer.sharded), mean)
 
-    def model_params(self) -> Any:
-        """The worker-averaged model in the model's own layout."""
-        return jax.tree.map(lambda a: a[0], to_host(self._eval_params()))
-
-    def _summary_extras(self) -> dict[str, Any]:
+    def summary_extras(self) -> dict[str, Any]:
         return {"schedule": str(self.sync_schedule), "profile": self.profile.method}

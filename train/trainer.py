@@ -65,6 +65,7 @@ from train.clock import StepTraffic, step_traffic, synchronous_step, wire_time
 from train.config import DENSE_AGGREGATORS, Config
 from train.data import Loader, Subset, get_dataset, shard
 from train.distributed import is_primary, to_host
+from train.sync import Part, make_controller, make_sync
 
 __all__ = [
     "Trainer",
@@ -228,6 +229,13 @@ class Trainer:
                 "multi-process run "
                 f"({jax.process_count()} processes, {jax.device_count()} devices)"
             )
+        # The synchronisation of the data replicas and the controllers that change the
+        # step between steps: parts that the run loop calls around each step.
+        self.sync = make_sync(cfg)
+        self.control = make_controller(cfg)
+        self.parts: list[Part] = [p for p in (self.sync, self.control) if p is not None]
+        for part in self.parts:
+            cfg = part.adjust_config(cfg)
         self.cfg = cfg
         self.n = cfg.workers
         self.mesh = jax.make_mesh((self.n,), (AXIS,), devices=jax.devices()[: self.n])
@@ -256,14 +264,27 @@ class Trainer:
         self.last_traffic: StepTraffic | None = None
         self.params, self.opt_state = self._init_state()
         self._train_step = self._build_step()
+        self._programs: dict[Any, Any] = {}
         self._eval_step = self._build_eval()
+        for part in self.parts:
+            part.start(self)
 
     # ------------------------------------------------------------------ state
 
     def _make_tx(self) -> optax.GradientTransformation:
-        """The per-worker transform: the aggregator chained before the optimizer (a sync
-        wrapper around the optimizer in :class:`train.localsgd.LocalSGDTrainer`)."""
-        return optax.chain(make_aggregator(self.cfg), make_optimizer(self.cfg))
+        """The per-worker transform: the synchronisation's (an aggregator before the
+        optimizer, or a sync wrapper around it), or the controller's current program's."""
+        if self.control is not None:
+            return self.control.make_tx(self, self.control.program_key(self))
+        return self.sync.make_tx(self)
+
+    def rebuild_step(self) -> None:
+        """Build the step again from the parts (e.g. a restored schedule), dropping every
+        compiled program and cost made from the old one."""
+        self.tx = self._make_tx()
+        self._train_step = self._build_step()
+        self._programs.clear()
+        self._modelled.clear()
 
     def _initial_params(self) -> Any:
         """The model's parameters before step 1: ``cfg.init_params`` if set, else random."""
@@ -370,7 +391,7 @@ class Trainer:
             "optimizer": self.cfg.optimizer,
             "aggregator": self.cfg.aggregator,
             "aggregator_args": self.cfg.aggregator_args,
-            **({"sync": self.cfg.sync_settings()} if self.cfg.sync else {}),
+            **{k: v for part in self.parts for k, v in part.fingerprint().items()},
             "param_shapes": jax.tree_util.tree_flatten_with_path(shapes)[0].__repr__(),
         }
 
@@ -428,25 +449,43 @@ class Trainer:
                 totals[k] = totals.get(k, 0.0) + float(v) / count
         return totals
 
+    def compiled_step(self, key: Any = None) -> Any:
+        """The train step of program ``key`` (None: the parts' own; a controller's key:
+        its transform's) compiled ahead of time for the loader's batch shapes, audited
+        (:func:`checked`); compiled on first use."""
+        if key not in self._programs:
+            batch = self._put_batch(self.train_data.get(self.loader.batch_ids(0)))
+            if self.abstract:
+                batch = structs(batch, self.sharded)
+            step = self._train_step
+            if key is not None and self.control is not None:
+                step = self._build_step(self.control.make_tx(self, key))
+            lowered = step.lower(self.params, self.opt_state, batch)
+            self._programs[key] = checked(lowered.compile())
+        return self._programs[key]
+
     def _compile(self) -> Callable:
-        """The train step compiled ahead of time for the loader's batch shapes."""
-        batch = self._put_batch(self.train_data.get(self.loader.batch_ids(self.loader.position)))
-        if self.abstract:
-            batch = structs(batch, self.sharded)
-        lowered = self._train_step.lower(self.params, self.opt_state, batch)
-        self._step_program = checked(lowered.compile())
-        return self._step_program
+        """Compile the next step's program before the loop (errors before any step);
+        returns the step the loop calls, which runs the program of the current key (a
+        controller may change it between steps)."""
+        self.compiled_step(self._program_key())
+
+        def step(params: Any, opt_state: Any, batch: Any) -> tuple:
+            return self.compiled_step(self._program_key())(params, opt_state, batch)
+
+        return step
 
     def _program_key(self) -> Any:
-        """Hook: which compiled step the last step ran (one here)."""
-        return None
+        """Which compiled step the next (or last) step runs: the controller's choice, or
+        None (one program)."""
+        return None if self.control is None else self.control.program_key(self)
 
     def step_programs(self, key: Any = None) -> list[tuple[Any, np.ndarray]]:
         """The compiled programs of one step, each with the mesh index (row-major) of each
-        of its devices: here the one data-parallel step. Compiled on first use."""
-        if getattr(self, "_step_program", None) is None:
-            self._compile()
-        return [(self._step_program, np.arange(self.n))]
+        of its devices: here the one data-parallel step of program ``key`` (default: the
+        current one). Compiled on first use."""
+        key = self._program_key() if key is None else key
+        return [(self.compiled_step(key), np.arange(self.n))]
 
     def _per_device(self, key: Any, of: Callable[[Any], np.ndarray]) -> np.ndarray:
         """``of(program)`` (one value per program device) summed per mesh device over the
@@ -556,6 +595,10 @@ class Trainer:
             path_bytes=traffic.path_bytes.sum(1),
         )
         key = self._program_key() if key is None else key
+        if stream == 0:
+            own = self.sync.step_seconds(self, traffic, network, step, measured_s)
+            if own is not None:
+                return own
         return self.simulate_step(key, total, network, step, measured_s=measured_s, stream=stream)
 
     def _modelled_per_device(self, key: Any = None, branches: Any = None) -> np.ndarray:
@@ -588,7 +631,7 @@ class Trainer:
         reads_state = any(
             getattr(cls, hook) is not getattr(Trainer, hook)
             for hook in ("_before_step", "_after_step", "_state_logs")
-        )
+        ) or any(part.reads_state for part in self.parts)
         return self.cfg.async_steps and not reads_state
 
     def _batch_at(self, position: int) -> dict[str, jax.Array]:
@@ -618,8 +661,11 @@ class Trainer:
         """Hook: device values the host reads of a step beyond the step program's own
         report, computed from the step's new state by programs dispatched right after it
         (e.g. local SGD's divergence); fresh outputs, so the next step's donation of the
-        state leaves them intact. None here."""
-        return {}
+        state leaves them intact: the parts' reports."""
+        out: dict[str, Any] = {}
+        for part in self.parts:
+            out.update(part.report(self, params, opt_state))
+        return out
 
     def _launch(self, compiled: Callable, step: int) -> _Flight:
         """Dispatch step ``step`` (1-based) and take its new state; returns what the host
@@ -656,16 +702,25 @@ class Trainer:
 
     def _after_step(self) -> None:
         """Hook run once a step's state is accepted (before metrics and checkpoints)."""
+        for part in self.parts:
+            part.after_step(self)
 
     def _checkpoint_extras(self) -> dict[str, Any]:
-        """Hook: host-side state saved with each checkpoint as JSON (none here)."""
-        return {}
+        """Hook: host-side state saved with each checkpoint as JSON (the parts')."""
+        out: dict[str, Any] = {}
+        for part in self.parts:
+            out.update(part.checkpoint_extras())
+        return out
 
     def _restore_extras(self, extras: dict[str, Any]) -> None:
         """Hook: restore :meth:`_checkpoint_extras`' output."""
+        for part in self.parts:
+            part.restore_extras(self, extras)
 
     def _before_step(self) -> None:
         """Hook run before each training step (e.g. a search that changes the step)."""
+        for part in self.parts:
+            part.before_step(self)
 
     def _step_extras(self, report: dict[str, Any]) -> dict[str, float]:
         """Hook: extra per-step metrics for the JSONL row from the step's :meth:`_report`:
@@ -675,11 +730,16 @@ class Trainer:
         for gain, root in report.get("topk", []):
             out["gain"] = float(np.mean(np.asarray(gain)))
             out["root"] = int(np.asarray(root).reshape(-1)[0])
+        for part in self.parts:
+            out.update(part.step_extras(self, report))
         return out
 
     def _summary_extras(self) -> dict[str, Any]:
-        """Hook: extra entries for ``summary.json`` (none here)."""
-        return {}
+        """Hook: extra entries for ``summary.json`` (the parts')."""
+        out: dict[str, Any] = {}
+        for part in self.parts:
+            out.update(part.summary_extras())
+        return out
 
     def run(self, *, resume: bool = False, metrics_cb: Callable | None = None) -> dict[str, Any]:
         """Train to ``cfg.steps``; returns a summary. ``resume`` continues the newest checkpoint.
@@ -851,16 +911,18 @@ class Trainer:
 
     def _eval_params(self) -> Any:
         """The per-worker parameters (``[N, ...]``) that evaluation runs: the trained ones
-        (identical on every worker for synchronous training)."""
-        return self.params
+        (identical on every worker for synchronous training; the worker mean for local
+        SGD)."""
+        return self.sync.eval_params(self, self.params)
 
     def worker_params(self, worker: int = 0) -> Any:
         """Parameters of one worker as host numpy arrays."""
         return jax.tree_util.tree_map(lambda a: a[worker], to_host(self.params))
 
     def model_params(self) -> Any:
-        """Worker 0's parameters in the model's own layout (what ``init_params`` loads)."""
-        return self.worker_params(0)
+        """Worker 0's parameters (the averaged model for local SGD) in the model's own
+        layout (what ``init_params`` loads)."""
+        return jax.tree_util.tree_map(lambda a: a[0], to_host(self._eval_params()))
 
 
 def _progress(cfg: Config, start: int):

@@ -1,0 +1,134 @@
+"""The parts a trainer composes beside its layout: how the data replicas synchronise, and
+controllers that change the next step's program.
+
+A :class:`Part` is a set of hooks the trainer calls around its steps (all optional): what it
+adds to the checkpoint's fingerprint and extras, device values it reads of each step, the
+columns it adds to a metrics row and to the summary, and host work before and after a
+step. A :class:`Sync` also builds the per-worker transform (what happens to the gradients
+and parameters across the ``data`` axis) and may replace the clock's step time with its own
+timeline; a :class:`Controller` names the program each step runs and builds its transform.
+
+* :class:`EveryStep`: an aggregator every step, then the optimizer (dense, compressed,
+  sparse, or an aggregator that is the whole optimizer);
+* :class:`train.localsgd.LocalSGD`: local SGD, partial local SGD and DreamDDP around the
+  optimizer, with DreamDDP's layer-wise timeline in the clock;
+* :class:`train.adaptive.AdaptiveRatio`: AR-Topk's adaptive compression ratio.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import optax
+
+from train.config import Config
+
+if TYPE_CHECKING:
+    from train.trainer import Trainer
+
+__all__ = ["Part", "Sync", "Controller", "EveryStep", "make_sync", "make_controller"]
+
+
+class Part:
+    """Hooks a trainer calls around its steps; every one is optional (a no-op here)."""
+
+    #: Whether :meth:`before_step` / :meth:`after_step` read the trainer's current state;
+    #: then the host reads every step before dispatching the next.
+    reads_state = False
+
+    def adjust_config(self, cfg: Config) -> Config:
+        """The config the trainer runs with this part (e.g. a default filled in)."""
+        return cfg
+
+    def start(self, trainer: Trainer) -> None:
+        """Called once the trainer has built its state, before any step."""
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Entries a checkpoint must match to be resumed with this part."""
+        return {}
+
+    def report(self, trainer: Trainer, params: Any, opt_state: Any) -> dict[str, Any]:
+        """Device values the host reads of a step, computed from its new state by programs
+        dispatched right after it."""
+        return {}
+
+    def step_extras(self, trainer: Trainer, report: dict[str, Any]) -> dict[str, Any]:
+        """Columns for the step's metrics row, from the step's report."""
+        return {}
+
+    def checkpoint_extras(self) -> dict[str, Any]:
+        """Host-side state saved with each checkpoint (JSON)."""
+        return {}
+
+    def restore_extras(self, trainer: Trainer, extras: dict[str, Any]) -> None:
+        """Take back what :meth:`checkpoint_extras` saved (the whole extras mapping)."""
+
+    def summary_extras(self) -> dict[str, Any]:
+        """Entries for ``summary.json``."""
+        return {}
+
+    def before_step(self, trainer: Trainer) -> None:
+        """Host work before each step (e.g. a search that changes the step)."""
+
+    def after_step(self, trainer: Trainer) -> None:
+        """Host work once a step's state is accepted."""
+
+
+class Sync(Part):
+    """How the data replicas synchronise: the per-worker transform and its clock."""
+
+    def make_tx(self, trainer: Trainer) -> optax.GradientTransformation:
+        """The per-worker transform of the trainer's config (aggregator, optimizer)."""
+        raise NotImplementedError
+
+    def step_seconds(
+        self, trainer: Trainer, traffic: Any, network: Any, step: int, measured_s: float
+    ) -> tuple[float, float, float] | None:
+        """``(step, compute, comm)`` seconds of step ``step`` (0-based) on this part's own
+        timeline, or None for the layout's (its compute, then the logged traffic)."""
+        return None
+
+    def eval_params(self, trainer: Trainer, params: Any) -> Any:
+        """The per-worker parameters that evaluation and export use."""
+        return params
+
+
+class Controller(Part):
+    """Reads a step's outputs and chooses the program of the next step."""
+
+    reads_state = True
+
+    def program_key(self, trainer: Trainer) -> Any:
+        """A hashable name of the program the next step runs."""
+        raise NotImplementedError
+
+    def make_tx(self, trainer: Trainer, key: Any) -> optax.GradientTransformation:
+        """The per-worker transform of program ``key``."""
+        raise NotImplementedError
+
+
+class EveryStep(Sync):
+    """The configured aggregator every step, followed by the optimizer."""
+
+    def make_tx(self, trainer: Trainer) -> optax.GradientTransformation:
+        from train.trainer import make_aggregator, make_optimizer
+
+        return optax.chain(make_aggregator(trainer.cfg), make_optimizer(trainer.cfg))
+
+
+def make_sync(cfg: Config) -> Sync:
+    """The synchronisation of ``cfg``: its ``sync`` wrapper, else its aggregator each step."""
+    if cfg.sync:
+        from train.localsgd import LocalSGD
+
+        return LocalSGD(cfg)
+    return EveryStep()
+
+
+def make_controller(cfg: Config) -> Controller | None:
+    """The controller of ``cfg`` (the adaptive compression ratio), or None."""
+    if cfg.adaptive:
+        from train.adaptive import AdaptiveRatio
+
+        return AdaptiveRatio(cfg)
+    return None
