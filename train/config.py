@@ -283,10 +283,10 @@ class Config:
                 f"gradient; the sync wrapper averages parameters), got "
                 f"aggregator={self.aggregator!r}"
             )
-        if self.stages != 1:
+        if self.stages != 1 and out.get("fused"):
             raise ValueError(
-                f"sync={self.sync!r} with stages={self.stages}: a pipeline's data replicas do "
-                "not yet synchronise by local SGD; use stages=1 or sync={}"
+                f"sync.fused=true with stages={self.stages}: a pipeline's parameter groups live "
+                "on different devices and cannot travel as one message; leave fused out"
             )
         return out
 

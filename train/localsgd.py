@@ -100,6 +100,61 @@ class LocalSGD(Sync):
         )
         return optax.chain(optax.identity(), wrapper)
 
+    def group_txs(
+        self, trainer: Trainer, units: dict[str, Any], stages: int
+    ) -> dict[str, optax.GradientTransformation]:
+        """A pipeline's transforms: one wrapper per parameter group (``units``: ``embed``,
+        ``blocks``, ``head``, one device's shapes), each averaging its whole group over the
+        ``data`` axis at the steps the schedule gives that group.
+
+        The schedule's layers are these groups: every stage averages its own blocks on its
+        own devices at the same steps (one SPMD program), the embedding on stage 0 and the
+        head on the last stage. DreamDDP partitions them by the unpipelined model's
+        profile: each group's backward seconds (a stage's blocks: the blocks' total over
+        the stages) and averaging seconds on the network of step 0."""
+        if self.sync["fused"]:
+            raise ValueError(
+                f"sync.fused=true with stages={stages}: a pipeline's groups live on different "
+                "devices and cannot travel as one message; leave fused out"
+            )
+        names = list(units)
+        if self.sync_schedule is None:
+            n, data = trainer.n, trainer.train_data
+            sample = data.get(np.arange(self.cfg.global_batch // n))
+            params = jax.eval_shape(lambda k: trainer.task.init(k, sample), jax.random.key(0))
+            full = self._profile(trainer, params, sample, layer_groups(params))
+            per = dict(zip(full.names, full.backward_s, strict=True))
+            blocks = sum(v for k, v in per.items() if k not in ("embed", "head")) / stages
+            backward = {"embed": per["embed"], "blocks": blocks, "head": per["head"]}
+            self.profile = dataclasses.replace(
+                full,
+                names=tuple(names),
+                forward_s=full.forward_s / stages,
+                backward_s=tuple(backward[name] for name in names),
+                param_bytes=tuple(
+                    sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(units[name]))
+                    for name in names
+                ),
+                prefix_s=(),
+                spread_s=(),
+                params=None,
+            )
+            self.layers = names
+            self.layer_wires = layer_wires(units, names, n, reduce=self.sync["reduce"])
+            self.sync_schedule = self._schedule(self.cfg.network_schedule().at(0))
+        out = {}
+        for u, name in enumerate(names):
+            own = [(0,) if u in g else () for g in self.sync_schedule.groups]
+            wrapper = jaxcomm.partial_local_sgd(
+                make_optimizer(self.cfg),
+                AXIS,
+                schedule=jaxcomm.as_schedule(own, 1),
+                layers=None,
+                reduce=self.sync["reduce"],
+            )
+            out[name] = optax.chain(optax.identity(), wrapper)
+        return out
+
     def timeline_backward(self) -> list[float]:
         """Backward seconds of each averaged unit (a layer, or the whole model when fused:
         its one message leaves after the whole backward)."""
@@ -186,7 +241,12 @@ class LocalSGD(Sync):
         layer's rounds jittered), and every worker leaves it when the last averaging ends.
         A step that averages nothing waits for nobody: the clock is the slowest worker's
         time and the others' lead carries over, so local SGD absorbs stragglers between
-        averagings."""
+        averagings.
+
+        A pipeline keeps its own timeline (GPipe's, then the step's logged averaging):
+        None here."""
+        if trainer.cfg.stages > 1:
+            return None
         group = self.sync_schedule.groups[step % self.sync_schedule.period]
         if trainer.compute_model is None:
             compute = float(measured_s)

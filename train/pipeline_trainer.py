@@ -241,9 +241,19 @@ class PipelineTrainer(Trainer):
                 staged,
             )  # fmt: skip
 
-        def init(mesh, spec, tree, salt):
+        # One transform per parameter group: the same for every group when the data
+        # replicas aggregate every step; each group on its own schedule with local SGD.
+        units = {
+            name: jax.tree_util.tree_map(
+                lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), staged[name]
+            )
+            for name in ("embed", "blocks", "head")
+        }
+        self.group_tx = self.sync.group_txs(self, units, self.stages)
+
+        def init(mesh, spec, tree, salt, tx):
             f = jax.shard_map(
-                lambda p: _ex(_salted(self.tx.init(_sq(p)), salt())),
+                lambda p: _ex(_salted(tx.init(_sq(p)), salt())),
                 mesh=mesh,
                 in_specs=spec,
                 out_specs=spec,
@@ -255,10 +265,15 @@ class PipelineTrainer(Trainer):
 
         s = self.stages
         stage = lambda: jax.lax.axis_index(STAGE)  # noqa: E731
-        opt_state = {"blocks": init(self.mesh, P(AXIS, STAGE), stacked["blocks"], stage)}
+        blocks = stacked["blocks"]
+        opt_state = {
+            "blocks": init(self.mesh, P(AXIS, STAGE), blocks, stage, self.group_tx["blocks"])
+        }
         for i, name in enumerate(OWNED):
             view = self._owned_view(stacked[name], name)
-            opt_state[name] = init(self.sub_mesh[name], P(AXIS), view, lambda i=i: s + i)
+            opt_state[name] = init(
+                self.sub_mesh[name], P(AXIS), view, lambda i=i: s + i, self.group_tx[name]
+            )
         act = (self.gpt_cfg.seq_len, self.gpt_cfg.width)
         # Only AQ-SGD needs previous messages; the other boundaries ignore them.
         count = self.stages - 1 if cfg.boundary == "aqsgd" and not self.abstract else 0
@@ -290,7 +305,7 @@ class PipelineTrainer(Trainer):
         its first visit: AQ-SGD sends float32) and ``seen=True`` (deltas)."""
         boundary = make_boundary(self.cfg)
         loss_fn = gpt_pipeline_loss(self.gpt_cfg, boundary=boundary)
-        tx = self.tx
+        tx = self.group_tx["blocks"]
 
         def per_device(blocks, owned, opt_state, batch, bstate, key, seen):
             p = {"blocks": _sq(blocks), **_sq(owned)}
@@ -332,7 +347,7 @@ class PipelineTrainer(Trainer):
     def _build_owned_step(self, name: str) -> Callable:
         """Average and apply ``name``'s gradients over ``data`` on its owner stage's devices:
         ``(params, opt_state, grads) -> (params, opt_state, finite)``, ``[D, 1, ...]``."""
-        tx = self.tx
+        tx = self.group_tx[name]
 
         def per_device(params, opt_state, grads):
             p, s, g = _sq(params), _sq(opt_state), _sq(grads)
@@ -804,13 +819,18 @@ class PipelineTrainer(Trainer):
         step (reads waited on, host arrays built, copies issued) while this one ran,
         ``buffer_exposed_s`` the part of the buffer work the devices waited for (a prefetch
         that outlasted the step, or a step prepared after the previous one ended), and
-        ``buffer_writeback_s`` copying the new messages to the host and issuing the writes."""
-        return dict(self._io)
+        ``buffer_writeback_s`` copying the new messages to the host and issuing the writes;
+        and the parts' columns (e.g. local SGD's divergence)."""
+        return {**super()._step_extras(report), **self._io}
 
     def _summary_extras(self) -> dict[str, Any]:
         """Message-buffer footprint: bytes per boundary and in all."""
         per = [buf.nbytes for buf in self.buffers]
-        return {"buffer_bytes_per_boundary": per[0] if per else 0, "buffer_bytes": sum(per)}
+        return {
+            **super()._summary_extras(),
+            "buffer_bytes_per_boundary": per[0] if per else 0,
+            "buffer_bytes": sum(per),
+        }
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss through the pipeline (FP32 boundaries, no buffer)."""
@@ -956,5 +976,30 @@ class PipelineTrainer(Trainer):
         return jax.tree_util.tree_map(lambda a: a[worker], to_host(self.params))
 
     def model_params(self) -> Any:
-        """Data replica 0's parameters in the GPT's own layout (stages joined)."""
-        return unstage_params(self.worker_params(0), self.gpt_cfg)
+        """Data replica 0's parameters (the replicas' mean with local SGD) in the GPT's own
+        layout (stages joined)."""
+        params = jax.tree_util.tree_map(lambda a: a[0], to_host(self._eval_params()))
+        return unstage_params(params, self.gpt_cfg)
+
+    def _make_tx(self) -> None:
+        """None: the pipeline builds one transform per parameter group (``group_tx``) once
+        its groups' shapes are known (:meth:`_init_state`)."""
+        return None
+
+    def rebuild_step(self) -> None:
+        """Build the groups' transforms and the steps again (e.g. a restored schedule);
+        the state's structure is unchanged."""
+        shapes = {
+            name: jax.tree_util.tree_map(
+                lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), self.params[name]
+            )
+            for name in ("embed", "blocks", "head")
+        }
+        self.group_tx = self.sync.group_txs(self, shapes, self.stages)
+        self._train_step = self._build_step()
+        self._owned_step = {name: self._build_owned_step(name) for name in OWNED}
+        self._compiled.clear()
+        self._owned_compiled.clear()
+        self._ticks.clear()
+        self._busy.clear()
+        self._modelled.clear()

@@ -81,6 +81,14 @@ class Sync(Part):
         """The per-worker transform of the trainer's config (aggregator, optimizer)."""
         raise NotImplementedError
 
+    def group_txs(
+        self, trainer: Trainer, units: dict[str, Any], stages: int
+    ) -> dict[str, optax.GradientTransformation]:
+        """One transform per parameter group of a pipeline (``units``: group name -> one
+        device's parameter shapes, input to output); here the same one for every group."""
+        tx = self.make_tx(trainer)
+        return {name: tx for name in units}
+
     def step_seconds(
         self, trainer: Trainer, traffic: Any, network: Any, step: int, measured_s: float
     ) -> tuple[float, float, float] | None:
