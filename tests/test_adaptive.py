@@ -294,3 +294,60 @@ def test_a_model_too_small_for_some_candidates_skips_them(tmp_path, capsys):
     trainer.run()
     trials = trainer.control.search(trainer, Network(1e-3, 1e9))
     assert [t.ratio for t in trials] == list(trainer.control.controller.candidates)
+
+
+PIPE = dict(
+    task="gpt",
+    model={"num_layers": 2, "width": 32, "num_heads": 2, "seq_len": 16},
+    dataset="shakespeare",
+    workers=2,
+    stages=2,
+    microbatches=2,
+    global_batch=8,
+    train_samples=16,
+    boundary="aqsgd",
+    fw_bits=3,
+    optimizer="adam",
+    lr=3e-3,
+    aggregator_args={"select": "star"},
+    adaptive={"candidates": [0.1, 0.01], "trial_steps": 1, "min_interval": 2},
+)
+
+
+def test_adaptive_ratio_on_a_pipelines_data_axis(tmp_path):
+    """The adaptive AR-Topk ratio drives a pipeline's data-parallel averaging (AQ-SGD
+    boundaries): a search leaves parameters, optimizer state, data position and message
+    buffers bit-identical; each step runs and logs the chosen ratio, and its logged traffic
+    equals the compiled programs' of that ratio and boundary mode; resume is bit-exact."""
+    from train.pipeline_trainer import PipelineTrainer
+
+    cfg = _cfg(tmp_path / "a", steps=5, checkpoint_every=0, **PIPE)
+    trainer = PipelineTrainer(cfg)
+    traffic = []
+    trainer.run(metrics_cb=lambda row: traffic.append((row, trainer.last_traffic)))
+    rows = [r for r, _ in traffic]
+    assert rows[0]["search"] == "search" and rows[0]["search_s"] > 0
+    assert {r["ratio"] for r in rows} <= {0.1, 0.01}
+    for r, t in traffic:
+        seen = r["step"] > 2  # 16 samples, 8 per step: steps 3+ send deltas
+        audit = trainer.step_audit((seen, (r["ratio"], r["collective"])))
+        np.testing.assert_array_equal(t.sent, audit.sent)
+        np.testing.assert_array_equal(t.path_bytes.sum(-1), audit.path_bytes)
+    buffers = [b.read(np.arange(16)).copy() for b in trainer.buffers]
+    before = (_host(trainer.params), _host(trainer.opt_state), trainer.loader.position)
+    trainer.control.search(trainer, Network(1e-3, 1e9))
+    after = (_host(trainer.params), _host(trainer.opt_state), trainer.loader.position)
+    for a, b in zip(before[0] + before[1], after[0] + after[1], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert before[2] == after[2]
+    for buf, old in zip(trainer.buffers, buffers, strict=True):
+        np.testing.assert_array_equal(buf.read(np.arange(16)), old)
+    # Resume from step 3.
+    PipelineTrainer(_cfg(tmp_path / "b", steps=3, checkpoint_every=3, **PIPE)).run()
+    resumed = PipelineTrainer(_cfg(tmp_path / "b", steps=5, checkpoint_every=3, **PIPE))
+    resumed.run(resume=True)
+    got = [json.loads(x) for x in (resumed.cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    for key in ("loss", "ratio", "collective", "sent_bytes", "sim_time_s"):
+        assert [r[key] for r in got] == [r[key] for r in rows], key
+    for a, b in zip(_host(trainer.params), _host(resumed.params), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -37,7 +37,7 @@ from jaxcomm.sparse import TopkState, ratio_k
 from train.clock import step_traffic
 from train.config import Config
 from train.sync import Controller
-from train.trainer import Trainer, host_finite, make_optimizer
+from train.trainer import Trainer, make_optimizer
 
 __all__ = ["AdaptiveRatio"]
 
@@ -75,8 +75,8 @@ class AdaptiveRatio(Controller):
         """Size the search to the trainer's model: leave out candidate ratios whose
         ``k = ratio * d`` would round to 0 entries (a small model with the paper's 0.001),
         saying so; none left is an error."""
-        d = trainer.num_params()
-        self._dense_bytes = 4 * d
+        d = trainer.smallest_group()
+        self._dense_bytes = trainer.synced_bytes()
         keep = tuple(c for c in self.controller.candidates if c * d >= 1.0)
         if not keep:
             raise ValueError(
@@ -115,7 +115,7 @@ class AdaptiveRatio(Controller):
         run chooses with the same figures.
         """
         if ratio not in self._compress:
-            d = trainer.num_params()
+            d = self._dense_bytes // 4
             k = max(1, ratio_k(ratio, d))
             method = self.cfg.aggregator_args.get("method", "auto")
             select_s, copy_s = _selection_cost(d, k, method)
@@ -142,23 +142,22 @@ class AdaptiveRatio(Controller):
         trials, seconds = [], 0.0
         for c, ratio in enumerate(self.controller.candidates):
             key = (ratio, REDUCE[choose_collective(self._dense_bytes, trainer.n, ratio, network)])
-            program = trainer.compiled_step(key)
             p, s = _copy(params), _copy(opt_state)
             gains = []
             for i in range(self.controller.trial_steps):
-                batch = trainer._put_batch(trainer.loader.next())
-                t0 = time.perf_counter()
-                p, s, _, finite, _ = program(p, s, batch)
-                jax.block_until_ready((p, s))
-                measured = time.perf_counter() - t0
-                if not host_finite(finite):
+                p, s, finite, logs, measured, program = trainer.trial_step(key, p, s)
+                if not finite:
                     break  # a candidate that diverges is not a candidate
                 gains.append(_gain(s))
-                traffic = step_traffic(jaxcomm.network.find_logs(s))
                 # Trial steps run on the cluster beside the numbered ones: their own
                 # straggler draws (stream 2 + candidate), not those of the steps that follow.
                 seconds += trainer.simulate_logged(
-                    traffic, network, trainer.step + i, measured_s=measured, key=key, stream=2 + c
+                    step_traffic(logs),
+                    network,
+                    trainer.step + i,
+                    measured_s=measured,
+                    key=program,
+                    stream=2 + c,
                 )[0]
             else:
                 trials.append(

@@ -185,10 +185,10 @@ class Config:
             raise ValueError(f"mfu={self.mfu!r} needs compute=<device>, got compute='measured'")
         self.straggler_model()  # a clear error for bad straggler settings
         if self.adaptive:
-            if self.aggregator != "ar_topk" or self.stages != 1:
+            if self.aggregator != "ar_topk":
                 raise ValueError(
-                    f"adaptive={self.adaptive!r} needs aggregator='ar_topk' and stages=1; got "
-                    f"aggregator={self.aggregator!r}, stages={self.stages}"
+                    f"adaptive={self.adaptive!r} chooses AR-Topk's ratio and needs "
+                    f"aggregator='ar_topk'; got aggregator={self.aggregator!r}"
                 )
             self.adaptive_model()
         self.sync_settings()  # a clear error for bad sync settings

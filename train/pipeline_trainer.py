@@ -249,7 +249,13 @@ class PipelineTrainer(Trainer):
             )
             for name in ("embed", "blocks", "head")
         }
-        self.group_tx = self.sync.group_txs(self, units, self.stages)
+        if self.control is None:
+            self.group_tx = self.sync.group_txs(self, units, self.stages)
+        else:  # the controller's first program, for every group
+            tx = self.control.make_tx(self, self.control.program_key(self))
+            self.group_tx = {name: tx for name in units}
+        self._ckey = self._control_key()
+        self._variants: dict[Any, tuple] = {}
 
         def init(mesh, spec, tree, salt, tx):
             f = jax.shard_map(
@@ -512,6 +518,7 @@ class PipelineTrainer(Trainer):
         if cur is None or cur.position != self.loader.position:
             cur = self._prepare(self.loader.position)
             self._io["buffer_exposed_s"] = cur.seconds
+        self._use(self._control_key())
         program = self._program(cur)
         self._last_seen = cur.seen
         key = jax.random.fold_in(jax.random.key(self.cfg.seed), cur.position)
@@ -535,17 +542,9 @@ class PipelineTrainer(Trainer):
         ):
             self._next = self._prepare(nxt)
         prefetch_end = time.perf_counter()
-        params, opt_state = {"blocks": blocks}, {"blocks": opt_blocks}
-        finites = [finite]
-        for name in OWNED:
-            args = (
-                self._owned_view(owned[name], name),
-                self.opt_state[name],
-                self._owned_view(owned_grads[name], name),
-            )
-            new_p, opt_state[name], ok = self._owned_compiled[name](*args)
-            params[name] = self._merged(owned[name], new_p)
-            finites.append(ok)
+        params, opt_state, finites = self._apply_owned(owned, owned_grads, self.opt_state)
+        params["blocks"], opt_state["blocks"] = blocks, opt_blocks
+        finites.append(finite)
         done = self._waiter.submit(_ready_at, (params, opt_state, finites))
         main_end, device_end = main_done.result(), done.result()
         # Device time: the step program, then the embedding's and head's programs, which
@@ -559,9 +558,97 @@ class PipelineTrainer(Trainer):
         self._last_ids, self._last_state = cur.ids, new_state
         return params, opt_state, metrics, host_finite(*to_host(finites)), compute_s, [log]
 
+    def _apply_owned(self, owned: Any, grads: Any, opt_state: Any) -> tuple[dict, dict, list]:
+        """Run the embedding's and head's programs on their stages: ``(params, opt_state,
+        finite flags)`` of those groups."""
+        params, new_state, finites = {}, {}, []
+        for name in OWNED:
+            args = (
+                self._owned_view(owned[name], name),
+                opt_state[name],
+                self._owned_view(grads[name], name),
+            )
+            new_p, new_state[name], ok = self._owned_compiled[name](*args)
+            params[name] = self._merged(owned[name], new_p)
+            finites.append(ok)
+        return params, new_state, finites
+
+    def trial_step(self, key: Any, params: Any, opt_state: Any) -> tuple:
+        """One step of the controller's program ``key`` from ``(params, opt_state)`` on
+        the loader's next batch and its buffered messages (read, never written): ``(params,
+        opt_state, finite, logs, measured_s, program key)``. The blocks' arrays passed in
+        are donated."""
+        prev = self._ckey
+        self._use(key)
+        try:
+            prep = self._prepare(self.loader.position)
+            self.loader.position += 1
+            program = self._program(prep)
+            rng = jax.random.fold_in(jax.random.key(self.cfg.seed), prep.position)
+            owned = {name: params[name] for name in OWNED}
+            t0 = time.perf_counter()
+            blocks, opt_blocks, grads, _, finite, _, log = program(
+                params["blocks"], owned, opt_state["blocks"], prep.batch, prep.state, rng
+            )
+            new_p, new_s, finites = self._apply_owned(owned, grads, opt_state)
+            new_p["blocks"], new_s["blocks"] = blocks, opt_blocks
+            jax.block_until_ready((new_p, new_s, finites))
+            measured = time.perf_counter() - t0
+            ok = host_finite(finite, *to_host(finites))
+            logs = [*self._state_logs(new_s), log]
+            return new_p, new_s, ok, logs, measured, (prep.seen, key)
+        finally:
+            self._use(prev)
+
+    def _use(self, ckey: Any) -> None:
+        """Make the programs of the controller's key ``ckey`` current: the groups'
+        transforms, the steps and their compiled programs (built on first use)."""
+        if ckey == self._ckey:
+            return
+        fields = ("group_tx", "_train_step", "_owned_step", "_compiled", "_owned_compiled")
+        self._variants[self._ckey] = tuple(getattr(self, f) for f in fields)
+        if ckey in self._variants:
+            values = self._variants[ckey]
+        else:
+            self.group_tx = {name: self.control.make_tx(self, ckey) for name in self.group_tx}
+            values = (
+                self.group_tx,
+                self._build_step(),
+                {name: self._build_owned_step(name) for name in OWNED},
+                {},
+                {},
+            )
+        for f, v in zip(fields, values, strict=True):
+            setattr(self, f, v)
+        self._ckey = ckey
+
+    def synced_bytes(self) -> int:
+        """Float32 bytes of the gradients the busiest device averages over ``data`` each
+        step: a stage's blocks with the embedding (stage 0) or the head (the last)."""
+
+        def count(name, lead):
+            return sum(
+                math.prod(a.shape[lead:]) for a in jax.tree_util.tree_leaves(self.params[name])
+            )
+
+        blocks = count("blocks", 2)
+        return 4 * (blocks + max(count("embed", 2), count("head", 2)))
+
+    def smallest_group(self) -> int:
+        """Elements of the smallest gradient group a device aggregates by itself."""
+        return min(
+            sum(math.prod(a.shape[2:]) for a in jax.tree_util.tree_leaves(self.params[name]))
+            for name in ("embed", "blocks", "head")
+        )
+
     def _after_step(self) -> None:
         """Write the step's new messages back (asynchronously; a later read of the same ids
-        waits for these writes)."""
+        waits for these writes), then the parts' hooks (e.g. a controller reading the
+        step's gain)."""
+        self._write_back()
+        super()._after_step()
+
+    def _write_back(self) -> None:
         if self.buffers:
             t0 = time.perf_counter()
             t, w = self.gpt_cfg.seq_len, self.gpt_cfg.width
@@ -588,11 +675,13 @@ class PipelineTrainer(Trainer):
                 self.buffers[b].write_async(ids, data)
             self._io["buffer_writeback_s"] = time.perf_counter() - t0
 
-    def _state_logs(self) -> list[Any]:
-        """The aggregator logs in the optimizer state, each as ``[D, S, ...]`` per device."""
-        logs = find_logs(self.opt_state["blocks"])
+    def _state_logs(self, opt_state: Any = None) -> list[Any]:
+        """The aggregator logs in the optimizer state (default: the trainer's), each as
+        ``[D, S, ...]`` per device."""
+        opt_state = self.opt_state if opt_state is None else opt_state
+        logs = find_logs(opt_state["blocks"])
         for name in OWNED:
-            logs += [self._place(log, name) for log in find_logs(self.opt_state[name])]
+            logs += [self._place(log, name) for log in find_logs(opt_state[name])]
         return logs
 
     def step_audit(self, seen: bool = False, branches: Any = None) -> Any:
@@ -602,23 +691,40 @@ class PipelineTrainer(Trainer):
         :meth:`Trainer.step_audit`."""
         return super().step_audit(seen, branches)
 
+    def _control_key(self) -> Any:
+        """The controller's choice of program (None without a controller)."""
+        return None if self.control is None else self.control.program_key(self)
+
     def _program_key(self) -> Any:
-        """The boundary mode of the last step (one compiled step per mode)."""
-        return self._last_seen
+        """The boundary mode of the last step (one compiled step per mode), with the
+        controller's key when there is one: ``(seen, key)``."""
+        return self._last_seen if self.control is None else (self._last_seen, self._ckey)
+
+    def _split(self, key: Any) -> tuple[bool, Any]:
+        """``(seen, controller key)`` of a program key (``seen`` alone: the current one)."""
+        return tuple(key) if isinstance(key, tuple) else (key, self._ckey)
 
     def step_programs(self, key: Any = False) -> list[tuple[Any, np.ndarray]]:
         """The pipeline step of boundary mode ``key`` (every device; its ticks run in
         lockstep, so each stage's program spans the GPipe schedule, bubbles included) and
         the embedding's and head's programs with the devices of their stages. Compiled on
-        first use."""
-        if key not in self._compiled:
-            if not self.abstract:
-                raise ValueError(f"no step with boundary mode seen={key} has been compiled yet")
-            self._program(self._prepare_abstract(key))
-        out = [(self._compiled[key], np.arange(self.cfg.workers * self.stages))]
-        for name in OWNED:
-            index = np.arange(self.cfg.workers) * self.stages + self._owner(name)
-            out.append((self._owned_compiled[name], index))
+        first use. ``key`` may also be ``(seen, controller key)``."""
+        seen, ckey = self._split(key)
+        prev = self._ckey
+        self._use(ckey)
+        try:
+            if seen not in self._compiled:
+                if not self.abstract:
+                    raise ValueError(
+                        f"no step with boundary mode seen={seen} has been compiled yet"
+                    )
+                self._program(self._prepare_abstract(seen))
+            out = [(self._compiled[seen], np.arange(self.cfg.workers * self.stages))]
+            for name in OWNED:
+                index = np.arange(self.cfg.workers) * self.stages + self._owner(name)
+                out.append((self._owned_compiled[name], index))
+        finally:
+            self._use(prev)
         return out
 
     def simulate_step(
@@ -653,8 +759,6 @@ class PipelineTrainer(Trainer):
             return super().simulate_step(
                 key, traffic, network, step, measured_s=measured_s, overlap=overlap, stream=stream
             )
-        if stream:
-            raise ValueError("the pipeline's clock draws only its steps' own stragglers")
         overlap = self.cfg.overlap if overlap is None else bool(overlap)
         cfg, n_stages = self.cfg, self.stages
         devices = cfg.workers * n_stages
@@ -666,9 +770,12 @@ class PipelineTrainer(Trainer):
         # Each message's latency: [replica, direction, boundary, microbatch], drawn per
         # message with stragglers' jitter.
         shape = (cfg.workers, 2, max(n_stages - 1, 0), cfg.microbatches)
+        # A step's own draws are streams 0 (compute, messages) and 1 (the data-parallel
+        # rounds); a trial step's stream s > 0 draws from 2s and 2s + 1.
+        own, rounds_stream = (0, 1) if not stream else (2 * stream, 2 * stream + 1)
         if self.stragglers is not None:
-            factors = self.stragglers.compute_factors(step, devices)
-            lat = self.stragglers.message_latencies(step, shape, network)
+            factors = self.stragglers.compute_factors(step, devices, stream=own)
+            lat = self.stragglers.message_latencies(step, shape, network, stream=own)
         else:
             lat = np.full(shape, network.latency_s)
         latency = float(lat.mean()) if lat.size else network.latency_s
@@ -695,7 +802,7 @@ class PipelineTrainer(Trainer):
         busiest = int(np.argmax(network.wire_seconds(rounds, path)))
         if self.stragglers is not None:
             lat = self.stragglers.round_latency(
-                step, int(rounds[busiest]), cfg.workers, network, stream=1
+                step, int(rounds[busiest]), cfg.workers, network, stream=rounds_stream
             )
         else:
             lat = int(rounds[busiest]) * network.latency_s
@@ -717,7 +824,8 @@ class PipelineTrainer(Trainer):
         g = self.gpt_cfg
         mb = self.cfg.global_batch // (self.cfg.workers * self.cfg.microbatches)
         act = jax.ShapeDtypeStruct((mb, g.seq_len, g.width), jnp.float32)
-        return jaxcomm.boundary_message_bytes(make_boundary(self.cfg), act, bool(key))
+        seen = self._split(key)[0]
+        return jaxcomm.boundary_message_bytes(make_boundary(self.cfg), act, bool(seen))
 
     def _tick_seconds(
         self, key: Any, branches: Any = None

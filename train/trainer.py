@@ -464,6 +464,26 @@ class Trainer:
             self._programs[key] = checked(lowered.compile())
         return self._programs[key]
 
+    def trial_step(self, key: Any, params: Any, opt_state: Any) -> tuple:
+        """One step of the controller's program ``key`` from ``(params, opt_state)`` (donated:
+        pass copies) on the loader's next batch, for a trial that the trainer's own state
+        never sees: ``(params, opt_state, finite, logs, measured_s, program key)``."""
+        program = self.compiled_step(key)
+        batch = self._put_batch(self.loader.next())
+        t0 = time.perf_counter()
+        p, s, _, finite, _ = program(params, opt_state, batch)
+        jax.block_until_ready((p, s))
+        measured = time.perf_counter() - t0
+        return p, s, host_finite(finite), find_logs(s), measured, key
+
+    def synced_bytes(self) -> int:
+        """Float32 bytes of the gradients a device averages over ``data`` each step."""
+        return 4 * self.num_params()
+
+    def smallest_group(self) -> int:
+        """Elements of the smallest gradient group a device aggregates by itself."""
+        return self.num_params()
+
     def _compile(self) -> Callable:
         """Compile the next step's program before the loop (errors before any step);
         returns the step the loop calls, which runs the program of the current key (a
