@@ -48,7 +48,6 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from jaxcomm import Network  # noqa: E402
 from train.config import Config  # noqa: E402
-from train.pipeline_trainer import PipelineTrainer  # noqa: E402
 from train.plot import read_metrics  # noqa: E402
 from train.trainer import Trainer, wire_time  # noqa: E402
 
@@ -129,7 +128,7 @@ def run_one(label, boundary, fw, bw, stages, workers, aggregator, args, out, ini
         out_dir=str(run_dir),
         progress=False,
     )
-    trainer = PipelineTrainer(cfg)
+    trainer = Trainer(cfg)
     trainer.run()
     (run_dir / "sync_io.json").write_text(json.dumps({"sync_io_s": _sync_io(trainer)}))
     return load_run(label, stages, workers, out)
@@ -148,16 +147,16 @@ def load_run(label: str, stages: int, workers: int, out: Path) -> dict:
     }
 
 
-def _sync_io(trainer: PipelineTrainer, repeats: int = 5) -> float:
+def _sync_io(trainer: Trainer, repeats: int = 5) -> float:
     """Median seconds of one step's buffer reads and writes done synchronously (no overlap)."""
-    if not trainer.buffers:
+    if not trainer.layout.feed.buffers:
         return 0.0
     ids = trainer.loader.batch_ids(0)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        values = [buf.read(ids) for buf in trainer.buffers]
-        for buf, v in zip(trainer.buffers, values, strict=True):
+        values = [buf.read(ids) for buf in trainer.layout.feed.buffers]
+        for buf, v in zip(trainer.layout.feed.buffers, values, strict=True):
             buf.write(ids, np.asarray(v))
             buf.flush()
         times.append(time.perf_counter() - t0)

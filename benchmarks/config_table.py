@@ -35,7 +35,8 @@ ROWS: dict[str, tuple[str, list[str]]] = {
         [*SHORT, "steps=14", "adaptive.trial_steps=2", "adaptive.min_interval=6"],
     ),
     "dreamddp_default": ("configs/dreamddp_default.yaml", SHORT),
-    "marsit_default": ("configs/marsit_default.yaml", [*SHORT, "steps=12"]),
+    # The shipped config times the host (compute: measured); a roofline makes it repeatable.
+    "marsit_default": ("configs/marsit_default.yaml", [*SHORT, "steps=12", "compute=v100"]),
     "dp_stragglers": (
         "configs/dp_default.yaml",
         [*SHORT, "stragglers={seed: 1, compute_sigma: 0.2, latency_jitter: 0.5}"],
@@ -47,6 +48,30 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "pipeline_ec_quantized": (
         "configs/dp_default.yaml",
         [*SHORT, *PIPE, "aggregator=ec_quantized", "stragglers={seed: 2, compute_sigma: 0.1}"],
+    ),
+    # Combinations the composed trainer newly runs (refused before it).
+    "pipeline_local_sgd": (
+        "configs/dp_default.yaml",
+        [*SHORT, *PIPE, "boundary=aqsgd", "aggregator=none", "sync={method: local_sgd, period: 4}"],
+    ),
+    "pipeline_dreamddp": (
+        "configs/dp_default.yaml",
+        [*SHORT, *PIPE, "boundary=aqsgd", "aggregator=none", "sync={method: dreamddp, period: 4}"],
+    ),
+    "pipeline_adaptive": (
+        "configs/dp_default.yaml",
+        [
+            *SHORT,
+            *PIPE,
+            "boundary=aqsgd",
+            "aggregator=ar_topk",
+            "aggregator_args={select: star}",
+            "adaptive={candidates: [0.1, 0.01], trial_steps: 1, min_interval: 4}",
+        ],
+    ),
+    "local_sgd_stragglers": (
+        "configs/dreamddp_default.yaml",
+        [*SHORT, "stragglers={seed: 1, compute_sigma: 0.3, latency_jitter: 0.5}"],
     ),
     "estimate:aqsgd_gpt2xl": ("configs/aqsgd_gpt2xl.yaml", []),
     "estimate:marsit_resnet50": (
@@ -104,14 +129,29 @@ def compare(before: dict, after: dict) -> str:
         "| run | " + " | ".join(f"{k} before | after" for k in keys) + " | equal |",
         "|---|" + "---|---|" * len(keys) + "---|",
     ]
-    for name in before:
-        b, a = before[name], after.get(name, {})
+    for name in [*before, *(n for n in after if n not in before)]:
+        b, a = _figures(before.get(name, {})), _figures(after.get(name, {}))
         cells = []
         for k in keys:
-            cells += [repr(b.get(k, "")), repr(a.get(k, ""))]
-        same = all(b.get(k) == a.get(k) for k in keys)
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {'yes' if same else 'NO'} |")
+            cells += [_cell(b.get(k, "")), _cell(a.get(k, ""))]
+        same = "new (refused before)" if not b else "yes" if b == a else "NO"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {same} |")
     return "\n".join(lines)
+
+
+def _figures(row: dict) -> dict:
+    """A row's figures without its wall-clock times (which vary from run to run)."""
+    out = {k: v for k, v in row.items() if not k.endswith("wall_s")}
+    if "estimate" in out:
+        est = out["estimate"]
+        out["estimate"] = {k: est[k] for k in ("step_s", "sent_bytes_per_device") if k in est}
+    return out
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {v!r}" for k, v in value.items())
+    return repr(value) if value != "" else "-"
 
 
 def main() -> None:

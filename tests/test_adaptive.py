@@ -156,6 +156,12 @@ def test_bad_settings_are_named():
         load_config(None, ["adaptive={trial_steps: 2}"])
     with pytest.raises(ValueError, match="adaptive .*unexpected keyword"):
         load_config(None, ["aggregator=ar_topk", "adaptive={bogus: 1}"])
+    # The one combination the composed trainer still refuses names both settings.
+    with pytest.raises(ValueError, match=r"adaptive=.* with sync=.*local SGD runs no aggregator"):
+        load_config(
+            None,
+            ["aggregator=none", "adaptive={trial_steps: 2}", "sync={method: local_sgd, period: 2}"],
+        )
 
 
 def _cfg(tmp_path, **kw):
@@ -319,10 +325,8 @@ def test_adaptive_ratio_on_a_pipelines_data_axis(tmp_path):
     boundaries): a search leaves parameters, optimizer state, data position and message
     buffers bit-identical; each step runs and logs the chosen ratio, and its logged traffic
     equals the compiled programs' of that ratio and boundary mode; resume is bit-exact."""
-    from train.pipeline_trainer import PipelineTrainer
-
     cfg = _cfg(tmp_path / "a", steps=5, checkpoint_every=0, **PIPE)
-    trainer = PipelineTrainer(cfg)
+    trainer = Trainer(cfg)
     traffic = []
     trainer.run(metrics_cb=lambda row: traffic.append((row, trainer.last_traffic)))
     rows = [r for r, _ in traffic]
@@ -333,18 +337,18 @@ def test_adaptive_ratio_on_a_pipelines_data_axis(tmp_path):
         audit = trainer.step_audit((seen, (r["ratio"], r["collective"])))
         np.testing.assert_array_equal(t.sent, audit.sent)
         np.testing.assert_array_equal(t.path_bytes.sum(-1), audit.path_bytes)
-    buffers = [b.read(np.arange(16)).copy() for b in trainer.buffers]
+    buffers = [b.read(np.arange(16)).copy() for b in trainer.layout.feed.buffers]
     before = (_host(trainer.params), _host(trainer.opt_state), trainer.loader.position)
     trainer.control.search(trainer, Network(1e-3, 1e9))
     after = (_host(trainer.params), _host(trainer.opt_state), trainer.loader.position)
     for a, b in zip(before[0] + before[1], after[0] + after[1], strict=True):
         np.testing.assert_array_equal(a, b)
     assert before[2] == after[2]
-    for buf, old in zip(trainer.buffers, buffers, strict=True):
+    for buf, old in zip(trainer.layout.feed.buffers, buffers, strict=True):
         np.testing.assert_array_equal(buf.read(np.arange(16)), old)
     # Resume from step 3.
-    PipelineTrainer(_cfg(tmp_path / "b", steps=3, checkpoint_every=3, **PIPE)).run()
-    resumed = PipelineTrainer(_cfg(tmp_path / "b", steps=5, checkpoint_every=3, **PIPE))
+    Trainer(_cfg(tmp_path / "b", steps=3, checkpoint_every=3, **PIPE)).run()
+    resumed = Trainer(_cfg(tmp_path / "b", steps=5, checkpoint_every=3, **PIPE))
     resumed.run(resume=True)
     got = [json.loads(x) for x in (resumed.cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     for key in ("loss", "ratio", "collective", "sent_bytes", "sim_time_s"):

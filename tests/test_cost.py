@@ -48,7 +48,7 @@ def test_gpt_step_matches_the_analytic_count(tmp_path):
         out_dir=str(tmp_path),
     )
     trainer = Trainer(cfg)
-    cost = jaxcomm.program_cost(trainer._compile()).per_device()
+    cost = jaxcomm.program_cost(trainer.layout.compiled_step(trainer)).per_device()
     leaves = jax.tree_util.tree_flatten_with_path(trainer.worker_params(0))[0]
     matmul_params = sum(v.size for k, v in leaves if "kernel" in jax.tree_util.keystr(k))
     tokens = batch // 8 * seq
@@ -205,7 +205,7 @@ def test_gpu_library_calls_are_costed_from_their_shapes():
 
 
 def test_the_trainer_warns_of_uncounted_custom_calls():
-    from train.trainer import costed
+    from train.programs import costed
 
     with pytest.warns(UserWarning, match=r"1 custom call.*my\$kernel.*flops are missing"):
         costed(_GPU_HLO)

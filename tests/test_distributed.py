@@ -10,6 +10,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 from flax import serialization
 
 from train import launch as launch_mod
@@ -203,9 +204,7 @@ def test_pipeline_stages_on_two_processes_match_one_process(tmp_path):
     assert sorted(p.name for p in (two / "buffers" / "8").iterdir()) == ["process0", "process1"]
     one = tmp_path / "one"
     cfg = load_config(str(ROOT / "configs/dp_default.yaml"), [*sets, "steps=8", f"out_dir={one}"])
-    from train.pipeline_trainer import PipelineTrainer
-
-    PipelineTrainer(cfg).run()
+    Trainer(cfg).run()
     a, b = _rows(two), _rows(one)
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     sent = [r["sent_bytes"] for r in a]
@@ -274,3 +273,52 @@ def test_a_local_coordinator_listens_on_loopback_only(monkeypatch):
     assert seen["coordinator_bind_address"] == "127.0.0.1:4321"
     distributed.initialize({**env, "JAXCOMM_COORDINATOR": "10.1.2.3:4321"})
     assert seen["coordinator_bind_address"] is None  # a cluster: JAX's default
+
+
+_PIPE = ["workers=2", "stages=2", "boundary=aqsgd", "fw_bits=3", "global_batch=8",
+         "microbatches=2", "model.num_layers=2", "model.width=32", "model.seq_len=16",
+         "train_samples=16"]  # fmt: skip
+_COMBOS = {
+    "pipeline_local_sgd": [*_PIPE, "aggregator=none", "sync={method: local_sgd, period: 2}"],
+    "pipeline_dreamddp": [*_PIPE, "aggregator=none", "sync={method: dreamddp, period: 3}"],
+    "pipeline_adaptive": [
+        *_PIPE, "aggregator=ar_topk", "aggregator_args={select: star}", "optimizer=adam",
+        "lr=3e-3", "adaptive={candidates: [0.1, 0.01], trial_steps: 1, min_interval: 2}",
+    ],
+    "local_sgd_stragglers": [
+        "workers=2", "global_batch=16", "model.num_layers=1", "model.width=32",
+        "model.seq_len=16", "aggregator=none", "sync={method: local_sgd, period: 3}",
+        "stragglers={seed: 1, compute_sigma: 0.3, latency_jitter: 0.5}",
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("combo", list(_COMBOS))
+def test_new_combinations_on_two_processes_resume_bit_exactly(tmp_path, combo):
+    """Each combination the composed trainer newly allows runs as two processes under the
+    launcher, stopped at step 3 and resumed to 6, and ends bit for bit where one
+    uninterrupted process ends: every logged column but host timings (losses, bytes,
+    simulated time, ratios, averaged layers) and the parameters. A pipeline's stages sit
+    on different processes (its messages cross between them, deltas from step 3); data
+    parallelism's workers do (its averaging crosses)."""
+    sets = [*_COMBOS[combo], "checkpoint_every=3", "eval_every=0", "progress=false"]
+    two = tmp_path / "two"
+    for steps, resume in ((3, False), (6, True)):
+        args = ["--processes", "2", "--config", "configs/dp_default.yaml"]
+        for s in [*sets, f"steps={steps}", f"out_dir={two}"]:
+            args += ["--set", s]
+        proc = _launch(args + (["--resume"] if resume else []))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one = tmp_path / "one"
+    cfg = load_config(str(ROOT / "configs/dp_default.yaml"), [*sets, "steps=6", f"out_dir={one}"])
+    Trainer(cfg).run()
+    volatile = ("compute_s", "buffer_prefetch_s", "buffer_exposed_s", "buffer_writeback_s")
+    a, b = (
+        [{k: v for k, v in r.items() if k not in volatile} for r in _rows(d)] for d in (two, one)
+    )
+    assert a == b
+    if "boundary=aqsgd" in sets:
+        p2p = [sum(w[5] for w in r["wire"] if w[0] == "p2p") for r in a]
+        assert p2p[3] < p2p[0] / 2  # deltas once the samples repeat
+    for x, y in zip(_params(two), _params(one), strict=True):
+        np.testing.assert_array_equal(x, y)

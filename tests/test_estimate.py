@@ -8,7 +8,6 @@ import pytest
 import jaxcomm
 from train.config import Config
 from train.estimate import estimate, main
-from train.pipeline_trainer import PipelineTrainer
 from train.trainer import Trainer
 
 MODEL = {"num_layers": 2, "width": 32, "num_heads": 2, "seq_len": 16}
@@ -49,7 +48,7 @@ def _cfg(tmp_path, **kw):
 def test_estimate_equals_what_a_run_logs(tmp_path, extra):
     cfg = _cfg(tmp_path, steps=3 if extra else 2, **extra)
     est = estimate(cfg)
-    trainer = (PipelineTrainer if cfg.stages > 1 else Trainer)(cfg)
+    trainer = (Trainer if cfg.stages > 1 else Trainer)(cfg)
     rows = []
     trainer.run(metrics_cb=rows.append)
     steady = rows[-1]

@@ -37,10 +37,10 @@ class _Recorder:
     def __init__(self, trainer, monkeypatch):
         self.events = []
         self.trainer = trainer
-        compile_ = trainer._compile
+        compiled = trainer.layout.compiled_step
 
-        def compile_and_wrap():
-            program = compile_()
+        def compiled_and_wrapped(t, key=None):
+            program = compiled(t, key)
 
             def step(*args):
                 self.events.append(("dispatch", trainer.loader.position))
@@ -48,7 +48,7 @@ class _Recorder:
 
             return step
 
-        monkeypatch.setattr(trainer, "_compile", compile_and_wrap)
+        monkeypatch.setattr(trainer.layout, "compiled_step", compiled_and_wrapped)
         accept = trainer._accept
 
         def accept_and_log(flight, *args):
@@ -122,16 +122,16 @@ def test_batches_are_prefetched_and_resume_sees_the_right_position(tmp_path, mon
     cfg = _cfg(tmp_path, steps=5, checkpoint_every=2, **MLP)
     trainer = Trainer(cfg)
     got = []
-    put = trainer._put_batch
+    put = trainer.layout.put_batch
 
     def record(batch):
         got.append(np.asarray(batch["ids"]).copy())
         return put(batch)
 
-    monkeypatch.setattr(trainer, "_put_batch", record)
-    prefetch = trainer._prefetch
+    monkeypatch.setattr(trainer.layout, "put_batch", record)
+    prefetch = trainer.layout._prefetch
     calls = []
-    monkeypatch.setattr(trainer, "_prefetch", lambda: (calls.append(1), prefetch())[1])
+    monkeypatch.setattr(trainer.layout, "_prefetch", lambda t: (calls.append(1), prefetch(t))[1])
     trainer.run()
     # Compile reads batch 0 once; then one load per step, the first four prefetched.
     assert len(calls) == 4
@@ -187,7 +187,7 @@ def test_lagged_loop_waits_for_the_devices_only_when_reading(tmp_path, monkeypat
 
     monkeypatch.setattr(jax, "block_until_ready", block)
     monkeypatch.setattr(trainer_mod, "to_host", to_host)
-    launch, accept = trainer._launch, trainer._accept
+    launch, accept = trainer.layout.launch, trainer._accept
 
     def launch_flag(*a):
         state["loop"] = True
@@ -201,7 +201,7 @@ def test_lagged_loop_waits_for_the_devices_only_when_reading(tmp_path, monkeypat
             state["reading"] = False
             state["loop"] = flight.step < cfg.steps
 
-    monkeypatch.setattr(trainer, "_launch", launch_flag)
+    monkeypatch.setattr(trainer.layout, "launch", launch_flag)
     monkeypatch.setattr(trainer, "_accept", accept_flag)
     trainer.run()
     assert stalls == []

@@ -10,7 +10,6 @@ import pytest
 
 import jaxcomm
 from train.config import Config
-from train.pipeline_trainer import PipelineTrainer
 from train.trainer import Trainer
 
 MODEL = {"num_layers": 4, "width": 32, "num_heads": 2, "seq_len": 16}
@@ -42,7 +41,7 @@ def _losses(cfg):
 
 def test_fp32_pipeline_trains_like_data_parallel(tmp_path):
     pp = _cfg(tmp_path / "pp", bw_bits=0)
-    PipelineTrainer(pp).run()
+    Trainer(pp).run()
     dp = _cfg(tmp_path / "dp", stages=1)
     Trainer(dp).run()
     np.testing.assert_allclose(_losses(pp), _losses(dp), rtol=2e-5)
@@ -65,11 +64,11 @@ def test_aqsgd_pipeline_revisits_samples_and_logs_what_runs(tmp_path):
         train_samples=32,
         steps=6,
     )
-    trainer = PipelineTrainer(cfg)
+    trainer = Trainer(cfg)
     traffic = []
     trainer.run(metrics_cb=lambda row: traffic.append(trainer.last_traffic))
     # Steps 1-2 are the first epoch (float32), steps 3-6 revisit (deltas): both programs ran.
-    assert sorted(trainer._compiled) == [False, True]
+    assert sorted(trainer.layout._compiled) == [False, True]
     for step, seen in ((0, False), (1, False), (2, True), (5, True)):
         audit = _audited(trainer, seen)
         np.testing.assert_array_equal(traffic[step].sent, audit.sent)
@@ -78,13 +77,13 @@ def test_aqsgd_pipeline_revisits_samples_and_logs_what_runs(tmp_path):
     # The pipeline's bytes fall once samples repeat: 2-bit deltas replace float32.
     p2p = jaxcomm.KINDS.index("p2p")
     assert traffic[5].path_bytes[0, p2p] < 0.5 * traffic[0].path_bytes[0, p2p]
-    for buf in trainer.buffers:
+    for buf in trainer.layout.feed.buffers:
         buf.flush()
-    assert all(buf.seen(np.arange(32)).all() for buf in trainer.buffers)
+    assert all(buf.seen(np.arange(32)).all() for buf in trainer.layout.feed.buffers)
     # Only stage 0's embedding and the last stage's head are used, averaged and updated: the
     # other copies keep their initial values, and the programs that average the used ones
     # run on those stages' devices only.
-    first = PipelineTrainer(_cfg(tmp_path / "fresh", stages=4, workers=2, global_batch=16))
+    first = Trainer(_cfg(tmp_path / "fresh", stages=4, workers=2, global_batch=16))
     for name, owner in (("embed", 0), ("head", 3)):
         now, init = trainer.params[name], first.params[name]
         for a, b in zip(jax.tree.leaves(now), jax.tree.leaves(init), strict=True):
@@ -92,13 +91,13 @@ def test_aqsgd_pipeline_revisits_samples_and_logs_what_runs(tmp_path):
             unused = [s for s in range(4) if s != owner]
             np.testing.assert_array_equal(a[:, unused], b[:, unused])
             assert not np.array_equal(a[:, owner], b[:, owner])
-        assert jaxcomm.wire_audit(trainer._owned_compiled[name]).num_devices == 2
+        assert jaxcomm.wire_audit(trainer.layout._owned_compiled[name]).num_devices == 2
         owners = set(trainer.mesh.devices[:, owner].tolist())
-        assert set(trainer.sub_mesh[name].devices.flat) == owners
-        shardings = jax.tree.leaves(trainer._owned_compiled[name].input_shardings[0])
+        assert set(trainer.layout.owned.sub_mesh[name].devices.flat) == owners
+        shardings = jax.tree.leaves(trainer.layout._owned_compiled[name].input_shardings[0])
         assert shardings[0].device_set == owners
     # Both sides of every boundary consumed the same messages in the last step.
-    st = jax.device_get(trainer._last_state)
+    st = jax.device_get(trainer.layout._last[1])
     for b in range(3):
         np.testing.assert_array_equal(st.prev_out[:, b], st.prev_in[:, b + 1])
     # Buffer work is recorded per step; a prefetch ran while the step before it computed
@@ -107,7 +106,9 @@ def test_aqsgd_pipeline_revisits_samples_and_logs_what_runs(tmp_path):
     assert [r["buffer_prefetch_s"] > 0 for r in rows] == [True, False, True, False, True, False]
     assert all(r["buffer_writeback_s"] > 0 for r in rows)
     summary = json.loads((cfg.run_dir / "summary.json").read_text())
-    assert summary["buffer_bytes"] == 3 * trainer.buffers[0].nbytes >= 3 * 32 * 16 * 32 * 4
+    assert (
+        summary["buffer_bytes"] == 3 * trainer.layout.feed.buffers[0].nbytes >= 3 * 32 * 16 * 32 * 4
+    )
 
 
 @pytest.mark.parametrize(
@@ -133,7 +134,7 @@ def test_logged_traffic_equals_the_audit_for_every_aggregator(
         boundary=boundary,
         fw_bits=3,
     )
-    trainer = PipelineTrainer(cfg)
+    trainer = Trainer(cfg)
     traffic = []
     trainer.run(metrics_cb=lambda row: traffic.append(trainer.last_traffic))
     audit = trainer.step_audit(False)
@@ -148,8 +149,8 @@ def test_slow_prefetch_is_exposed_and_not_compute(tmp_path):
     """A buffer prefetch that outlasts the step it overlaps is charged to
     ``buffer_exposed_s``, and the step's ``compute_s`` stops where the devices did."""
     cfg = _cfg(tmp_path, boundary="aqsgd", fw_bits=2, train_samples=32, steps=4)
-    trainer = PipelineTrainer(cfg)
-    prepare = trainer._prepare
+    trainer = Trainer(cfg)
+    prepare = trainer.layout.feed.prepare
 
     def slow(position):
         prep = prepare(position)
@@ -158,7 +159,7 @@ def test_slow_prefetch_is_exposed_and_not_compute(tmp_path):
             prep = prep._replace(seconds=prep.seconds + 0.5)
         return prep
 
-    trainer._prepare = slow
+    trainer.layout.feed.prepare = slow
     trainer.run()
     rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     for r in rows[:3]:  # steps 0-2 each overlap the prefetch of the next one
@@ -169,9 +170,9 @@ def test_slow_prefetch_is_exposed_and_not_compute(tmp_path):
 
 def test_non_aqsgd_boundaries_keep_no_buffers(tmp_path):
     cfg = _cfg(tmp_path, boundary="directq", fw_bits=2, checkpoint_every=2)
-    trainer = PipelineTrainer(cfg)
+    trainer = Trainer(cfg)
     trainer.run()
-    assert trainer.buffers == []
+    assert trainer.layout.feed.buffers == []
     assert not (cfg.run_dir / "buffers").exists()
     assert json.loads((cfg.run_dir / "summary.json").read_text())["buffer_bytes"] == 0
 
@@ -195,7 +196,7 @@ def test_fine_tune_from_pretrained_params(tmp_path):
     dp = Trainer(pre)
     dp.run()
     path = pre.run_dir / "params.msgpack"
-    ft = PipelineTrainer(_cfg(tmp_path / "ft", stages=4, init_params=str(path)))
+    ft = Trainer(_cfg(tmp_path / "ft", stages=4, init_params=str(path)))
     for a, b in zip(
         jax.tree_util.tree_leaves(dp.model_params()),
         jax.tree_util.tree_leaves(ft.model_params()),
@@ -225,19 +226,21 @@ def test_fine_tune_from_pretrained_params(tmp_path):
 def test_aqsgd_pipeline_resume_bit_exact(tmp_path):
     # 16 samples, 8 per step: the resumed steps 3-4 send deltas against restored buffers.
     kw = dict(stages=2, boundary="aqsgd", fw_bits=3, checkpoint_every=2, train_samples=16)
-    full = PipelineTrainer(_cfg(tmp_path / "a", **kw))
+    full = Trainer(_cfg(tmp_path / "a", **kw))
     full.run()
-    PipelineTrainer(_cfg(tmp_path / "b", steps=2, buffer_dir=str(tmp_path / "bufs"), **kw)).run()
-    resumed = PipelineTrainer(_cfg(tmp_path / "b", buffer_dir=str(tmp_path / "bufs"), **kw))
-    replaced = list(resumed.buffers)
+    Trainer(_cfg(tmp_path / "b", steps=2, buffer_dir=str(tmp_path / "bufs"), **kw)).run()
+    resumed = Trainer(_cfg(tmp_path / "b", buffer_dir=str(tmp_path / "bufs"), **kw))
+    replaced = list(resumed.layout.feed.buffers)
     assert resumed.run(resume=True)["resumed"]
-    assert sorted(resumed._compiled) == [True]  # every resumed step revisited
+    assert sorted(resumed.layout._compiled) == [True]  # every resumed step revisited
     # The restored buffers live in buffer_dir again, and the ones they replaced are closed.
-    assert [str(b.path) for b in resumed.buffers] == [str(tmp_path / "bufs" / "boundary0")]
+    assert [str(b.path) for b in resumed.layout.feed.buffers] == [
+        str(tmp_path / "bufs" / "boundary0")
+    ]
     assert all(b.closed for b in replaced)
     # A new run must not pick up the buffers another run left in buffer_dir.
     with pytest.raises(ValueError, match="already holds message buffers"):
-        PipelineTrainer(_cfg(tmp_path / "c", buffer_dir=str(tmp_path / "bufs"), **kw)).run()
+        Trainer(_cfg(tmp_path / "c", buffer_dir=str(tmp_path / "bufs"), **kw)).run()
     for a, b in zip(
         jax.tree_util.tree_leaves(full.worker_params()),
         jax.tree_util.tree_leaves(resumed.worker_params()),
@@ -258,7 +261,7 @@ def test_pipeline_config_errors():
 def test_param_count_is_the_models(tmp_path):
     from models import build_task, param_count
 
-    trainer = PipelineTrainer(_cfg(tmp_path, stages=4, workers=2, global_batch=16))
+    trainer = Trainer(_cfg(tmp_path, stages=4, workers=2, global_batch=16))
     task = build_task("gpt", **MODEL)
     params = task.init(jax.random.key(0, impl="rbg"), trainer.train_data.get(np.arange(2)))
     assert trainer.num_params() == param_count(params)
@@ -276,7 +279,7 @@ def test_aggregator_keys_differ_per_stage_and_group(tmp_path):
         aggregator_args={"lr": 1e-3},
         optimizer="none",
     )
-    trainer = PipelineTrainer(cfg)
+    trainer = Trainer(cfg)
     keys = []
     for group in ("blocks", "embed", "head"):
         (key,) = [
@@ -296,7 +299,7 @@ def test_write_back_copies_each_boundary_cell_to_the_host_once(tmp_path, monkeyp
     one side of each (boundary, replica) cell to the host, not both."""
     cfg = _cfg(tmp_path, boundary="aqsgd", fw_bits=2, train_samples=16, steps=1, workers=2,
                stages=4, global_batch=16)  # fmt: skip
-    trainer = PipelineTrainer(cfg)
+    trainer = Trainer(cfg)
     trainer.run()
     copies = []
     real = np.asarray
@@ -346,7 +349,7 @@ def test_pipeline_replicas_synchronise_by_local_sgd(tmp_path, method):
         compute="v100",
         network="1ms,100Mbps",
     )
-    full = PipelineTrainer(_cfg(tmp_path / "a", **kw))
+    full = Trainer(_cfg(tmp_path / "a", **kw))
     rows = []
     full.run(metrics_cb=lambda r: rows.append((r, full.last_traffic)))
     schedule = full.sync.sync_schedule
@@ -383,9 +386,9 @@ def test_pipeline_replicas_synchronise_by_local_sgd(tmp_path, method):
         extra = 4 * 1e-3 + max(per_stage) * beta
         assert r4["sim_step_s"] - r3["sim_step_s"] == pytest.approx(extra, rel=1e-9)
     # Resume from step 2: the same steps, losses, bytes, clock and parameters.
-    part = PipelineTrainer(_cfg(tmp_path / "b", steps=2, checkpoint_every=2, **kw))
+    part = Trainer(_cfg(tmp_path / "b", steps=2, checkpoint_every=2, **kw))
     part.run()
-    resumed = PipelineTrainer(_cfg(tmp_path / "b", **kw))
+    resumed = Trainer(_cfg(tmp_path / "b", **kw))
     assert resumed.run(resume=True)["resumed"]
     rows_b = [
         json.loads(x) for x in (resumed.cfg.run_dir / "metrics.jsonl").read_text().splitlines()

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import jaxcomm
 from jaxcomm.network import Network
 from train.config import Config
-from train.pipeline_trainer import PipelineTrainer
+from train.trainer import Trainer
 
 
 def test_two_stages_two_microbatches_by_hand():
@@ -90,14 +90,14 @@ def trainer(tmp_path_factory):
         checkpoint_every=0,
         out_dir=str(tmp_path_factory.mktemp("tl")),
     )
-    return PipelineTrainer(cfg, abstract=True)
+    return Trainer(cfg, abstract=True)
 
 
 def test_trainer_step_follows_the_gpipe_timeline_per_stage(trainer):
     cfg = trainer.cfg
     s, m = cfg.stages, cfg.microbatches
     ticks = m + s - 1
-    f, b, rest = trainer._tick_seconds(False)
+    f, b, rest = trainer.layout.clock.tick_seconds(trainer, False)
     # The program counts each stage conditional at its costliest branch on every device
     # (an upper bound); the ticks take the input function out where it does not run (every
     # stage but 0) and the loss (every stage but the last, and its bubble ticks there).
@@ -126,7 +126,7 @@ def test_trainer_step_follows_the_gpipe_timeline_per_stage(trainer):
     assert ticks * (b[3] - b[1]) == pytest.approx(head_b, rel=1e-6)
     assert ticks * (f[0] - f[1]) == pytest.approx(scoped(FIRST_SCOPE, False)[0], rel=1e-6)
     # The program's own compute runs the loss on the M ticks that carry a microbatch only.
-    busy = trainer._tick_busy(False)
+    busy = trainer.layout.clock.tick_busy(trainer, False)
     np.testing.assert_allclose(busy[:3], ticks * (f + b)[:3], rtol=1e-9)
     extra = (ticks - m) * (head_f + head_b) / ticks
     assert busy[3] == pytest.approx(ticks * (f[3] + b[3]) - extra, rel=1e-6)
@@ -194,7 +194,7 @@ def test_a_slow_stage_slows_the_pipeline_as_the_timeline_says(trainer):
     network = Network(latency_s=1e-3, bandwidth_bps=1e9)
     traffic = trainer.step_audit(False)
     base, _, _ = trainer.simulate_step(False, traffic, network, 0)
-    f, b, rest = trainer._tick_seconds(False)
+    f, b, rest = trainer.layout.clock.tick_seconds(trainer, False)
     # Device 2 (replica 0, stage 2) runs at half speed.
     trainer.stragglers = jaxcomm.Stragglers(seed=3, slow={2: 2.0})
     try:
@@ -202,7 +202,7 @@ def test_a_slow_stage_slows_the_pipeline_as_the_timeline_says(trainer):
     finally:
         trainer.stragglers = None
     assert compute == pytest.approx(2 * (m + s - 1) * (f[2] + b[2]) + 2 * rest[2])
-    fw_msg, bw_msg = trainer._message_bytes(False)
+    fw_msg, bw_msg = trainer.layout.clock.message_bytes(False)
     factor = np.ones(s)
     factor[2] = 2.0
     line = jaxcomm.gpipe_timeline(
@@ -274,8 +274,8 @@ def test_the_pipeline_step_draws_each_message_latency(trainer):
     s, m, w = cfg.stages, cfg.microbatches, cfg.workers
     network = Network(latency_s=2e-3, bandwidth_bps=1e8)
     traffic = trainer.step_audit(False)
-    f, b, rest = trainer._tick_seconds(False)
-    fw_msg, bw_msg = trainer._message_bytes(False)
+    f, b, rest = trainer.layout.clock.tick_seconds(trainer, False)
+    fw_msg, bw_msg = trainer.layout.clock.message_bytes(False)
     trainer.stragglers = jaxcomm.Stragglers(seed=5, latency_jitter=1.0)
     try:
         step, _, _ = trainer.simulate_step(False, traffic, network, 3, overlap=False)

@@ -235,7 +235,7 @@ def test_named_device_makes_simulated_time_independent_of_the_host(tmp_path):
         lines = (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
         rows.append([json.loads(x) for x in lines])
     assert [r["sim_time_s"] for r in rows[0]] == [r["sim_time_s"] for r in rows[1]]
-    cost = jaxcomm.program_cost(trainer.compiled_step()).per_device()
+    cost = jaxcomm.program_cost(trainer.layout.compiled_step(trainer)).per_device()
     want = float(jaxcomm.roofline("v100").seconds(cost).max())
     assert [r["sim_compute_s"] for r in rows[1]] == [want] * 3
     assert rows[1][0]["compute_s"] != want  # the host's own time is still recorded

@@ -36,6 +36,7 @@ from jaxcomm.network import Network, choose_collective
 from jaxcomm.sparse import TopkState, ratio_k
 from train.clock import step_traffic
 from train.config import Config
+from train.distributed import to_host
 from train.sync import Controller
 from train.trainer import Trainer, make_optimizer
 
@@ -50,11 +51,6 @@ class AdaptiveRatio(Controller):
     """AR-Topk's ratio and collective, searched and chosen between steps (see module)."""
 
     def __init__(self, cfg: Config):
-        if jax.process_count() > 1:
-            raise ValueError(
-                f"the adaptive ratio runs in one process (this run has {jax.process_count()}): "
-                "its trial steps time the host; run it without train.launch"
-            )
         self.controller = cfg.adaptive_model()
         if self.controller is None:
             raise ValueError("AdaptiveRatio needs a config with adaptive settings")
@@ -75,8 +71,8 @@ class AdaptiveRatio(Controller):
         """Size the search to the trainer's model: leave out candidate ratios whose
         ``k = ratio * d`` would round to 0 entries (a small model with the paper's 0.001),
         saying so; none left is an error."""
-        d = trainer.smallest_group()
-        self._dense_bytes = trainer.synced_bytes()
+        d = trainer.layout.smallest_group(trainer)
+        self._dense_bytes = trainer.layout.synced_bytes(trainer)
         keep = tuple(c for c in self.controller.candidates if c * d >= 1.0)
         if not keep:
             raise ValueError(
@@ -118,7 +114,7 @@ class AdaptiveRatio(Controller):
             d = self._dense_bytes // 4
             k = max(1, ratio_k(ratio, d))
             method = self.cfg.aggregator_args.get("method", "auto")
-            select_s, copy_s = _selection_cost(d, k, method)
+            select_s, copy_s = _agreed(_selection_cost(d, k, method))
             if trainer.compute_model is None:
                 self._compress[ratio] = select_s
             else:
@@ -145,14 +141,17 @@ class AdaptiveRatio(Controller):
             p, s = _copy(params), _copy(opt_state)
             gains = []
             for i in range(self.controller.trial_steps):
-                p, s, finite, logs, measured, program = trainer.trial_step(key, p, s)
+                p, s, finite, logs, measured, program = trainer.layout.trial_step(
+                    trainer, key, p, s
+                )
                 if not finite:
                     break  # a candidate that diverges is not a candidate
                 gains.append(_gain(s))
+                measured = _agreed([measured])[0]
                 # Trial steps run on the cluster beside the numbered ones: their own
                 # straggler draws (stream 2 + candidate), not those of the steps that follow.
                 seconds += trainer.simulate_logged(
-                    step_traffic(logs),
+                    step_traffic(to_host(logs)),
                     network,
                     trainer.step + i,
                     measured_s=measured,
@@ -221,6 +220,18 @@ class AdaptiveRatio(Controller):
 _SELECTION_COSTS: dict[tuple[int, int, str], tuple[float, float]] = {}
 
 
+def _agreed(values: Any) -> tuple[float, ...]:
+    """Host measurements as every process takes them: process 0's (each process times its
+    own host, but all must make the same choice and so run the same programs)."""
+    values = tuple(float(v) for v in values)
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    got = multihost_utils.broadcast_one_to_all(np.asarray(values, np.float32))
+    return tuple(float(v) for v in np.asarray(got))
+
+
 def _selection_cost(d: int, k: int, method: str, rounds: int = 5) -> tuple[float, float]:
     """Median host seconds of ``topk_indices`` of ``d`` float32 entries and of a copy of
     them, in interleaved rounds (cached per process)."""
@@ -246,5 +257,5 @@ def _gain(opt_state: Any) -> float:
     """Mean compression gain over workers of the AR-Topk state inside ``opt_state``."""
     for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, TopkState)):
         if isinstance(s, TopkState):
-            return float(np.mean(np.asarray(s.gain)))
+            return float(np.mean(to_host(s.gain)))
     raise ValueError("the optimizer state holds no AR-Topk state")

@@ -1,5 +1,6 @@
-"""A run's state on disk: the run-folder lock, Orbax checkpoints with SHA-256 sums and a
-fallback to the newest intact one, and the exported model parameters.
+"""A run's state on disk: what a trainer saves and restores, the run-folder lock, Orbax
+checkpoints with SHA-256 sums and a fallback to the newest intact one, and the exported
+model parameters.
 
 :class:`Checkpoints` saves whatever state tree a trainer gives it, with a fingerprint of the
 run (what a checkpoint must match to be resumed) and host-side extras as JSON; restoring
@@ -37,6 +38,9 @@ __all__ = [
     "load_model_params",
     "STEP_SIZES",
     "resume_note",
+    "run_fingerprint",
+    "save_run",
+    "restore_run",
 ]
 
 # Aggregator settings that are step sizes: they change no state's shape, so a resumed run
@@ -342,3 +346,70 @@ class Checkpoints:
             extras = {}  # a checkpoint written before host-side extras were saved
         self.saved_step = latest
         return latest, state, extras
+
+
+# ---------------------------------------------------------------------- a trainer's state
+
+
+def run_fingerprint(t: Any) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed into trainer ``t``: the run's settings
+    that shape its state, its parts' (layout, synchronisation, controller) entries and the
+    parameter shapes."""
+    cfg = t.cfg
+    shapes = jax.tree_util.tree_map(lambda a: list(a.shape[1:]), t.params)
+    return {
+        "task": cfg.task,
+        "model": cfg.model,
+        "dataset": cfg.dataset,
+        "workers": t.n,
+        "global_batch": cfg.global_batch,
+        "seed": cfg.seed,
+        "optimizer": cfg.optimizer,
+        "aggregator": cfg.aggregator,
+        "aggregator_args": cfg.aggregator_args,
+        **{k: v for part in t.parts for k, v in part.fingerprint().items()},
+        "param_shapes": jax.tree_util.tree_flatten_with_path(shapes)[0].__repr__(),
+    }
+
+
+def _state_tree(t: Any) -> dict[str, Any]:
+    """Everything trainer ``t`` saves as arrays: the layout's parameters and optimizer
+    state, the step, the loader position and the simulated clock."""
+    return {
+        **t.layout.state_tree(t),
+        "step": np.asarray(t.step, np.int64),
+        "loader_position": np.asarray(t.loader.position, np.int64),
+        "clock": np.asarray(t.clock.now, np.float64),
+    }
+
+
+def save_run(t: Any, store: Checkpoints) -> None:
+    """Checkpoint trainer ``t`` at its current step (atomic: a crash leaves the previous
+    one): the layout's host state first (e.g. message-buffer snapshots), then the arrays,
+    the fingerprint and the parts' host-side extras (JSON) in one Orbax commit."""
+    t.layout.before_save(t, store)
+    extras: dict[str, Any] = {}
+    for part in t.parts:
+        extras.update(part.checkpoint_extras())
+    store.save(t.step, _state_tree(t), run_fingerprint(t), extras)
+    t.store = store
+    t.layout.after_save(t, store)
+
+
+def restore_run(t: Any, store: Checkpoints) -> bool:
+    """Load the newest intact checkpoint of ``store`` into trainer ``t`` (see
+    :meth:`Checkpoints.restore`): state, parts' extras, step, loader position, clock and
+    the layout's host state; False when there is none."""
+    t.store = store
+    found = store.restore(_state_tree(t), run_fingerprint(t))
+    if found is None:
+        return False
+    step, state, extras = found
+    t.layout.set_state(t, state["params"], state["opt_state"])
+    for part in t.parts:
+        part.restore_extras(t, extras)
+    t.step = step
+    t.loader.restore({"position": int(state["loader_position"]), "seed": t.cfg.seed})
+    t.clock.restore({"now": float(state["clock"]), "overlap": t.cfg.overlap})
+    t.layout.after_restore(t)
+    return True

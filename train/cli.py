@@ -53,8 +53,6 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
     from train.trainer import RunFolderBusy, Trainer
 
-    if cfg.stages > 1:
-        from train.pipeline_trainer import PipelineTrainer as Trainer
     try:
         summary = Trainer(cfg).run(resume=args.resume)
     except (ValueError, FloatingPointError, FileNotFoundError, RunFolderBusy) as e:

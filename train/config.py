@@ -185,6 +185,12 @@ class Config:
             raise ValueError(f"mfu={self.mfu!r} needs compute=<device>, got compute='measured'")
         self.straggler_model()  # a clear error for bad straggler settings
         if self.adaptive:
+            if self.sync:
+                raise ValueError(
+                    f"adaptive={self.adaptive!r} with sync={self.sync!r}: the adaptive ratio "
+                    "tunes the top-k aggregator that runs every step, and local SGD runs no "
+                    "aggregator (it averages parameters at scheduled steps); choose one"
+                )
             if self.aggregator != "ar_topk":
                 raise ValueError(
                     f"adaptive={self.adaptive!r} chooses AR-Topk's ratio and needs "

@@ -57,7 +57,7 @@ def _mode(
     """The estimate of one compiled step (``key`` picks the boundary mode)."""
     import numpy as np
 
-    from train.trainer import costed
+    from train.programs import costed
 
     costs = {}
 
@@ -68,8 +68,8 @@ def _mode(
             costs[id(program)] = cost.per_device(mine)
         return costs[id(program)]
 
-    flops = trainer._per_device(key, lambda p: cost(p).flops)
-    hbm = trainer._per_device(key, lambda p: cost(p).hbm_bytes)
+    flops = trainer.layout.per_device(trainer, key, lambda p: cost(p).flops)
+    hbm = trainer.layout.per_device(trainer, key, lambda p: cost(p).hbm_bytes)
     try:
         traffic = trainer.step_audit(key, branches)
     except ValueError as e:
@@ -108,7 +108,6 @@ def estimates(
     and each overlap setting of ``overlaps`` (default: the config's), compiling the step
     once; network-major order."""
     from jaxcomm.network import NetworkSchedule
-    from train.pipeline_trainer import PipelineTrainer
     from train.trainer import Trainer
 
     if cfg.compute == "measured":
@@ -117,8 +116,7 @@ def estimates(
             "e.g. --set compute=v100); compute='measured' can only be measured by running"
         )
     t0 = time.perf_counter()
-    cls = PipelineTrainer if cfg.stages > 1 else Trainer
-    trainer = cls(cfg, abstract=True)
+    trainer = Trainer(cfg, abstract=True)
     # Compiled steps: one data-parallel step; a pipeline step per boundary mode (AQ-SGD's
     # deltas once every sample was seen, float32 in the first epoch).
     aqsgd = cfg.stages > 1 and cfg.boundary == "aqsgd"

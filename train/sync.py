@@ -21,12 +21,57 @@ from typing import TYPE_CHECKING, Any
 
 import optax
 
-from train.config import Config
+import jaxcomm
+from jaxcomm.network import Network
+from train.config import DENSE_AGGREGATORS, Config
+from train.programs import AXIS
 
 if TYPE_CHECKING:
     from train.trainer import Trainer
 
-__all__ = ["Part", "Sync", "Controller", "EveryStep", "make_sync", "make_controller"]
+__all__ = [
+    "Part",
+    "Sync",
+    "Controller",
+    "EveryStep",
+    "make_sync",
+    "make_controller",
+    "make_optimizer",
+    "make_aggregator",
+]
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    """The inner optimizer named by ``cfg.optimizer`` at learning rate ``cfg.lr``."""
+    return {
+        "none": lambda: optax.identity(),
+        "sgd": lambda: optax.sgd(cfg.lr),
+        "momentum": lambda: optax.sgd(cfg.lr, momentum=0.9),
+        "adam": lambda: optax.adam(cfg.lr),
+        "adamw": lambda: optax.adamw(cfg.lr),
+    }[cfg.optimizer]()
+
+
+def make_aggregator(cfg: Config) -> optax.GradientTransformation:
+    """The gradient aggregator named by ``cfg.aggregator`` over the ``data`` axis."""
+    args = dict(cfg.aggregator_args)
+    if cfg.aggregator == "none":  # local gradients: a sync wrapper averages parameters
+        return optax.identity()
+    if cfg.aggregator in DENSE_AGGREGATORS:
+        factory, args = jaxcomm.dense_allreduce, {"reduce": cfg.aggregator, **args}
+    elif cfg.aggregator == "ec_quantized":
+        factory = jaxcomm.ec_quantized_allreduce
+    else:
+        factory = getattr(jaxcomm, cfg.aggregator)
+    if cfg.aggregator in ("marsit", "ssdm", "cascading_sign"):
+        args.setdefault("seed", cfg.seed)
+    if cfg.aggregator == "ar_topk" and args.get("reduce") == "auto":
+        net = args.get("network") or cfg.network_schedule().at(0)
+        args["network"] = Network.parse(net) if isinstance(net, str) else net
+    try:
+        return factory(AXIS, **args)
+    except TypeError as e:
+        raise ValueError(f"aggregator_args {args!r} do not fit {cfg.aggregator!r}: {e}") from e
 
 
 class Part:
@@ -119,8 +164,6 @@ class EveryStep(Sync):
     """The configured aggregator every step, followed by the optimizer."""
 
     def make_tx(self, trainer: Trainer) -> optax.GradientTransformation:
-        from train.trainer import make_aggregator, make_optimizer
-
         return optax.chain(make_aggregator(trainer.cfg), make_optimizer(trainer.cfg))
 
 

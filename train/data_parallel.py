@@ -1,0 +1,270 @@
+"""The data-parallel layout: ``shard_map`` over a ``data`` axis, one step program.
+
+Every piece of training state that may differ between workers (parameters, optimizer and
+aggregator state) has a leading worker axis ``[N, ...]`` sharded over ``data``, so dense
+data parallelism, compressed aggregators with per-worker residuals and local SGD all use
+the same step: each worker's gradient of its shard of the batch, then the per-worker
+transform (an aggregator and the optimizer, or a sync wrapper around the optimizer).
+
+The host need not wait between steps (``async_steps``): step ``t + 1`` is dispatched
+before step ``t``'s outputs are read, the next batch is loaded and copied to the devices
+while a step runs, and the step's report (traffic logs, a top-k aggregator's gain and root)
+is an output of the program, so the next step's donation of the state leaves it intact.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomm.network import find_logs
+from train.config import Config
+from train.data import Loader, shard
+from train.distributed import to_host
+from train.layout import Flight, Layout
+from train.programs import (
+    AXIS,
+    all_finite,
+    checked,
+    expand,
+    host_finite,
+    ready_at,
+    squeeze,
+    state_report,
+    structs,
+)
+
+if TYPE_CHECKING:
+    from train.trainer import Trainer
+
+__all__ = ["DataParallel"]
+
+
+class DataParallel(Layout):
+    """``N`` workers on a one-axis mesh ``data``; the step is one jitted ``shard_map``."""
+
+    lags = True
+
+    def __init__(self, cfg: Config, *, abstract: bool = False):
+        super().__init__(cfg, abstract=abstract)
+        if cfg.workers > jax.device_count():
+            raise ValueError(
+                f"workers={cfg.workers} needs that many devices, but JAX sees "
+                f"{jax.device_count()}; on CPU set XLA_FLAGS="
+                f"--xla_force_host_platform_device_count={cfg.workers} before JAX starts"
+            )
+        self.n = cfg.workers
+        self.mesh = jax.make_mesh((self.n,), (AXIS,), devices=jax.devices()[: self.n])
+        me = jax.process_index()
+        # Mesh rows (workers) whose device this process owns, and those devices.
+        self.local_rows = [i for i, d in enumerate(self.mesh.devices.flat) if d.process_index == me]
+        self._local_devices = [self.mesh.devices.flat[i] for i in self.local_rows]
+        self.sharded = NamedSharding(self.mesh, P(AXIS))
+        self.replicated = NamedSharding(self.mesh, P())
+        self._programs: dict[Any, Any] = {}
+        self._prefetched: tuple[int, Any] | None = None
+
+    # ------------------------------------------------------------------ state and steps
+
+    def init_state(self, t: Trainer) -> tuple[Any, Any]:
+        params = t.initial_params()
+        tx = t._make_tx()
+        init = jax.jit(
+            jax.shard_map(
+                lambda p: expand(tx.init(squeeze(p))),
+                mesh=self.mesh,
+                in_specs=P(AXIS),
+                out_specs=P(AXIS),
+            )
+        )
+        if self.abstract:
+            stacked = structs(params, self.sharded, lead=(self.n,))
+            return stacked, structs(jax.eval_shape(init, stacked), self.sharded)
+
+        def spread(a: Any) -> jax.Array:
+            # Built from each process's own devices' slices (the init is the same on
+            # every process), so it also works when the mesh spans several processes.
+            full = np.broadcast_to(np.asarray(a), (self.n, *a.shape))
+            return jax.make_array_from_callback(full.shape, self.sharded, lambda i: full[i])
+
+        return jax.tree_util.tree_map(spread, params), init(jax.tree_util.tree_map(spread, params))
+
+    def build(self, t: Trainer) -> None:
+        self._step = self._build_step(t, t._make_tx())
+        self._eval_step = self._build_eval(t)
+        self._programs.clear()
+        self._modelled.clear()
+
+    def _build_step(self, t: Trainer, tx: optax.GradientTransformation) -> Callable:
+        """The jitted step of the per-worker transform ``tx``."""
+        task = t.task
+
+        def per_worker(params, opt_state, batch):
+            # params, opt_state: [1, ...] this worker's; batch: [1, B / N, ...]
+            p, s, b = squeeze(params), squeeze(opt_state), squeeze(batch)
+            (loss, metrics), grads = jax.value_and_grad(task.loss, has_aux=True)(p, b)
+            updates, s = tx.update(grads, s, p)
+            p = optax.apply_updates(p, updates)
+            ok = all_finite((loss, grads, p)).astype(jnp.int32)
+            # Each worker's metrics and finite flag go to the host, which averages them
+            # (`host_metrics`): a collective for them would cost every step 2 (N - 1)
+            # latencies on the ring for a few bytes. The report is a separate output, so
+            # that the host can read it after the next step has taken (donated) the state.
+            report = expand(state_report(s))
+            return expand(p), expand(s), expand(metrics), expand(ok), report
+
+        step = jax.shard_map(
+            per_worker,
+            mesh=self.mesh,
+            in_specs=(P(AXIS), P(AXIS), P(AXIS)),
+            out_specs=(P(AXIS),) * 5,
+        )
+        return jax.jit(step, donate_argnums=(0, 1))
+
+    def _build_eval(self, t: Trainer) -> Callable:
+        task = t.task
+
+        def per_worker(params, batch):
+            _, metrics = task.loss(squeeze(params), squeeze(batch))
+            return jax.lax.pmean(metrics, AXIS)
+
+        f = jax.shard_map(per_worker, mesh=self.mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=P())
+        return jax.jit(f)
+
+    def compiled_step(self, t: Trainer, key: Any = None) -> Any:
+        """The train step of program ``key`` (None: the parts' own; a controller's key:
+        its transform's) compiled ahead of time for the loader's batch shapes, audited
+        (:func:`~train.programs.checked`); compiled on first use."""
+        if key not in self._programs:
+            batch = self.put_batch(t.train_data.get(t.loader.batch_ids(0)))
+            if self.abstract:
+                batch = structs(batch, self.sharded)
+            step = self._step
+            if key is not None and t.control is not None:
+                step = self._build_step(t, t.control.make_tx(t, key))
+            lowered = step.lower(t.params, t.opt_state, batch)
+            self._programs[key] = checked(lowered.compile())
+        return self._programs[key]
+
+    def compile(self, t: Trainer) -> None:
+        self.compiled_step(t, self.program_key(t))
+        self._prefetched = None
+
+    def launch(self, t: Trainer, step: int, lagging: bool) -> Flight:
+        program = self.compiled_step(t, self.program_key(t))
+        batch = self._next_batch(t)
+        t0 = time.perf_counter()
+        params, opt_state, metrics, finite, report = program(t.params, t.opt_state, batch)
+        t.params, t.opt_state = params, opt_state
+        report = {**report, **t.parts_report(params, opt_state)}
+        if not lagging:
+            jax.block_until_ready((params, opt_state))
+            return Flight(step, metrics, finite, report, [], t0, time.perf_counter() - t0)
+        # A thread stamps when the step's outputs are ready, whatever the host loop is
+        # doing then (compute_s must not count the host's own work).
+        ready = t.waiter().submit(ready_at, (metrics, finite))
+        if step < t.cfg.steps:
+            self._prefetch(t)  # host work while the devices run the step
+        return Flight(step, metrics, finite, report, [], t0, None, ready)
+
+    def trial_step(self, t: Trainer, key: Any, params: Any, opt_state: Any) -> tuple:
+        program = self.compiled_step(t, key)
+        batch = self.put_batch(t.loader.next())
+        t0 = time.perf_counter()
+        p, s, _, finite, _ = program(params, opt_state, batch)
+        jax.block_until_ready((p, s))
+        measured = time.perf_counter() - t0
+        return p, s, host_finite(to_host(finite)), find_logs(s), measured, key
+
+    def state_logs(self, t: Trainer, opt_state: Any) -> list[Any]:
+        return find_logs(opt_state)
+
+    # ------------------------------------------------------------------ batches
+
+    def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """A global batch ``[B, ...]`` as ``[N, B / N, ...]`` arrays sharded over workers;
+        each process copies only its own workers' rows to its devices."""
+        if jax.process_count() == 1:
+            return {k: jax.device_put(v, self.sharded) for k, v in shard(batch, self.n).items()}
+        rows = self.local_rows
+        return self._put_local({k: v[rows] for k, v in shard(batch, self.n).items()})
+
+    def _put_local(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """This process's rows ``[local workers, B / N, ...]`` (in mesh order) as global
+        ``[N, B / N, ...]`` arrays."""
+        out = {}
+        for k, v in local.items():
+            parts = [jax.device_put(v[j : j + 1], d) for j, d in enumerate(self._local_devices)]
+            shape = (self.n, *v.shape[1:])
+            out[k] = jax.make_array_from_single_device_arrays(shape, self.sharded, parts)
+        return out
+
+    def batch_at(self, t: Trainer, position: int) -> dict[str, jax.Array]:
+        """The device batch of loader position ``position``; each process loads only its
+        own workers' samples."""
+        ids = t.loader.batch_ids(position)
+        if jax.process_count() == 1:
+            return self.put_batch(t.train_data.get(ids))
+        rows = shard({"ids": ids}, self.n)["ids"][self.local_rows]
+        local = t.train_data.get(rows.reshape(-1))
+        return self._put_local({k: v.reshape(*rows.shape, *v.shape[1:]) for k, v in local.items()})
+
+    def _next_batch(self, t: Trainer) -> dict[str, jax.Array]:
+        """The device batch at the loader's position (the prefetched one when it is that
+        position's), advancing the loader."""
+        pos = t.loader.position
+        fetched, self._prefetched = self._prefetched, None
+        batch = fetched[1] if fetched is not None and fetched[0] == pos else self.batch_at(t, pos)
+        t.loader.position = pos + 1
+        return batch
+
+    def _prefetch(self, t: Trainer) -> None:
+        """Load the next batch and start its copy to the devices (``device_put`` is
+        asynchronous), keyed by its loader position."""
+        self._prefetched = (t.loader.position, self.batch_at(t, t.loader.position))
+
+    # ------------------------------------------------------------------ programs
+
+    def program_key(self, t: Trainer) -> Any:
+        """The controller's choice of program, or None (one program)."""
+        return None if t.control is None else t.control.program_key(t)
+
+    def step_programs(self, t: Trainer, key: Any) -> list[tuple[Any, np.ndarray]]:
+        """The one data-parallel step of program ``key`` (default: the current one)."""
+        key = self.program_key(t) if key is None else key
+        return [(self.compiled_step(t, key), np.arange(self.n))]
+
+    # ------------------------------------------------------------------ model
+
+    def evaluate(self, t: Trainer) -> dict[str, float]:
+        batch_size = min(t.cfg.global_batch, len(t.valid_data) // self.n * self.n)
+        loader = Loader(t.valid_data, batch_size, seed=0, num_shards=self.n, shuffle=False)
+        totals: dict[str, float] = {}
+        count = min(t.cfg.eval_batches, loader.batches_per_epoch)
+        params = t.eval_params()
+        for _ in range(count):
+            m = self._eval_step(params, self.put_batch(loader.next()))
+            for k, v in to_host(m).items():
+                totals[k] = totals.get(k, 0.0) + float(v) / count
+        return totals
+
+    def num_params(self, t: Trainer) -> int:
+        return sum(math.prod(a.shape[1:]) for a in jax.tree_util.tree_leaves(t.params))
+
+    def model_params(self, t: Trainer, params: Any) -> Any:
+        return jax.tree_util.tree_map(lambda a: a[0], params)
+
+    def synced_bytes(self, t: Trainer) -> int:
+        return 4 * self.num_params(t)
+
+    def smallest_group(self, t: Trainer) -> int:
+        return self.num_params(t)

@@ -1,0 +1,280 @@
+"""What a pipeline step is fed: its batch in microbatches, and at every AQ-SGD boundary
+the previous messages of its samples from a :class:`jaxcomm.MessageBuffer`.
+
+A step's inputs are prepared while the step before it runs (batch read, buffer reads
+waited on, host-to-device copies issued); its new messages are written back after it
+(asynchronously: a later read of the same ids waits for these writes). The buffers are
+snapshotted beside every checkpoint and restored with it. Each process of a multi-process
+run keeps the buffers of the boundaries it holds a side of.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+import jaxcomm
+from jaxcomm.pipeline import BoundaryState
+from train.distributed import is_primary
+
+if TYPE_CHECKING:
+    from train.pipeline_layout import Pipeline
+    from train.trainer import Trainer
+
+__all__ = ["Prepared", "Feed", "as_global"]
+
+
+class Prepared(NamedTuple):
+    """A step's inputs on the devices: batch, boundary state and boundary mode."""
+
+    position: int
+    ids: np.ndarray
+    batch: dict[str, jax.Array]
+    state: BoundaryState
+    seen: bool
+    seconds: float  # host time spent preparing it (reads waited on, copies issued)
+
+
+def as_global(full: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host array as a global array of ``sharding``: each process copies only the slices
+    of its own devices (every process passes the same shape)."""
+    return jax.make_array_from_callback(full.shape, sharding, lambda index: full[index])
+
+
+class Feed:
+    """Batches and message buffers of pipeline layout ``p`` for trainer ``t``."""
+
+    def __init__(self, p: Pipeline, t: Trainer):
+        self.p, self.t, cfg = p, t, p.cfg
+        act = (p.gpt_cfg.seq_len, p.gpt_cfg.width)
+        # Only AQ-SGD needs previous messages; the other boundaries ignore them.
+        count = p.stages - 1 if cfg.boundary == "aqsgd" and not p.abstract else 0
+        paths = [self.path(b) for b in range(count)] if cfg.buffer_dir else []
+        # Buffers found on disk belong to an earlier run: only a resume may keep them.
+        self.stale = [q for q in paths if Path(q).exists() and any(Path(q).iterdir())]
+        self.buffers = [
+            jaxcomm.MessageBuffer(
+                len(t.train_data), act, storage_bits=cfg.buffer_bits or None, path=self.path(b)
+            )
+            for b in range(count)
+        ]
+        self._zero_state: BoundaryState | None = None
+        if self.buffers and jax.process_count() > 1:
+            devices = p.mesh.devices
+            split = [
+                st for st in range(p.stages)
+                if len({devices[d, st].process_index for d in range(cfg.workers)}) > 1
+            ]  # fmt: skip
+            if split and is_primary():
+                print(
+                    f"note: stages {split} have data replicas on several processes; each "
+                    "process keeps the AQ-SGD messages of the samples its replicas trained, so "
+                    "a sample that a later epoch gives to a replica on another process is "
+                    "sent in float32 again (use a process count that keeps each stage's "
+                    "replicas together to send deltas)",
+                    flush=True,
+                )
+
+    def path(self, b: int) -> str | None:
+        """Where boundary ``b``'s buffer lives on disk (None: in memory); each process of
+        a multi-process run keeps its own, for the replicas whose stages it holds."""
+        if not self.p.cfg.buffer_dir:
+            return None
+        sub = f"/process{jax.process_index()}" if jax.process_count() > 1 else ""
+        return f"{self.p.cfg.buffer_dir}{sub}/boundary{b}"
+
+    def check_stale(self) -> None:
+        """Refuse buffers on disk that no resumed checkpoint owns."""
+        if self.stale:
+            raise ValueError(
+                f"buffer_dir={self.p.cfg.buffer_dir!r} already holds message buffers "
+                f"({', '.join(self.stale)}) and this run does not resume a checkpoint that "
+                "owns them; empty it, choose another buffer_dir, or pass --resume"
+            )
+
+    # ------------------------------------------------------------------ inputs
+
+    def replica_ids(self, ids: np.ndarray) -> np.ndarray:
+        """A step's sample ids ``[B]`` as ``[D, M * mb]``: the rows of each data replica."""
+        return ids.reshape(self.p.cfg.workers, -1)
+
+    def micro(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Host tokens ``[B, T + 1]`` as ``[D, 1, M, mb, T + 1]`` device microbatches."""
+        p = self.p
+        d, m = p.cfg.workers, p.cfg.microbatches
+        tokens = batch["tokens"].reshape(d, 1, m, p.micro, -1)
+        return {"tokens": as_global(tokens, p.by_data)}
+
+    def local_batch(self, ids: np.ndarray) -> dict[str, jax.Array]:
+        """The step's tokens, loading only the replicas this process holds (the others'
+        rows stay zero on the host and are never copied to a device)."""
+        rows = self.replica_ids(ids)
+        mine = self.p.local_replicas
+        local = self.t.train_data.get(rows[mine].reshape(-1))["tokens"]
+        tokens = np.zeros((rows.shape[0], rows.shape[1], local.shape[-1]), local.dtype)
+        tokens[mine] = local.reshape(len(mine), rows.shape[1], -1)
+        return self.micro({"tokens": tokens.reshape(-1, local.shape[-1])})
+
+    def _shape(self) -> tuple[int, ...]:
+        p = self.p
+        return (
+            p.cfg.workers,
+            p.stages,
+            p.cfg.microbatches,
+            p.micro,
+            p.gpt_cfg.seq_len,
+            p.gpt_cfg.width,
+        )
+
+    def zeros_state(self) -> BoundaryState:
+        """A boundary state of zeros (no previous messages), made once."""
+        if self._zero_state is None:
+            zeros = np.zeros(self._shape(), np.float32)
+            sharded = self.p.sharded
+            self._zero_state = BoundaryState(as_global(zeros, sharded), as_global(zeros, sharded))
+        return self._zero_state
+
+    def prepare(self, position: int) -> Prepared:
+        """Everything step ``position`` needs on the devices: its batch, the previous messages
+        of its samples at every boundary (``[D, S, M, mb, T, W]``) and its boundary mode.
+
+        The buffer reads and the host-to-device copies are issued here without waiting for
+        the devices, so called while a step runs they overlap its compute.
+        """
+        t0 = time.perf_counter()
+        ids = self.t.loader.batch_ids(position)
+        batch = self.local_batch(ids)
+        if not self.buffers:
+            return Prepared(position, ids, batch, self.zeros_state(), False, 0.0)
+        d, _, m, mb, t, w = self._shape()
+        prev = np.zeros(self._shape(), np.float32)
+        prev_in = np.zeros_like(prev)
+        seen = True
+        # Each process reads boundary b's messages of the replicas d where it holds the
+        # sender (d, b) or the receiver (d, b + 1): those it wrote after earlier steps.
+        cells = set(self.p.local_cells)
+        reads = []
+        for b, buf in enumerate(self.buffers):
+            mine = [r for r in range(d) if (r, b) in cells or (r, b + 1) in cells]
+            if mine:
+                rows = self.replica_ids(ids)[mine].reshape(-1)
+                reads.append((b, mine, buf.read_async(rows)))
+        for b, mine, handle in reads:
+            v = handle.result().reshape(len(mine), m, mb, t, w)
+            seen = seen and bool(handle.seen().all())
+            prev[mine, b], prev_in[mine, b + 1] = v, v
+        if jax.process_count() > 1:  # every process must run the same program
+            from jax.experimental import multihost_utils
+
+            seen = bool(np.all(multihost_utils.process_allgather(np.array([seen]))))
+        if not seen:  # first visits (or a mix): everything crosses in float32
+            prev[:], prev_in[:] = 0.0, 0.0
+        sharded = self.p.sharded
+        state = BoundaryState(as_global(prev_in, sharded), as_global(prev, sharded))
+        return Prepared(position, ids, batch, state, seen, time.perf_counter() - t0)
+
+    def prepare_abstract(self, seen: bool) -> Prepared:
+        """Shapes of a step's inputs in boundary mode ``seen`` (nothing allocated)."""
+        p = self.p
+        d, _, m, mb, t, _ = self._shape()
+        tokens = jax.ShapeDtypeStruct((d, 1, m, mb, t + 1), jnp.int32, sharding=p.by_data)
+        prev = jax.ShapeDtypeStruct(self._shape(), jnp.float32, sharding=p.sharded)
+        ids = np.arange(d * m * mb)
+        return Prepared(0, ids, {"tokens": tokens}, BoundaryState(prev, prev), seen, 0.0)
+
+    # ------------------------------------------------------------------ write-back
+
+    def write_back(self, ids: np.ndarray, state: BoundaryState) -> float:
+        """Write a step's new messages (``state``, of samples ``ids``) to the buffers,
+        asynchronously; returns the host seconds spent copying and issuing."""
+        if not self.buffers:
+            return 0.0
+        t0 = time.perf_counter()
+        _, _, _, _, t, w = self._shape()
+        rows = self.replica_ids(ids)
+        # Boundary b's new messages of replica d sit on the sender, device (d, b), as
+        # prev_out and on the receiver, device (d, b + 1), as prev_in (equal bit for
+        # bit). A process writes every (b, d) it holds either side of; with both sides
+        # local, once.
+        cells: dict[tuple[int, int], np.ndarray] = {}
+        for side, shift in ((state.prev_out, 0), (state.prev_in, 1)):
+            for shard in side.addressable_shards:
+                d, st = shard.index[0].start or 0, shard.index[1].start or 0
+                key = (st - shift, d)
+                # Copied to the host only when the other side has not given it already.
+                if 0 <= key[0] < len(self.buffers) and key not in cells:
+                    cells[key] = np.asarray(shard.data)
+        for b in range(len(self.buffers)):
+            parts = sorted((d, v) for (bb, d), v in cells.items() if bb == b)
+            if not parts:
+                continue
+            row_ids = np.concatenate([rows[d] for d, _ in parts])
+            data = np.concatenate([v.reshape(-1, t, w) for _, v in parts])
+            self.buffers[b].write_async(row_ids, data)
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ snapshots
+
+    def _snapshot_root(self, step: int) -> Path:
+        """Where the message buffers of checkpoint ``step`` are saved (this process's)."""
+        root = self.p.cfg.run_dir / "buffers" / str(step)
+        return root / f"process{jax.process_index()}" if jax.process_count() > 1 else root
+
+    def save(self, step: int) -> None:
+        """Snapshot every buffer for checkpoint ``step``. They go before the Orbax commit,
+        which is what makes the step a checkpoint, so a crash in between leaves the
+        previous checkpoint the newest (and a snapshot without a checkpoint, removed by
+        the next :meth:`prune`)."""
+        for buf in self.buffers:
+            buf.flush()
+        root = self._snapshot_root(step)
+        for b, buf in enumerate(self.buffers):
+            buf.save(root / f"boundary{b}", overwrite=True)
+
+    def prune(self, kept_steps: list[int]) -> None:
+        """Keep the snapshots of the checkpoints Orbax keeps, and only those."""
+        if self.buffers and is_primary():
+            kept = {str(step) for step in kept_steps}
+            for old in (self.p.cfg.run_dir / "buffers").iterdir():
+                if old.name not in kept:
+                    shutil.rmtree(old, ignore_errors=True)
+
+    def restore(self, step: int) -> None:
+        """Replace the open buffers by the snapshots of checkpoint ``step``."""
+        root = self._snapshot_root(step)
+        for b in range(len(self.buffers)):
+            snapshot = root / f"boundary{b}"
+            if not snapshot.is_dir():
+                step_dir = self.p.cfg.run_dir / "buffers" / str(step)
+                saved = sorted(q.name for q in step_dir.glob("process*"))
+                other = (saved and len(saved) != jax.process_count()) or (
+                    not saved and jax.process_count() > 1 and (step_dir / "boundary0").is_dir()
+                )
+                hint = (
+                    f"; its buffers were saved by {len(saved) or 1} process(es), this run has "
+                    f"{jax.process_count()}: resume AQ-SGD with the same process count"
+                    if other
+                    else ""
+                )
+                raise FileNotFoundError(
+                    f"checkpoint step {step} has no message-buffer snapshot {snapshot}{hint}"
+                )
+        # The open buffers are closed only once every snapshot is known to exist.
+        restored = []
+        for b, old in enumerate(self.buffers):
+            old.close()
+            restored.append(jaxcomm.MessageBuffer.restore(root / f"boundary{b}", self.path(b)))
+        self.buffers = restored
+        self.stale = []
+
+    def summary(self) -> dict[str, Any]:
+        """Message-buffer footprint: bytes per boundary and in all."""
+        per = [buf.nbytes for buf in self.buffers]
+        return {"buffer_bytes_per_boundary": per[0] if per else 0, "buffer_bytes": sum(per)}
