@@ -65,6 +65,7 @@ ROWS: dict[str, tuple[str, list[str]]] = {
             *PIPE,
             "boundary=aqsgd",
             "aggregator=ar_topk",
+            "lr=0.001",
             "aggregator_args={select: star}",
             "adaptive={candidates: [0.1, 0.01], trial_steps: 1, min_interval: 4}",
         ],
