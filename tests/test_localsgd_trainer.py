@@ -165,6 +165,13 @@ def test_fused_flsgd_sends_one_message_after_the_whole_backward(tmp_path):
         _cfg(tmp_path, sync={"method": "enp", "period": 2, "fused": True})
     with pytest.raises(ValueError, match="overlap=true with sync"):
         _cfg(tmp_path, overlap=True)
+    # A pipeline's replicas under local SGD with stragglers: refused, naming both.
+    from train.config import load_config
+
+    sets = ["stages=2", "workers=2", "aggregator=none", "sync={method: local_sgd, period: 2}"]
+    with pytest.raises(ValueError, match=r"stragglers=.* with sync=.* and stages=2"):
+        load_config(None, [*sets, "stragglers={seed: 1, compute_sigma: 0.1}"])
+    assert load_config(None, [*sets, "overlap=true"]).overlap  # GPipe's clock overlaps
 
 
 def test_resume_with_a_measured_profile_keeps_it(tmp_path, monkeypatch):
@@ -265,13 +272,18 @@ def test_stragglers_with_local_sgd_wait_only_at_averaging(tmp_path):
     assert rows[3]["sim_time_s"] < waiting + rows[3]["comm_s"]
 
 
-def test_stragglers_with_dreamddp_resume_bit_exact(tmp_path):
+@pytest.mark.parametrize("method", ["dreamddp", "local_sgd"])
+def test_stragglers_with_local_sgd_resume_bit_exact(tmp_path, method):
     """The workers' lags behind the clock are part of the checkpoint: a run stopped inside
-    a period resumes to the same simulated times as one that never stopped."""
-    kw = dict(stragglers=STRAGGLERS, sync={"method": "dreamddp", "period": 3}, **MLP)
+    a period (local SGD: at a step that averages nothing, so the lags are not zero)
+    resumes to the same simulated times as one that never stopped."""
+    kw = dict(stragglers=STRAGGLERS, sync={"method": method, "period": 3}, **MLP)
     full = Trainer(_cfg(tmp_path / "a", steps=7, checkpoint_every=0, **kw))
     full.run()
-    Trainer(_cfg(tmp_path / "b", steps=4, checkpoint_every=0, **kw)).run()
+    stopped = Trainer(_cfg(tmp_path / "b", steps=4, checkpoint_every=0, **kw))
+    stopped.run()
+    if method == "local_sgd":  # step 4 averages nothing: the workers are apart
+        assert np.ptp(stopped.sync._lag) > 0
     resumed = Trainer(_cfg(tmp_path / "b", steps=7, checkpoint_every=0, **kw))
     resumed.run(resume=True)
     a, b = _rows(full.cfg), _rows(resumed.cfg)

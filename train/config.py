@@ -278,10 +278,19 @@ class Config:
                 f"sync.fused averages the whole model as one message, which only "
                 f"method='local_sgd' does; got method={out['method']!r}"
             )
-        if self.overlap:
+        if self.overlap and self.stages == 1:
             raise ValueError(
-                "overlap=true with sync: local SGD follows DreamDDP's iteration timeline, "
-                "whose averaging overlaps the backward pass by construction; set overlap=false"
+                "overlap=true with sync and stages=1: data-parallel local SGD follows "
+                "DreamDDP's iteration timeline, whose averaging overlaps the backward pass by "
+                "construction; set overlap=false"
+            )
+        if self.stages != 1 and self.stragglers:
+            raise ValueError(
+                f"stragglers={self.stragglers!r} with sync={self.sync!r} and stages="
+                f"{self.stages}: between averagings each pipeline replica would run at its own "
+                "pace, which the pipeline's clock does not model (it would make every step "
+                "wait for the slowest replica); use stragglers with sync on stages=1, or "
+                "stragglers with a pipeline that aggregates every step"
             )
         if self.aggregator != "none":
             raise ValueError(

@@ -150,7 +150,8 @@ class GPipeClock:
         again where they do not run: the input function runs on every tick of stage 0
         only, the loss on the ``M`` ticks of the last stage that carry a microbatch, so the
         last stage's ``f`` and ``b`` hold one loss per microbatch."""
-        cache = (key, tuple(sorted((branches or {}).items())))
+        # A bare boundary mode means the controller's current program: cached under both.
+        cache = (self.p.split_key(key), tuple(sorted((branches or {}).items())))
         if cache in self._ticks:
             return self._ticks[cache]
         p = self.p
@@ -218,4 +219,4 @@ class GPipeClock:
         """Per device, roofline seconds of all the ticks of the program (the loss counted
         on the ``M`` ticks that run it), the compute the step's ``compute`` reports."""
         self.tick_seconds(t, key, branches)
-        return self._busy[(key, tuple(sorted((branches or {}).items())))]
+        return self._busy[(self.p.split_key(key), tuple(sorted((branches or {}).items())))]

@@ -273,16 +273,16 @@ class Trainer:
         """:meth:`simulate_step` of a step from its logged traffic; ``key`` names its
         program (default: the one the last step ran). A synchronisation with its own
         timeline (DreamDDP's layer-wise one) takes the step's own draws (``stream`` 0)."""
+        if stream == 0:
+            own = self.sync.step_seconds(self, traffic, network, step, measured_s)
+            if own is not None:
+                return own
         total = jaxcomm.Traffic(
             sent=traffic.sent,
             rounds=traffic.rounds.sum(1),
             path_bytes=traffic.path_bytes.sum(1),
         )
         key = self._program_key() if key is None else key
-        if stream == 0:
-            own = self.sync.step_seconds(self, traffic, network, step, measured_s)
-            if own is not None:
-                return own
         return self.simulate_step(key, total, network, step, measured_s=measured_s, stream=stream)
 
     # ------------------------------------------------------------------ the host loop
