@@ -243,7 +243,38 @@ class DataParallel(Layout):
         key = self.program_key(t) if key is None else key
         return [(self.compiled_step(t, key), np.arange(self.n))]
 
-    # ------------------------------------------------------------------ model
+    def simulate_step(
+        self, t, key, traffic, network, step, *, measured_s, overlap, branches, stream
+    ):
+        """The synchronous step: the slowest device's compute, then the collectives."""
+        return self.synchronous_seconds(
+            t,
+            key,
+            traffic,
+            network,
+            step,
+            measured_s=measured_s,
+            overlap=overlap,
+            branches=branches,
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------ model and files
+
+    def state_tree(self, t: Trainer) -> dict[str, Any]:
+        return {"params": t.params, "opt_state": t.opt_state}
+
+    def set_state(self, t: Trainer, params: Any, opt_state: Any) -> None:
+        t.params, t.opt_state = params, opt_state
+
+    def before_save(self, t: Trainer, store: Any) -> None:
+        """Nothing on the host beyond the arrays."""
+
+    def after_save(self, t: Trainer, store: Any) -> None:
+        """Nothing to clean up."""
+
+    def after_restore(self, t: Trainer) -> None:
+        """Nothing on the host to restore."""
 
     def evaluate(self, t: Trainer) -> dict[str, float]:
         batch_size = min(t.cfg.global_batch, len(t.valid_data) // self.n * self.n)

@@ -63,9 +63,8 @@ class Flight:
 
 class Layout(Part, abc.ABC):
     """The interface every layout implements (see the module docstring): the abstract
-    methods, and optionally the state and file hooks whose defaults suit a layout whose
-    state is one ``[N, ...]`` tree; the audit and roofline helpers here are shared and
-    not meant to be overridden.
+    methods; the audit and roofline helpers here are shared and not meant to be
+    overridden.
 
     Attributes set by ``__init__``: ``mesh``, ``sharded`` (per-worker state's sharding),
     ``replicated``, ``n`` (data replicas), ``abstract`` (shapes only, nothing allocated).
@@ -120,6 +119,7 @@ class Layout(Part, abc.ABC):
         """The compiled programs of a step of program ``key``, each with the mesh index
         (row-major) of each of its devices; compiled on first use."""
 
+    @abc.abstractmethod
     def simulate_step(
         self,
         t: Trainer,
@@ -134,18 +134,8 @@ class Layout(Part, abc.ABC):
         stream: int,
     ) -> tuple[float, float, float]:
         """Simulated ``(step, compute, comm)`` seconds of one step (see
-        :meth:`train.trainer.Trainer.simulate_step`)."""
-        return self.synchronous_seconds(
-            t,
-            key,
-            traffic,
-            network,
-            step,
-            measured_s=measured_s,
-            overlap=overlap,
-            branches=branches,
-            stream=stream,
-        )
+        :meth:`train.trainer.Trainer.simulate_step`); :meth:`synchronous_seconds` is the
+        synchronous step's."""
 
     # ------------------------------------------------------------------ model and files
 
@@ -153,20 +143,23 @@ class Layout(Part, abc.ABC):
     def evaluate(self, t: Trainer) -> dict[str, float]:
         """Mean validation metrics of the trainer's current (evaluation) parameters."""
 
+    @abc.abstractmethod
     def state_tree(self, t: Trainer) -> dict[str, Any]:
         """``{"params", "opt_state"}`` as a checkpoint stores them (global arrays)."""
-        return {"params": t.params, "opt_state": t.opt_state}
 
+    @abc.abstractmethod
     def set_state(self, t: Trainer, params: Any, opt_state: Any) -> None:
         """Take restored ``params`` and ``opt_state`` (as :meth:`state_tree` gave them)."""
-        t.params, t.opt_state = params, opt_state
 
+    @abc.abstractmethod
     def before_save(self, t: Trainer, store: Any) -> None:
         """Host state to write before the checkpoint of ``t.step`` commits."""
 
+    @abc.abstractmethod
     def after_save(self, t: Trainer, store: Any) -> None:
         """Clean-up once the checkpoint of ``t.step`` committed."""
 
+    @abc.abstractmethod
     def after_restore(self, t: Trainer) -> None:
         """Host state to restore once checkpoint ``t.step`` was loaded."""
 
