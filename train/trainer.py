@@ -108,7 +108,6 @@ class Trainer:
         ]
         self.mesh, self.n = self.layout.mesh, self.layout.n
         self.sharded, self.replicated = self.layout.sharded, self.layout.replicated
-        self.stages = cfg.stages
         self.task = build_task(cfg.task, **cfg.model)
         data_kwargs = {"seq_len": self.task.module.cfg.seq_len} if cfg.task == "gpt" else {}
         self.train_data = get_dataset(cfg.dataset, "train", **data_kwargs)
@@ -298,10 +297,6 @@ class Trainer:
             for hook in ("_before_step", "_after_step")
         ) or any(part.reads_state for part in self.parts)
         return self.cfg.async_steps and self.layout.lags and not reads_state
-
-    def _state_logs(self) -> list[Any]:
-        """The traffic logs kept in the current optimizer state (per-device leading axes)."""
-        return self.layout.state_logs(self, self.opt_state)
 
     def _after_step(self) -> None:
         """Run once a step's state is accepted (before metrics and checkpoints)."""
