@@ -21,9 +21,12 @@ from jaxcomm.audit import (
 )
 from jaxcomm.buffer import BufferRead, MessageBuffer
 from jaxcomm.codecs import (
+    ChunkTopK,
     Quantized,
     SignCode,
     TopK,
+    chunk_topk_decode,
+    chunk_topk_encode,
     dequantize,
     pack_bits,
     payload_bytes,
@@ -61,8 +64,10 @@ from jaxcomm.signsgd import (
     stochastic_sign_encode,
 )
 from jaxcomm.sparse import (
+    ChunkTopkState,
     TopkState,
     ar_topk,
+    chunk_topk,
     compression_gain,
     lw_topk,
     ms_topk,
@@ -79,6 +84,7 @@ from jaxcomm.aqsgd import (
     quantize_grad,
     uniform_seen,
 )
+from jaxcomm.diloco import DILOCO_SCOPE, DiLoCoState, diloco, diloco_branch, streaming_schedule
 from jaxcomm.dreamddp import (
     Schedule,
     StepTimeline,

@@ -49,6 +49,11 @@ __all__ = [
     "topk_indices",
     "topk_gather",
     "topk_decode",
+    "ChunkTopK",
+    "chunk_topk_encode",
+    "chunk_topk_decode",
+    "pack_uints",
+    "unpack_uints",
     "payload_bytes",
     "payload_is_finite",
     "quantized_nbytes",
@@ -549,3 +554,126 @@ def topk_decode(p: TopK) -> jax.Array:
     n = math.prod(p.shape)
     out = jnp.zeros((n,), p.dtype).at[p.indices].add(p.values.astype(p.dtype))
     return out.reshape(p.shape)
+
+
+# --------------------------------------------------------------------------- chunk-wise top-k
+
+
+def pack_uints(values: jax.Array, bits: int) -> jax.Array:
+    """Pack unsigned integers below ``2**bits`` (``bits`` in 1..31) from ``[..., n]`` into
+    ``uint8[..., ceil(n * bits / 8)]``, least-significant bit first (the stream layout of
+    :func:`pack_codes`, for widths past 8 bits, e.g. 12-bit in-chunk indices)."""
+    bits = check_int("bits", bits, lo=1, hi=31)
+    values = jnp.asarray(values).astype(jnp.uint32)
+    lead, n = values.shape[:-1], values.shape[-1]
+    shifts = jnp.arange(bits, dtype=jnp.uint32)
+    stream = ((values[..., None] >> shifts) & 1).astype(jnp.bool_)  # [..., n, bits]
+    return pack_bits(stream.reshape(*lead, n * bits))
+
+
+def unpack_uints(packed: jax.Array, bits: int, n: int) -> jax.Array:
+    """Inverse of :func:`pack_uints`: ``uint8[..., m]`` -> ``uint32[..., n]``."""
+    bits = check_int("bits", bits, lo=1, hi=31)
+    packed = jnp.asarray(packed)
+    lead = packed.shape[:-1]
+    stream = unpack_bits(packed, n * bits).reshape(*lead, n, bits).astype(jnp.uint32)
+    return jnp.sum(stream << jnp.arange(bits, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
+
+
+@_payload
+@dataclasses.dataclass(frozen=True)
+class ChunkTopK:
+    """Chunk-wise sparse payload: in each chunk of ``chunk`` consecutive entries, ``k``
+    in-chunk positions and their values.
+
+    Attributes:
+      indices: ``uint8[ceil(chunks * k * index_bits / 8)]``: in-chunk positions packed in
+        ``index_bits = ceil(log2(chunk))`` bits each (:func:`pack_uints`).
+      values: ``float32[chunks, k]``, or a :class:`Quantized` of them with one scale per chunk.
+      shape, dtype: the original array's (static).
+      chunk, k: chunk length and entries kept per chunk (static).
+    """
+
+    indices: jax.Array
+    values: Any
+    shape: tuple[int, ...] = _static()
+    dtype: str = _static()
+    chunk: int = _static()
+    k: int = _static()
+
+    @property
+    def index_bits(self) -> int:
+        """Bits of one in-chunk position."""
+        return max(1, math.ceil(math.log2(self.chunk)))
+
+
+def chunk_topk_encode(
+    x: jax.Array, *, chunk: int, k: int, bits: int | None = None, method: str = "exact"
+) -> ChunkTopK:
+    """Top-``k`` by magnitude of every chunk of ``chunk`` consecutive entries of ``x``
+    (flattened; the last chunk is padded with zeros), SparseLoCo's compressor.
+
+    Args:
+      x: float array of any shape, ``d`` elements.
+      chunk: entries per chunk, ``>= 2``; in-chunk positions take ``ceil(log2(chunk))`` bits.
+      k: entries kept per chunk, ``1 <= k <= chunk``.
+      bits: quantize the kept values to ``bits`` bits (1..8) with nearest rounding on each
+        chunk's max-abs grid (one float32 scale per chunk), or None for float32 values.
+        Nearest rounding is biased: pair it with error feedback.
+      method: the selection inside each chunk, as :func:`topk_indices` (``"exact"``:
+        ``lax.top_k``, ties to the lower index).
+
+    A chunk holding a NaN or Inf decodes to non-finite values (its scale, or its values, are
+    made NaN), wherever in the chunk it was.
+
+    Returns:
+      :class:`ChunkTopK` of ``ceil(C k b_i / 8)`` index bytes plus ``4 C k`` value bytes
+      (or ``ceil(C k bits / 8) + 4 C``), ``C = ceil(d / chunk)`` chunks.
+    """
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"x must be a floating array, got dtype {x.dtype}")
+    if x.size == 0:
+        raise ValueError(f"x must have at least one element, got shape {x.shape}")
+    check_finite_if_concrete("x", x)
+    chunk = check_int("chunk", chunk, lo=2)
+    k = check_int("k", k, lo=1, hi=chunk)
+    if bits is not None:
+        bits = check_int("bits", bits, lo=1, hi=8)
+    check_choice("method", method, SELECTIONS)
+    flat = x.reshape(-1).astype(jnp.float32)
+    d = flat.shape[0]
+    rows = jnp.pad(flat, (0, (-d) % chunk)).reshape(-1, chunk)  # f32[C, chunk]
+    idx = jax.vmap(lambda r: topk_indices(r, k, method=method))(rows)  # int32[C, k]
+    vals = jnp.take_along_axis(rows, idx, axis=1)  # f32[C, k]
+    # A non-finite entry that was not selected must still poison its chunk.
+    poisoned = jnp.where(jnp.all(jnp.isfinite(rows), axis=1), 0.0, jnp.nan)[:, None]
+    vals = vals + poisoned
+    values: Any = vals
+    if bits is not None:
+        values = quantize(vals, None, bits=bits, bucket_size=k, stochastic=False)
+    out = ChunkTopK(
+        pack_uints(idx.reshape(-1), max(1, math.ceil(math.log2(chunk)))),
+        values,
+        tuple(x.shape),
+        jnp.dtype(x.dtype).name,
+        chunk,
+        k,
+    )
+    return out
+
+
+def chunk_topk_decode(p: ChunkTopK) -> jax.Array:
+    """Scatter a :class:`ChunkTopK` payload into a dense zero array of the original shape."""
+    if not isinstance(p, ChunkTopK):
+        raise TypeError(f"p must be a ChunkTopK payload, got {type(p).__name__}")
+    d = math.prod(p.shape)
+    chunks = -(-d // p.chunk)
+    idx = unpack_uints(p.indices, p.index_bits, chunks * p.k).astype(jnp.int32)
+    vals = p.values if not isinstance(p.values, Quantized) else dequantize(p.values)
+    vals = jnp.asarray(vals, jnp.float32).reshape(chunks, p.k)
+    rows = jnp.zeros((chunks, p.chunk), jnp.float32)
+    rows = jax.vmap(lambda r, i, v: r.at[i].set(v, unique_indices=True))(
+        rows, idx.reshape(chunks, p.k), vals
+    )
+    return rows.reshape(-1)[:d].reshape(p.shape).astype(p.dtype)

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.network import as_bytes, find_logs
+from jaxcomm.network import as_bytes, find_logs, merge_logs
 
 N = 8
 SHAPES = {"w": (13, 7), "b": (5,)}  # d = 96: not a multiple of the segment or bucket sizes
@@ -66,6 +66,19 @@ def _root(step, state):
 def _sync(schedule):
     def branches(step, state):
         return {jaxcomm.localsgd.SYNC_SCOPE: jaxcomm.localsgd.sync_branch(schedule, step)}
+
+    return branches
+
+
+def _diloco(period, schedule=None, overlap=0, root=False):
+    def branches(step, state):
+        out = {}
+        if period > 1:  # period 1 has one kind of step: no conditional
+            branch = jaxcomm.diloco_branch(period, step, schedule=schedule, overlap=overlap)
+            out[jaxcomm.DILOCO_SCOPE] = branch
+        if root:  # AR-Topk inside: the root its (only) fragment's state logged
+            out.update(_root(step, state.reduce[0]))
+        return out
 
     return branches
 
@@ -111,6 +124,50 @@ CASES = {
             optax.adam(0.01), ax, schedule=((1,), (1, 0)), layers=["b", "w"]
         ),
         branches=_sync(((1,), (1, 0))),
+        local=True,
+    ),
+    "chunk_topk": Case(lambda ax: jaxcomm.chunk_topk(ax, chunk=16, k=4, decay=0.9)),
+    # Synchronises after step 1 (Nesterov outer step of the averaged pseudo-gradient).
+    "diloco": Case(
+        lambda ax: jaxcomm.diloco(optax.sgd(0.1), ax, period=2),
+        branches=_diloco(2),
+        local=True,
+        spreads=lambda step: step % 2 == 1,
+    ),
+    # Two fragments ("b" at step 0, "w" at step 1), each merged one step later, 4-bit
+    # error-fed pseudo-gradients: a NaN in "w" at step 1 reaches the others at step 2.
+    "diloco_streaming": Case(
+        lambda ax: jaxcomm.diloco(
+            optax.adam(0.01),
+            ax,
+            period=2,
+            layers=["b", "w"],
+            fragments=2,
+            overlap=1,
+            aggregate=jaxcomm.ec_quantized_allreduce(ax, bits=4, bucket_size=8),
+        ),
+        branches=_diloco(2, jaxcomm.streaming_schedule(2, 2, 2), overlap=1),
+        local=True,
+        spreads=lambda step: False,
+    ),
+    # SparseLoCo: chunk-wise top-k, 2-bit values, decayed error feedback, outer SGD 1.0.
+    "diloco_sparseloco": Case(
+        lambda ax: jaxcomm.diloco(
+            optax.sgd(0.1),
+            ax,
+            period=1,
+            outer=optax.sgd(1.0),
+            aggregate=jaxcomm.chunk_topk(ax, chunk=16, k=4, decay=0.95),
+        ),
+        branches=_diloco(1),
+        local=True,
+    ),
+    # AR-Topk's shared root indices on the pseudo-gradient (a ring all-reduce of values).
+    "diloco_ar_topk": Case(
+        lambda ax: jaxcomm.diloco(
+            optax.sgd(0.1), ax, period=1, aggregate=jaxcomm.ar_topk(ax, ratio=0.1)
+        ),
+        branches=_diloco(1, root=True),
         local=True,
     ),
 }
@@ -342,7 +399,7 @@ def test_logged_traffic_equals_the_compiled_program(name):
         g = _put(mesh, jax.tree_util.tree_map(lambda a, step=step: a[step], grads), P(case.axes))
         _, state = update_f(g, state, params)
         want = audit.traffic(case.branches(step, state))
-        (log,) = find_logs(state)
+        log = merge_logs(*find_logs(state))  # one per aggregator (per DiLoCo fragment)
         k = len(jaxcomm.KINDS)
         sent = as_bytes(np.asarray(log.sent_bytes).reshape(N, 2))
         rounds = np.asarray(log.rounds).reshape(N, k).sum(1)

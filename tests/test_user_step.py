@@ -41,6 +41,9 @@ STATEFUL = (
     "ar_topk_var_tree",
     "ar_topk_allgather",
     "partial_local_sgd",
+    "chunk_topk",
+    "diloco",
+    "diloco_sparseloco",
 )
 
 
@@ -70,7 +73,7 @@ def _specs(case):
 
 def _user_step(case, tx, grad_fn):
     """The README's step: ``(params, batch) -> (new params, updates, the gradient each
-    worker handed the aggregator [N, ...])``."""
+    worker handed the aggregator [N, ...], the new state [N, ...])``."""
     data_spec, p_spec = _specs(case)
 
     def per_worker(params, x):
@@ -81,10 +84,10 @@ def _user_step(case, tx, grad_fn):
         updates, state = tx.update(grads, state, params)
         new = optax.apply_updates(params, updates)
         if case.local:
-            return _lead(new), _lead(updates), _lead(grads)
-        return new, updates, _lead(grads)
+            return _lead(new), _lead(updates), _lead(grads), _lead(state)
+        return new, updates, _lead(grads), _lead(state)
 
-    out_specs = (p_spec, p_spec, P(case.axes))
+    out_specs = (p_spec, p_spec, P(case.axes), P(case.axes))
     return jax.jit(
         jax.shard_map(
             per_worker, mesh=_mesh(case), in_specs=(p_spec, data_spec), out_specs=out_specs
@@ -112,7 +115,7 @@ def test_user_step_gives_the_rule_on_each_workers_own_gradient(name):
     tx = case.make(case.axis)
     x, params = _inputs(case)
     step = _user_step(case, tx, jaxcomm.worker_grad(loss_fn, case.axis))
-    new, updates, handed = step(params, x)
+    new, updates, handed, _ = step(params, x)
 
     # Independent reference: each worker's gradient computed alone, outside shard_map.
     local = [jax.grad(loss_fn)(_params(), _data()[i]) for i in range(N)]

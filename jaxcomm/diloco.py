@@ -1,0 +1,396 @@
+"""DiLoCo and Streaming DiLoCo as an ``optax`` wrapper around an inner optimizer.
+
+DiLoCo (Douillard et al., arXiv 2311.08105): every worker steps its own ``inner``
+optimizer on its own gradients; after every ``period``-th step the workers form the
+pseudo-gradient ``delta = theta_sync - mean_w(theta_w)`` (how far the parameters moved
+since the last synchronisation, averaged over the axis), the ``outer`` optimizer (Nesterov
+SGD, lr 0.7, momentum 0.9 by default, the paper's) turns it into an update of
+``theta_sync``, and every worker continues from the new ``theta_sync``. The inner
+optimizer's state stays local; ``theta_sync`` and the outer state are the same on every
+worker.
+
+Streaming DiLoCo (Douillard et al., arXiv 2501.18512) adds:
+
+* **fragments**: the layers are split into ``F`` fragments, each with its own
+  ``theta_sync`` and outer state, synchronised once per period at staggered steps
+  (fragment ``p`` at local step ``(p + 1) * period // F - 1``), so one fragment at a time
+  is on the wire and the peak traffic of a step falls by about ``F``. Fragments are
+  strided by default (fragment ``p`` holds layers ``p, p + F, ...``, which the paper
+  reports slightly better than contiguous ones) or ``"sequential"``; a
+  :class:`jaxcomm.Schedule` may also name them (``schedule=``; DreamDDP's layer groups,
+  each layer in exactly one group).
+* **overlap**: a fragment's pseudo-gradient travels while the workers run ``overlap``
+  (``tau``) more inner steps; when it arrives each worker mixes
+  ``theta_frag <- alpha * theta_local + (1 - alpha) * theta_sync``. In the compiled
+  program the collective runs in the synchronising step and the merge ``tau`` steps
+  later, with the parameters of then: the data flow is the paper's, and a simulated clock
+  (the trainer's) hides the transfer behind the ``tau`` steps' compute.
+* **compression**: ``aggregate`` is any jaxcomm aggregator (it receives each worker's
+  pseudo-gradient and returns their mean), so the outer gradient can cross as 4- or
+  8-bit codes (:func:`jaxcomm.ec_quantized_allreduce`), chunk-wise top-k with 2-bit values
+  (:func:`jaxcomm.chunk_topk`, SparseLoCo) or AR-Topk's shared-index ring
+  (:func:`jaxcomm.ar_topk`), each with its own error feedback, one state per fragment.
+  Deviation: Streaming DiLoCo sends a 4-bit *float* format; jaxcomm's 4-bit codes are
+  uniform on each bucket's max-abs grid, error-fed.
+
+**State and dtypes.** ``theta_sync`` is kept in float32 whatever the parameters' dtype (a
+master copy, as INTELLECT-1 keeps its outer parameters); the outer optimizer runs on it
+in float32 and the workers' parameters receive it in their own dtype. Steps that
+synchronise nothing return the inner optimizer's updates unchanged.
+
+Usage, inside ``jax.shard_map`` with per-worker parameters (they differ between
+synchronisations, so a trainer keeps them with a leading worker axis)::
+
+    tx = jaxcomm.diloco(optax.adamw(3e-4), "data", period=100)
+
+    def per_worker(params, state, batch):   # params: this worker's own copy
+        grads = jaxcomm.worker_grad(loss_fn, "data")(params, batch)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    eval_params = state.anchor               # theta_sync, the synchronised model
+
+The ``lax.switch`` over the step's kind is named :data:`DILOCO_SCOPE` for
+:func:`jaxcomm.wire_audit`'s ``branches=`` (:func:`diloco_branch` gives a step's branch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jaxcomm._checks import check_choice, check_float, check_int
+from jaxcomm.aggregate import DENSE_REDUCE, dense_allreduce, worker_state
+from jaxcomm.collectives import as_varying
+from jaxcomm.dreamddp import Schedule, as_schedule
+from jaxcomm.localsgd import Layers, layer_names
+from jaxcomm.network import CommLog, empty_log
+from jaxcomm.worker import Layout, check_grads, check_layout, init_layout, layout_of
+
+__all__ = [
+    "DILOCO_SCOPE",
+    "DiLoCoState",
+    "diloco",
+    "diloco_branch",
+    "streaming_schedule",
+]
+
+# jax.named_scope of the lax.switch over the step's kind (a ``branches=`` key).
+DILOCO_SCOPE = "diloco_sync"
+
+PATTERNS = ("strided", "sequential")
+
+
+class DiLoCoState(NamedTuple):
+    """State of :func:`diloco`, per worker.
+
+    Attributes:
+      inner: the inner optimizer's state, local to this worker.
+      count: ``int32`` scalar, inner steps taken so far.
+      anchor: ``theta_sync``, the synchronised parameters (float32, the parameters'
+        structure); identical on every worker.
+      outer: one outer-optimizer state per fragment (identical on every worker).
+      reduce: one aggregator state per fragment (its error feedback is per worker); the
+        logs in them are what this step sent (empty for fragments not synchronised).
+      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.Layout`).
+    """
+
+    inner: Any
+    count: jax.Array
+    anchor: Any
+    outer: tuple
+    reduce: tuple
+    layout: Layout
+
+
+def streaming_schedule(
+    num_layers: int, period: int, fragments: int, *, pattern: str = "strided"
+) -> Schedule:
+    """Streaming DiLoCo's schedule: ``groups[h]`` holds the layers of the fragment
+    synchronised at local step ``h``; fragment ``p`` (0-based) at ``(p + 1) * period //
+    fragments - 1``, so the last one at the period's end, as plain DiLoCo.
+
+    Args:
+      num_layers: layers, input (0) to output.
+      period: ``H >= 1`` inner steps between two synchronisations of a fragment.
+      fragments: ``1 <= F <= min(num_layers, period)``.
+      pattern: ``"strided"`` (fragment ``p`` = layers ``p, p + F, ...``) or
+        ``"sequential"`` (contiguous runs, the larger ones first).
+    """
+    n = check_int("num_layers", num_layers, lo=1)
+    period = check_int("period", period, lo=1)
+    fragments = check_int("fragments", fragments, lo=1)
+    check_choice("pattern", pattern, PATTERNS)
+    if fragments > n:
+        raise ValueError(
+            f"fragments={fragments} exceeds the model's {n} layers; each fragment needs at "
+            f"least one layer: choose fragments in 1..{n}"
+        )
+    if fragments > period:
+        raise ValueError(
+            f"fragments={fragments} exceeds period={period}: two fragments would share a step "
+            f"and the peak traffic would not fall; choose fragments in 1..{min(n, period)}"
+        )
+    if pattern == "strided":
+        members = [list(range(p, n, fragments)) for p in range(fragments)]
+    else:
+        q, r = divmod(n, fragments)
+        members, start = [], 0
+        for p in range(fragments):
+            size = q + (1 if p < r else 0)
+            members.append(list(range(start, start + size)))
+            start += size
+    groups: list[tuple[int, ...]] = [()] * period
+    for p, layers in enumerate(members):
+        groups[(p + 1) * period // fragments - 1] = tuple(sorted(layers, reverse=True))
+    return Schedule(tuple(groups), n)
+
+
+def _fragments(schedule: Schedule) -> tuple[list[tuple[int, ...]], list[int]]:
+    """The fragments (non-empty groups, by step) and each one's step; each layer must be in
+    exactly one group."""
+    frags, steps, seen = [], [], {}
+    for h, g in enumerate(schedule.groups):
+        if not g:
+            continue
+        for layer in g:
+            if layer in seen:
+                raise ValueError(
+                    f"schedule synchronises layer {layer} at steps {seen[layer]} and {h}; a "
+                    "DiLoCo fragment has one theta_sync and one outer state, so each layer "
+                    "must be in exactly one group (build it with fill_bubbles=False, or use "
+                    "jaxcomm.streaming_schedule)"
+                )
+            seen[layer] = h
+        frags.append(tuple(g))
+        steps.append(h)
+    return frags, steps
+
+
+def _kinds(period: int, steps: list[int], overlap: int) -> tuple[list[tuple], list[int]]:
+    """Distinct step kinds ``(synced fragment or -1, merged fragments)`` and each local
+    step's kind."""
+    kinds: list[tuple] = []
+    index = []
+    for h in range(period):
+        sync = steps.index(h) if h in steps else -1
+        merges = tuple(p for p, s in enumerate(steps) if (s + overlap) % period == h)
+        kind = (sync, merges)
+        if kind not in kinds:
+            kinds.append(kind)
+        index.append(kinds.index(kind))
+    return kinds, index
+
+
+def diloco_branch(
+    period: int, step: int, *, schedule: Schedule | None = None, overlap: int = 0
+) -> int:
+    """The :data:`DILOCO_SCOPE` branch that 0-based step ``step`` takes (for ``branches=``);
+    ``schedule`` as given to :func:`diloco` (None: one fragment)."""
+    sched = as_schedule(schedule) if schedule is not None else streaming_schedule(1, period, 1)
+    _, steps = _fragments(sched)
+    return _kinds(len(sched.groups), steps, overlap)[1][check_int("step", step, lo=0) % period]
+
+
+def _quiet(state: Any) -> Any:
+    """An aggregator state with its logs emptied (it sent nothing this step)."""
+    return jax.tree_util.tree_map(
+        lambda x: empty_log() if isinstance(x, CommLog) else x,
+        state,
+        is_leaf=lambda x: isinstance(x, CommLog),
+    )
+
+
+def _f32(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), tree)
+
+
+def _is_transform(tx: Any) -> bool:
+    return callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))
+
+
+def diloco(
+    inner: optax.GradientTransformation,
+    axis_name: Any,
+    *,
+    period: int,
+    outer: optax.GradientTransformation | None = None,
+    layers: Layers = None,
+    fragments: int = 1,
+    pattern: str = "strided",
+    schedule: Schedule | Sequence[Sequence[int]] | None = None,
+    overlap: int = 0,
+    alpha: float | None = None,
+    aggregate: optax.GradientTransformation | None = None,
+    reduce: str = "ring",
+) -> optax.GradientTransformation:
+    """DiLoCo / Streaming DiLoCo around ``inner`` (see the module docstring).
+
+    Args:
+      inner: the optimizer each worker steps locally (its state stays local).
+      axis_name: the data-parallel mesh axis (inside ``jax.shard_map``).
+      period: ``H >= 1`` inner steps between two synchronisations (of each fragment).
+        ``period=1`` with ``outer=optax.sgd(1.0)`` averages the workers' steps every step:
+        for SGD and momentum SGD that is synchronous data parallelism exactly (for Adam it
+        averages the workers' Adam steps).
+      outer: the outer optimizer (any ``optax`` transform) fed ``delta`` as its gradient;
+        default ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
+      layers: layer names, input to output (top-level parameter keys, see
+        :func:`jaxcomm.local_sgd`); needed for ``fragments > 1`` and ``schedule``.
+      fragments: ``F``, fragments synchronised at staggered steps
+        (:func:`streaming_schedule`); 1 is plain DiLoCo.
+      pattern: ``"strided"`` or ``"sequential"`` fragments.
+      schedule: instead of ``fragments``/``pattern``: a :class:`jaxcomm.Schedule` (or
+        groups of layer indices) of ``period`` steps whose non-empty groups are the
+        fragments, each layer in exactly one.
+      overlap: ``tau`` in ``[0, period)``: inner steps between a fragment's
+        synchronisation and its merge.
+      alpha: the merge's weight on the local parameters, in ``[0, 1)``; default 0.5 with
+        ``overlap > 0`` (the Streaming DiLoCo paper's), else 0 (take ``theta_sync``).
+      aggregate: a jaxcomm aggregator over ``axis_name`` that averages the pseudo-gradient
+        (default :func:`jaxcomm.dense_allreduce` with ``reduce``); one state per fragment.
+      reduce: the default aggregator's all-reduce: ``ring``, ``tree`` or ``psum``.
+
+    Returns:
+      A ``GradientTransformation`` with :class:`DiLoCoState`; its updates are added to
+      this worker's parameters. ``state.anchor`` is the synchronised model.
+
+    References:
+      DiLoCo (arXiv 2311.08105), Algorithm 1; Streaming DiLoCo (arXiv 2501.18512), Sec. 2.
+    """
+    period = check_int("period", period, lo=1)
+    for name, tx in (("inner", inner), ("outer", outer), ("aggregate", aggregate)):
+        if tx is not None and not _is_transform(tx):
+            raise TypeError(
+                f"{name} must be an optax.GradientTransformation (with init and update), "
+                f"got {tx!r} of type {type(tx).__name__}"
+            )
+    overlap = check_int("overlap", overlap, lo=0, hi=period - 1)
+    if alpha is None:
+        alpha = 0.5 if overlap else 0.0
+    alpha = check_float("alpha", alpha, lo=0.0, hi=1.0, hi_open=True)
+    check_choice("reduce", reduce, DENSE_REDUCE)
+    check_choice("pattern", pattern, PATTERNS)
+    fragments = check_int("fragments", fragments, lo=1)
+    if schedule is not None and fragments != 1:
+        raise ValueError(
+            f"give either schedule or fragments, got schedule={schedule!r} and "
+            f"fragments={fragments}"
+        )
+    if schedule is not None and len(as_schedule(schedule).groups) != period:
+        raise ValueError(
+            f"schedule has {len(as_schedule(schedule).groups)} steps, but period={period}; "
+            "its groups must cover one period"
+        )
+    outer = outer if outer is not None else optax.sgd(0.7, momentum=0.9, nesterov=True)
+    agg = aggregate if aggregate is not None else dense_allreduce(axis_name, reduce=reduce)
+
+    def plan(params):
+        names = layer_names(params, layers)
+        if names is None and (fragments > 1 or schedule is not None):
+            raise ValueError(
+                f"fragments={fragments} / schedule={schedule!r} split the model by layers: "
+                "pass layers= (the top-level parameter keys, input to output)"
+            )
+        num = 1 if names is None else len(names)
+        sched = (
+            as_schedule(schedule, num)
+            if schedule is not None
+            else streaming_schedule(num, period, fragments, pattern=pattern)
+        )
+        frags, steps = _fragments(sched)
+        return names, frags, steps
+
+    def split(tree, names, frags):
+        if names is None:
+            return [tree]
+        return [{names[i]: tree[names[i]] for i in sorted(f)} for f in frags]
+
+    def join(parts, names, like):
+        if names is None:
+            return parts[0]
+        out = dict(like)
+        for part in parts:
+            out.update(part)
+        return type(like)(out) if not isinstance(like, dict) else out
+
+    def init_fn(params):
+        layout, _ = init_layout("diloco", params)
+        names, frags, _ = plan(params)
+        anchor = _f32(params)
+        parts = split(anchor, names, frags)
+        state = DiLoCoState(
+            inner=inner.init(params),
+            count=jnp.zeros([], jnp.int32),
+            anchor=anchor,
+            outer=tuple(outer.init(p) for p in parts),
+            reduce=tuple(_quiet(agg.init(p)) for p in parts),
+            layout=layout,
+        )
+        return worker_state(state, axis_name)
+
+    def update_fn(grads, state, params=None):
+        if params is None:
+            raise ValueError("diloco needs params: call tx.update(grads, state, params)")
+        check_grads("diloco", grads, axis_name)
+        check_layout("diloco", state.layout, layout_of(grads))
+        names, frags, steps = plan(params)
+        kinds, kind_of = _kinds(period, steps, overlap)
+        inner_updates, inner_state = inner.update(grads, state.inner, params)
+        local = optax.apply_updates(params, inner_updates)
+        ready = state.count >= overlap  # a merge needs its synchronisation to have happened
+
+        def branch(kind):
+            sync, merges = kind
+
+            def run(operand):
+                p_parts, u_parts, l_parts, anchors, outers, reduces = map(list, operand)
+                reduces = [_quiet(r) for r in reduces]
+                if sync >= 0:
+                    # delta_w = theta_sync - theta_w, in float32.
+                    delta = jax.tree_util.tree_map(
+                        lambda a, w: a - w.astype(jnp.float32), anchors[sync], l_parts[sync]
+                    )
+                    mean, reduces[sync] = agg.update(delta, reduces[sync], anchors[sync])
+                    step, outers[sync] = outer.update(mean, outers[sync], anchors[sync])
+                    anchors[sync] = optax.apply_updates(anchors[sync], step)
+                for p in merges:
+
+                    def mix(p_, u, w, a):
+                        merged = (alpha * w.astype(jnp.float32) + (1.0 - alpha) * a).astype(w.dtype)
+                        return jnp.where(ready, (merged - p_).astype(u.dtype), u)
+
+                    u_parts[p] = jax.tree_util.tree_map(
+                        mix, p_parts[p], u_parts[p], l_parts[p], anchors[p]
+                    )
+                return as_varying((u_parts, anchors, outers, reduces), axis_name)
+
+            return run
+
+        p_parts = split(params, names, frags)
+        operand = (
+            p_parts,
+            split(inner_updates, names, frags),
+            split(local, names, frags),
+            split(state.anchor, names, frags),
+            list(state.outer),
+            list(state.reduce),
+        )
+        with jax.named_scope(DILOCO_SCOPE):
+            table = jnp.asarray(kind_of, jnp.int32)
+            u_parts, anchors, outers, reduces = lax.switch(
+                table[state.count % period], [branch(k) for k in kinds], operand
+            )
+        updates = join(u_parts, names, params)
+        anchor = join(anchors, names, state.anchor)
+        new_state = DiLoCoState(
+            inner_state, state.count + 1, anchor, tuple(outers), tuple(reduces), state.layout
+        )
+        return updates, worker_state(new_state, axis_name)
+
+    return optax.GradientTransformation(init_fn, update_fn)
