@@ -84,7 +84,14 @@ from jaxcomm.aqsgd import (
     quantize_grad,
     uniform_seen,
 )
-from jaxcomm.diloco import DILOCO_SCOPE, DiLoCoState, diloco, diloco_branch, streaming_schedule
+from jaxcomm.diloco import (
+    DILOCO_SCOPE,
+    DiLoCoState,
+    diloco,
+    diloco_branch,
+    diloco_steps,
+    streaming_schedule,
+)
 from jaxcomm.dreamddp import (
     Schedule,
     StepTimeline,

@@ -224,6 +224,14 @@ class _Branches:
                 names = [key]
             else:
                 names = [c for c, op in self.conditionals.items() if key in op]
+                # A scope's conditional and the conditionals nested in its branches all
+                # carry the scope in their op names: the key names the outermost one.
+                ops = self.conditionals
+                names = [
+                    c
+                    for c in names
+                    if not any(o != c and ops[c].startswith(ops[o] + "/") for o in names)
+                ]
             if len(names) != 1:
                 raise ValueError(
                     f"branches key {key!r} must name exactly one of the program's "
@@ -306,7 +314,8 @@ class WireAudit(_Branches):
             int (every device, every execution) or ``int[D]`` (per device), or, when the
             conditional runs several times per run (inside a loop), ``{branch: executions}``
             summing to :attr:`conditional_counts` (every device). Keys are conditional names
-            or a unique part of their op name (a ``jax.named_scope`` shows there).
+            or a unique part of their op name (a ``jax.named_scope`` shows there); a part
+            shared by a conditional and those nested in its branches names the outermost.
         """
         taken = self._resolve(branches)
         counted = self._counted(taken)

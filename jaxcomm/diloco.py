@@ -77,6 +77,7 @@ __all__ = [
     "DiLoCoState",
     "diloco",
     "diloco_branch",
+    "diloco_steps",
     "streaming_schedule",
 ]
 
@@ -197,6 +198,17 @@ def diloco_branch(
     return _kinds(len(sched.groups), steps, overlap)[1][check_int("step", step, lo=0) % period]
 
 
+def diloco_steps(
+    period: int, *, schedule: Schedule | None = None, overlap: int = 0
+) -> list[tuple[int, tuple[int, ...]]]:
+    """For each local step ``h`` of a period: ``(fragment synchronised or -1, fragments
+    merged)`` (a merge at step ``t`` happens only once ``t >= overlap``)."""
+    sched = as_schedule(schedule) if schedule is not None else streaming_schedule(1, period, 1)
+    _, steps = _fragments(sched)
+    kinds, index = _kinds(len(sched.groups), steps, overlap)
+    return [kinds[i] for i in index]
+
+
 def _quiet(state: Any) -> Any:
     """An aggregator state with its logs emptied (it sent nothing this step)."""
     return jax.tree_util.tree_map(
@@ -292,7 +304,8 @@ def diloco(
 
     def plan(params):
         names = layer_names(params, layers)
-        if names is None and (fragments > 1 or schedule is not None):
+        split_by_layers = schedule is not None and as_schedule(schedule).num_layers > 1
+        if names is None and (fragments > 1 or split_by_layers):
             raise ValueError(
                 f"fragments={fragments} / schedule={schedule!r} split the model by layers: "
                 "pass layers= (the top-level parameter keys, input to output)"

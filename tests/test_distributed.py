@@ -281,6 +281,15 @@ _PIPE = ["workers=2", "stages=2", "boundary=aqsgd", "fw_bits=3", "global_batch=8
 _COMBOS = {
     "pipeline_local_sgd": [*_PIPE, "aggregator=none", "sync={method: local_sgd, period: 2}"],
     "pipeline_dreamddp": [*_PIPE, "aggregator=none", "sync={method: dreamddp, period: 3}"],
+    "pipeline_diloco": [
+        *_PIPE, "aggregator=none",
+        "sync={method: diloco, period: 2, fragments: 2, overlap: 1, compress: int8}",
+    ],
+    "dp_diloco": [
+        "workers=2", "global_batch=16", "model.num_layers=1", "model.width=32",
+        "model.seq_len=16", "aggregator=none",
+        "sync={method: diloco, period: 2, compress: sparseloco, outer_momentum: 0}",
+    ],
     "pipeline_adaptive": [
         *_PIPE, "aggregator=ar_topk", "aggregator_args={select: star}", "optimizer=adam",
         "lr=3e-3", "adaptive={candidates: [0.1, 0.01], trial_steps: 1, min_interval: 2}",

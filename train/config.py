@@ -27,8 +27,19 @@ TOPK_AGGREGATORS = ("ar_topk", "lw_topk", "ms_topk")
 # "none": each worker keeps its own gradient (local SGD; needs ``sync``).
 GRADIENT_AGGREGATORS = (*DENSE_AGGREGATORS, "ec_quantized", *TOPK_AGGREGATORS, "none")
 # Sync wrappers around the optimizer (``sync: {method: ...}``).
-SYNC_METHODS = ("local_sgd", "enp", "dreamddp")
+SYNC_METHODS = ("local_sgd", "enp", "dreamddp", "diloco")
 SYNC_KEYS = ("method", "period", "fill_bubbles", "reduce", "fused")
+# DiLoCo's own keys (``sync: {method: diloco, ...}``) and how its pseudo-gradients travel.
+DILOCO_KEYS = (
+    "outer_lr",
+    "outer_momentum",
+    "fragments",
+    "pattern",
+    "overlap",
+    "alpha",
+    "compress",
+)
+DILOCO_COMPRESS = ("none", "int8", "int4", "sparseloco", "ar_topk")
 # Aggregators that are the whole optimizer (they apply their own step sizes).
 OPTIMIZING_AGGREGATORS = ("marsit", "signsgd_mv", "ef_signsgd", "ssdm", "cascading_sign")
 AGGREGATORS = GRADIENT_AGGREGATORS + OPTIMIZING_AGGREGATORS
@@ -107,7 +118,12 @@ class Config:
         the whole backward instead of layer by layer; ``reduce``
         (``ring``, ``tree`` or ``psum``) averages each layer. The layers are timed on the
         ``compute`` device (the roofline of their backward prefixes), or on this host when
-        ``compute`` is ``measured``. ``{}`` for none. Layers are ``models.layer_groups`` of
+        ``compute`` is ``measured``. ``method: diloco`` runs :func:`jaxcomm.diloco` (see
+        ``train/diloco.py``) with the keys ``outer_lr`` (0.7), ``outer_momentum`` (0.9,
+        Nesterov), ``fragments`` (1), ``pattern`` (``strided``), ``overlap`` (0 inner
+        steps), ``alpha`` (0.5 with overlap, else 0) and ``compress`` (``none``, ``int8``,
+        ``int4``, ``sparseloco`` or ``ar_topk``, or a mapping with ``method`` and that
+        codec's arguments). ``{}`` for none. Layers are ``models.layer_groups`` of
         the parameters.
       init_params: start from the model parameters in this ``params.msgpack`` (every run
         writes one into its ``out_dir``) instead of a random init, e.g. to fine-tune a
@@ -261,14 +277,20 @@ class Config:
                     "workers never agree"
                 )
             return {}
-        unknown = sorted(set(self.sync) - set(SYNC_KEYS))
+        keys = SYNC_KEYS + (DILOCO_KEYS if self.sync.get("method") == "diloco" else ())
+        unknown = sorted(set(self.sync) - set(keys))
         if unknown:
-            raise ValueError(f"sync: unknown keys {unknown}; known: {list(SYNC_KEYS)}")
+            raise ValueError(
+                f"sync: unknown keys {unknown} for method={self.sync.get('method')!r}; "
+                f"known: {list(keys)}"
+            )
         out = {"fill_bubbles": True, "reduce": "ring", "fused": False, **self.sync}
         if "method" not in out or "period" not in out:
             raise ValueError(f"sync={self.sync!r} needs method and period")
         _choice("sync.method", out["method"], SYNC_METHODS)
         _positive("sync.period", out["period"])
+        if out["method"] == "diloco":
+            out = _diloco_settings(out)
         _choice("sync.reduce", out["reduce"], DENSE_AGGREGATORS)
         for key in ("fill_bubbles", "fused"):
             if not isinstance(out[key], bool):
@@ -457,3 +479,46 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = _merge(Config().to_dict(), loaded)
     cfg = Config(**data) if data else Config()
     return apply_overrides(cfg, list(overrides or []))
+
+
+def _diloco_settings(out: dict[str, Any]) -> dict[str, Any]:
+    """``sync`` of ``method: diloco`` with its defaults (the DiLoCo paper's outer step:
+    Nesterov SGD, lr 0.7, momentum 0.9; one fragment; no overlap; dense pseudo-gradients),
+    checked."""
+    out = {
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+        "fragments": 1,
+        "pattern": "strided",
+        "overlap": 0,
+        "alpha": None,
+        "compress": "none",
+        **out,
+    }
+    if out["fused"]:
+        raise ValueError("sync.fused is local SGD's; DiLoCo sends each fragment as one message")
+    for key in ("outer_lr", "outer_momentum"):
+        v = out[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+            raise ValueError(f"sync.{key} must be a number >= 0, got {v!r}")
+    if out["outer_lr"] == 0:
+        raise ValueError("sync.outer_lr must be > 0 (0 would never move the model), got 0")
+    if out["outer_momentum"] >= 1:
+        raise ValueError(f"sync.outer_momentum must be in [0, 1), got {out['outer_momentum']!r}")
+    _positive("sync.fragments", out["fragments"])
+    _choice("sync.pattern", out["pattern"], ("strided", "sequential"))
+    ov = out["overlap"]
+    if isinstance(ov, bool) or not isinstance(ov, int) or not 0 <= ov < out["period"]:
+        raise ValueError(
+            f"sync.overlap must be an integer in [0, period - 1] = [0, {out['period'] - 1}] "
+            f"(inner steps a fragment's pseudo-gradient travels), got {ov!r}"
+        )
+    a = out["alpha"]
+    if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a < 1):
+        raise ValueError(f"sync.alpha must be a number in [0, 1), got {a!r}")
+    comp = out["compress"]
+    method = comp.get("method") if isinstance(comp, dict) else comp
+    if isinstance(comp, dict) and "method" not in comp:
+        raise ValueError(f"sync.compress={comp!r} needs method: one of {list(DILOCO_COMPRESS)}")
+    _choice("sync.compress", method, DILOCO_COMPRESS)
+    return out

@@ -12,6 +12,7 @@ timeline; a :class:`Controller` names the program each step runs and builds its 
   sparse, or an aggregator that is the whole optimizer);
 * :class:`train.localsgd.LocalSGD`: local SGD, partial local SGD and DreamDDP around the
   optimizer, with DreamDDP's layer-wise timeline in the clock;
+* :class:`train.diloco.DiLoCo`: DiLoCo and Streaming DiLoCo around the optimizer;
 * :class:`train.adaptive.AdaptiveRatio`: AR-Topk's adaptive compression ratio.
 """
 
@@ -169,6 +170,10 @@ class EveryStep(Sync):
 
 def make_sync(cfg: Config) -> Sync:
     """The synchronisation of ``cfg``: its ``sync`` wrapper, else its aggregator each step."""
+    if cfg.sync and cfg.sync.get("method") == "diloco":
+        from train.diloco import DiLoCo
+
+        return DiLoCo(cfg)
     if cfg.sync:
         from train.localsgd import LocalSGD
 

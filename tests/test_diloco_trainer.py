@@ -1,0 +1,204 @@
+"""The trainer with ``sync: {method: diloco, ...}``: data parallel and pipeline layouts,
+the link clock, evaluation on theta_sync, resume."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jaxcomm.diloco import DiLoCoState
+from train.config import Config
+from train.trainer import Trainer
+
+MLP = dict(task="mlp", model={"features": [32, 32]}, dataset="digits", global_batch=64)
+SMALL = {"num_layers": 2, "width": 32, "num_heads": 2, "seq_len": 32}
+
+
+def _cfg(tmp_path, sync, **kw):
+    base = dict(
+        name="t",
+        workers=8,
+        steps=6,
+        lr=3e-3,
+        optimizer="adam",
+        aggregator="none",
+        sync={"method": "diloco", **sync},
+        network="50ms,100Mbps",
+        compute="v100",
+        checkpoint_every=3,
+        eval_every=0,
+        progress=False,
+        out_dir=str(tmp_path / "run"),
+        **MLP,
+    )
+    base.update(kw)
+    return Config(**base)
+
+
+def _rows(cfg):
+    return [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _host(tree):
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(jax.device_get(tree))]
+
+
+def _anchor(trainer):
+    (state,) = [
+        s
+        for s in jax.tree_util.tree_leaves(
+            trainer.opt_state, is_leaf=lambda x: isinstance(x, DiLoCoState)
+        )
+        if isinstance(s, DiLoCoState)
+    ]
+    return state.anchor
+
+
+def test_diloco_synchronises_each_period_and_evaluates_theta_sync(tmp_path):
+    cfg = _cfg(tmp_path, {"period": 3}, steps=7, checkpoint_every=0)
+    trainer = Trainer(cfg)
+    summary = trainer.run()
+    rows = _rows(cfg)
+    sent = [r["sent_bytes"] for r in rows]
+    assert [s > 0 for s in sent] == [False, False, True, False, False, True, False]
+    assert summary["peak_sent_bytes_per_step"] == max(sent)
+    assert summary["total_sent_bytes"] == sum(sent)
+    assert [r["sync_fragment"] for r in rows] == [-1, -1, 0, -1, -1, 0, -1]
+    # Right after a synchronisation every worker holds theta_sync (to a cast).
+    assert rows[2]["divergence"] < 1e-10 < rows[3]["divergence"]
+    # Evaluation runs on theta_sync, not on the workers' (diverged) parameters or their mean.
+    anchor = _host(_anchor(trainer))
+    evald = _host(trainer.eval_params())
+    for a, e in zip(anchor, evald, strict=True):
+        np.testing.assert_array_equal(a.astype(e.dtype), e)
+    params = _host(trainer.params)
+    assert (
+        max(float(np.max(np.abs(p.mean(0) - a[0]))) for p, a in zip(params, anchor, strict=True))
+        > 1e-4
+    )
+    assert np.all(np.isfinite([r["loss"] for r in rows]))
+
+
+def test_the_link_clock_blocks_without_overlap_and_hides_the_transfer_with_it(tmp_path):
+    """tau = 0: a synchronising step costs its compute plus its transfer. tau = 2: the
+    transfer starts when the step's compute ends and the merge two steps later waits only
+    for what is left of it (checked against the rows' own compute and transfer times)."""
+    block = Trainer(_cfg(tmp_path / "a", {"period": 4}, steps=8, checkpoint_every=0))
+    block.run()
+    for r in _rows(block.cfg):
+        want = r["sim_compute_s"] + (r["comm_s"] if r["sent_bytes"] else 0.0)
+        assert r["sim_step_s"] == pytest.approx(want, rel=1e-12)
+    cfg = _cfg(tmp_path / "b", {"period": 4, "overlap": 2}, steps=8, checkpoint_every=0)
+    hide = Trainer(cfg)
+    hide.run()
+    rows = _rows(cfg)
+    t, arrive = 0.0, None
+    for r in rows:  # syncs after steps 4 and 8 (0-based 3, 7); merges at 0-based 1, 5
+        end = t + r["sim_compute_s"]
+        if r["sent_bytes"]:
+            arrive = end + r["comm_s"]
+        if (r["step"] - 1) % 4 == 1 and r["step"] > 2:
+            end = max(end, arrive)
+        assert r["sim_step_s"] == pytest.approx(end - t, rel=1e-9), r["step"]
+        t = end
+    comm = rows[3]["comm_s"]
+    assert comm > 2 * rows[4]["sim_compute_s"]  # this network: the transfer is not all hidden
+    assert rows[5]["sim_step_s"] > rows[4]["sim_step_s"]  # the merge waited
+    assert hide.clock.now < block.clock.now
+
+
+def test_resume_is_bit_exact_with_fragments_overlap_and_compression(tmp_path):
+    sync = {"period": 3, "fragments": 3, "overlap": 1, "compress": "int4"}
+    full = Trainer(_cfg(tmp_path / "a", sync, steps=7))
+    full.run()
+    Trainer(_cfg(tmp_path / "b", sync, steps=4)).run()  # stops inside a period
+    resumed = Trainer(_cfg(tmp_path / "b", sync, steps=7))
+    resumed.run(resume=True)
+    for a, b in zip(_host(full.params), _host(resumed.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(_host(full.opt_state), _host(resumed.opt_state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert full.clock.now == resumed.clock.now
+    a, b = _rows(full.cfg), _rows(resumed.cfg)
+    for key in ("step", "loss", "sent_bytes", "sim_time_s", "divergence", "sync_fragment"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    # Fragments: one layer group at a time on the wire.
+    assert [r["sync_fragment"] for r in a] == [0, 1, 2, 0, 1, 2, 0]
+    summary_a = json.loads((full.cfg.run_dir / "summary.json").read_text())
+    summary_b = json.loads((resumed.cfg.run_dir / "summary.json").read_text())
+    for key in ("peak_sent_bytes_per_step", "total_sent_bytes", "valid_loss"):
+        assert summary_a[key] == summary_b[key], key
+
+
+@pytest.mark.parametrize("compress", ["sparseloco", "ar_topk"])
+def test_sparse_pseudo_gradients_send_less_and_train(tmp_path, compress):
+    dense = Trainer(_cfg(tmp_path / "d", {"period": 2}, steps=4, checkpoint_every=0))
+    dense.run()
+    sparse_cfg = _cfg(
+        tmp_path / "s",
+        {"period": 2, "compress": compress, "outer_lr": 1.0, "outer_momentum": 0.0},
+        steps=4,
+        checkpoint_every=0,
+    )
+    sparse = Trainer(sparse_cfg)
+    sparse.run()
+    d = [r["sent_bytes"] for r in _rows(dense.cfg)]
+    s = [r["sent_bytes"] for r in _rows(sparse_cfg)]
+    assert [x > 0 for x in s] == [x > 0 for x in d] == [False, True, False, True]
+    assert 0 < max(s) < max(d) / 3
+    rows = _rows(sparse_cfg)
+    assert np.all(np.isfinite([r["loss"] for r in rows]))
+
+
+def test_a_pipeline_runs_diloco_across_its_replicas(tmp_path):
+    """DiLoCoX's shape: a 2-stage pipeline inside each of 4 replicas, DiLoCo across them,
+    each parameter group a fragment on its own step; evaluation on theta_sync."""
+    cfg = _cfg(
+        tmp_path,
+        {"period": 3, "fragments": 3},
+        task="gpt",
+        model=SMALL,
+        dataset="shakespeare",
+        workers=4,
+        stages=2,
+        microbatches=2,
+        global_batch=8,
+        steps=6,
+        checkpoint_every=0,
+        boundary="fp32",
+    )
+    trainer = Trainer(cfg)
+    summary = trainer.run()
+    rows = _rows(cfg)
+    assert [r["sync_fragment"] for r in rows] == [0, 1, 2, 0, 1, 2]
+    assert np.isfinite(summary["valid_loss"])
+    # The boundary's p2p traffic every step, plus one group's pseudo-gradient.
+    assert len({r["sent_bytes"] for r in rows}) > 1
+    blocks = [
+        s
+        for s in jax.tree_util.tree_leaves(
+            trainer.opt_state["blocks"], is_leaf=lambda x: isinstance(x, DiLoCoState)
+        )
+        if isinstance(s, DiLoCoState)
+    ][0].anchor
+    for a, e in zip(_host(blocks), _host(trainer.eval_params()["blocks"]), strict=True):
+        np.testing.assert_array_equal(a.astype(e.dtype), e)
+
+
+def test_bad_diloco_settings_are_refused(tmp_path):
+    for sync, match in [
+        ({"period": 3, "overlap": 3}, r"sync.overlap must be an integer in \[0, period - 1\]"),
+        ({"period": 3, "compress": "int2"}, "sync.compress must be one of"),
+        ({"period": 3, "outer_lr": 0}, "sync.outer_lr must be > 0"),
+        ({"period": 3, "outer_momentum": 1.0}, r"sync.outer_momentum must be in \[0, 1\)"),
+        ({"period": 3, "fused": True}, "sync.fused is local SGD's"),
+        ({"period": 3, "outerlr": 1}, r"unknown keys \['outerlr'\]"),
+        ({"period": 0}, "sync.period must be a positive integer"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            _cfg(tmp_path, sync).sync_settings()
+    with pytest.raises(ValueError, match="sync.fragments=9 exceeds the model's"):
+        Trainer(_cfg(tmp_path, {"period": 9, "fragments": 9}))
+    with pytest.raises(ValueError, match="k must be an integer"):
+        Trainer(_cfg(tmp_path, {"period": 2, "compress": {"method": "sparseloco", "k": 0}}))

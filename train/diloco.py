@@ -1,0 +1,275 @@
+"""DiLoCo as a trainer's synchronisation (``sync: {method: diloco, ...}`` in a config).
+
+Each data replica runs the configured optimizer (the inner one) on its own gradients, with
+``aggregator: none`` in front of it; :func:`jaxcomm.diloco` forms the pseudo-gradients and
+the outer step (Nesterov SGD, ``outer_lr`` 0.7, ``outer_momentum`` 0.9 by default; plain
+SGD with ``outer_momentum: 0``). Settings:
+
+* ``fragments`` (``F``), ``pattern``: Streaming DiLoCo's fragments of the model's layers
+  (``models.layer_groups``: for the GPT ``embed``, ``block_0``, ..., ``head``), fragment
+  ``p`` synchronised at local step ``(p + 1) period // F - 1``. On a pipeline the
+  fragments are its parameter groups (``embed``, the stages' ``blocks``, ``head``), each
+  with its own wrapper on its own steps (the DiLoCoX shape: pipeline inside a replica,
+  DiLoCo across replicas).
+* ``overlap`` (``tau``) and ``alpha``: the merge ``tau`` steps after the synchronisation.
+* ``compress``: how the pseudo-gradients travel: ``none`` (a float32 all-reduce by
+  ``reduce``), ``int8`` / ``int4`` (:func:`jaxcomm.ec_quantized_allreduce`, error-fed,
+  as INTELLECT-1 / Streaming DiLoCo), ``sparseloco`` (:func:`jaxcomm.chunk_topk`: top-64
+  of every 4,096 entries, 2-bit values, error buffer decay 0.95; SparseLoCo pairs it with
+  ``outer_lr: 1.0, outer_momentum: 0``) or ``ar_topk`` (AR-Topk's shared root indices and
+  a ring all-reduce of values, ratio 0.01, error-fed); a mapping ``{method: ..., <the
+  codec's arguments>}`` overrides the defaults.
+
+**Clock** (data parallel). Each step computes (its program on the roofline with the taken
+branch's outer-step arithmetic, or the host's measured time). A synchronising step's
+transfer starts when its compute ends and the link is free, and takes the logged
+traffic's time on the step's network; the merge ``tau`` steps later waits for it. With
+``tau = 0`` that is a blocking all-reduce; with ``tau > 0`` up to ``tau`` steps of compute
+hide it. A pipeline keeps GPipe's timeline with the logged traffic added to the
+synchronising step (no overlap credit).
+
+Evaluation, the exported ``params.msgpack`` and the summary use ``theta_sync`` (the
+synchronised model of the outer optimizer); each metrics row records the workers'
+divergence and the fragment synchronised (-1: none), the summary the peak and total bytes
+a worker sent in a step and over the run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+import jaxcomm
+from jaxcomm.diloco import DILOCO_SCOPE, DiLoCoState
+from models import layer_groups
+from train.config import Config
+from train.localsgd import _divergence
+from train.sync import Sync
+from train.trainer import AXIS, Trainer, make_optimizer
+
+__all__ = ["DiLoCo"]
+
+# Each codec's defaults (the papers' settings); a mapping in ``compress`` overrides them.
+COMPRESS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "int8": {"bits": 8, "bucket_size": 512},
+    "int4": {"bits": 4, "bucket_size": 512},
+    "sparseloco": {"chunk": 4096, "k": 64, "bits": 2, "decay": 0.95},
+    "ar_topk": {"ratio": 0.01},
+}
+
+
+class DiLoCo(Sync):
+    """DiLoCo / Streaming DiLoCo around the optimizer (see module)."""
+
+    reads_state = False
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.sync = cfg.sync_settings()
+        self.schedule: jaxcomm.Schedule | None = None
+        self._steps: list[tuple[int, tuple[int, ...]]] = []
+        self._branch_s: dict[int, float] = {}
+        # The clock's link: when it frees, when each fragment's transfer arrives; and the
+        # bytes a worker sent, peak (one step) and total.
+        self._wire: dict[str, Any] = {"t": 0.0, "free": 0.0, "arrive": {}}
+        self._bytes = {"peak": 0, "total": 0}
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"sync": self.sync}
+
+    # ------------------------------------------------------------------ transforms
+
+    def _codec(self) -> tuple[str, dict[str, Any]]:
+        comp = self.sync["compress"]
+        if isinstance(comp, dict):
+            method = comp["method"]
+            args = {k: v for k, v in comp.items() if k != "method"}
+        else:
+            method, args = comp, {}
+        return method, {**COMPRESS_DEFAULTS[method], **args}
+
+    def _aggregate(self) -> optax.GradientTransformation | None:
+        method, args = self._codec()
+        try:
+            if method == "none":
+                return None
+            if method in ("int8", "int4"):
+                return jaxcomm.ec_quantized_allreduce(AXIS, **args)
+            if method == "sparseloco":
+                return jaxcomm.chunk_topk(AXIS, **args)
+            return jaxcomm.ar_topk(AXIS, **args)
+        except TypeError as e:
+            raise ValueError(f"sync.compress={self.sync['compress']!r}: {e}") from e
+
+    def _outer(self) -> optax.GradientTransformation:
+        lr, mu = float(self.sync["outer_lr"]), float(self.sync["outer_momentum"])
+        if mu == 0:
+            return optax.sgd(lr)
+        return optax.sgd(lr, momentum=mu, nesterov=True)
+
+    def _wrapper(self, layers: Any, schedule: Any) -> optax.GradientTransformation:
+        s = self.sync
+        wrapper = jaxcomm.diloco(
+            make_optimizer(self.cfg),
+            AXIS,
+            period=s["period"],
+            outer=self._outer(),
+            layers=layers,
+            schedule=schedule,
+            overlap=s["overlap"],
+            alpha=s["alpha"],
+            aggregate=self._aggregate(),
+            reduce=s["reduce"],
+        )
+        return optax.chain(optax.identity(), wrapper)
+
+    def _plan(self, num_layers: int) -> None:
+        s = self.sync
+        self.schedule = jaxcomm.streaming_schedule(
+            num_layers, s["period"], s["fragments"], pattern=s["pattern"]
+        )
+        self._steps = jaxcomm.diloco_steps(
+            s["period"], schedule=self.schedule, overlap=s["overlap"]
+        )
+
+    def make_tx(self, trainer: Trainer) -> optax.GradientTransformation:
+        n, data = trainer.n, trainer.train_data
+        sample = data.get(np.arange(self.cfg.global_batch // n))
+        params = jax.eval_shape(lambda k: trainer.task.init(k, sample), jax.random.key(0))
+        names = layer_groups(params)
+        if self.sync["fragments"] > len(names):
+            raise ValueError(
+                f"sync.fragments={self.sync['fragments']} exceeds the model's {len(names)} "
+                f"layers ({', '.join(names)}); choose fragments in 1..{len(names)}"
+            )
+        self._plan(len(names))
+        one = self.sync["fragments"] == 1  # the whole model as one message
+        return self._wrapper(None if one else names, None if one else self.schedule)
+
+    def group_txs(
+        self, trainer: Trainer, units: dict[str, Any], stages: int
+    ) -> dict[str, optax.GradientTransformation]:
+        """A pipeline's transforms: one wrapper per parameter group (``embed``, ``blocks``,
+        ``head``), each synchronising its whole group over the ``data`` axis at the step
+        the schedule gives it (fragments are the groups)."""
+        names = list(units)
+        if self.sync["fragments"] > len(names):
+            raise ValueError(
+                f"sync.fragments={self.sync['fragments']} with stages={stages}: a pipeline's "
+                f"fragments are its {len(names)} parameter groups ({', '.join(names)}); "
+                f"choose fragments in 1..{len(names)}"
+            )
+        self._plan(len(names))
+        out = {}
+        for u, name in enumerate(names):
+            own = [(0,) if u in g else () for g in self.schedule.groups]
+            out[name] = self._wrapper(None, jaxcomm.as_schedule(own, 1))
+        return out
+
+    # ------------------------------------------------------------------ clock
+
+    def step_seconds(self, trainer, traffic, network, step, measured_s):
+        """``(step, compute, comm)`` seconds of step ``step`` on the link model of the
+        module docstring (data parallel; None on a pipeline: GPipe's timeline)."""
+        if trainer.cfg.stages > 1:
+            return None
+        total = jaxcomm.Traffic(
+            sent=traffic.sent,
+            rounds=traffic.rounds.sum(1),
+            path_bytes=traffic.path_bytes.sum(1),
+        )
+        h = step % self.sync["period"]
+        branches = None
+        if len(set(self._steps)) > 1:  # else no conditional
+            branch = jaxcomm.diloco_branch(
+                self.sync["period"], step, schedule=self.schedule, overlap=self.sync["overlap"]
+            )
+            branches = {DILOCO_SCOPE: branch}
+        _, compute, comm = trainer.simulate_step(
+            trainer._program_key(),
+            total,
+            network,
+            step,
+            measured_s=measured_s,
+            overlap=False,
+            branches=branches,
+        )
+        sync, merges = self._steps[h]
+        w = self._wire
+        start = w["t"]
+        end = start + compute
+        if sync >= 0:
+            send = max(end, w["free"])
+            w["free"] = send + comm
+            w["arrive"][str(sync)] = w["free"]
+        if step >= self.sync["overlap"]:
+            for p in merges:
+                end = max(end, w["arrive"].get(str(p), end))
+        w["t"] = end
+        return end - start, compute, comm
+
+    # ------------------------------------------------------------------ state
+
+    def checkpoint_extras(self) -> dict[str, Any]:
+        return {"diloco_wire": dict(self._wire), "diloco_bytes": dict(self._bytes)}
+
+    def restore_extras(self, trainer: Trainer, extras: dict[str, Any]) -> None:
+        if "diloco_wire" in extras:
+            w = extras["diloco_wire"]
+            self._wire = {"t": w["t"], "free": w["free"], "arrive": dict(w["arrive"])}
+        if "diloco_bytes" in extras:
+            self._bytes = {k: int(v) for k, v in extras["diloco_bytes"].items()}
+
+    # ------------------------------------------------------------------ the synchronised model
+
+    def report(self, trainer: Trainer, params: Any, opt_state: Any) -> dict[str, Any]:
+        return {"divergence": _divergence(params)}
+
+    def step_extras(self, trainer: Trainer, report: dict[str, Any]) -> dict[str, Any]:
+        sent = int(trainer.last_traffic.sent.max())
+        self._bytes["peak"] = max(self._bytes["peak"], sent)
+        self._bytes["total"] += sent
+        h = (trainer.step - 1) % self.sync["period"]
+        return {"divergence": float(report["divergence"]), "sync_fragment": self._steps[h][0]}
+
+    def eval_params(self, trainer: Trainer, params: Any) -> Any:
+        """``theta_sync`` in the parameters' dtypes and placement."""
+
+        def anchor(opt_state: Any) -> Any:
+            found = [
+                s
+                for s in jax.tree_util.tree_leaves(
+                    opt_state, is_leaf=lambda x: isinstance(x, DiLoCoState)
+                )
+                if isinstance(s, DiLoCoState)
+            ]
+            return found[0].anchor
+
+        def place(a: Any, p: Any) -> Any:
+            return jax.device_put(a.astype(p.dtype), p.sharding)
+
+        opt = trainer.opt_state
+        if trainer.cfg.stages == 1:
+            return jax.tree_util.tree_map(place, anchor(opt), params)
+        from train.pipeline_programs import OWNED
+
+        out = {}
+        for name in params:
+            a = anchor(opt[name])
+            if name in OWNED:  # [D, 1, ...] on the owner stage's devices
+                cast = jax.tree_util.tree_map(lambda x, p: x.astype(p.dtype), a, params[name])
+                out[name] = trainer.layout.owned.merged(params[name], cast)
+            else:
+                out[name] = jax.tree_util.tree_map(place, a, params[name])
+        return out
+
+    def summary_extras(self) -> dict[str, Any]:
+        return {
+            "schedule": str(self.schedule),
+            "peak_sent_bytes_per_step": self._bytes["peak"],
+            "total_sent_bytes": self._bytes["total"],
+        }
