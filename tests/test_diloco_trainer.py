@@ -106,6 +106,10 @@ def test_the_link_clock_blocks_without_overlap_and_hides_the_transfer_with_it(tm
     assert comm > 2 * rows[4]["sim_compute_s"]  # this network: the transfer is not all hidden
     assert rows[5]["sim_step_s"] > rows[4]["sim_step_s"]  # the merge waited
     assert hide.clock.now < block.clock.now
+    # Replayed from the rows on the run's own network: the logged clock (the experiments
+    # replay other networks this way).
+    replayed = hide.sync.replay(rows, hide.schedule.at(0))
+    np.testing.assert_allclose(replayed, [r["sim_step_s"] for r in rows], rtol=1e-9)
 
 
 def test_resume_is_bit_exact_with_fragments_overlap_and_compression(tmp_path):

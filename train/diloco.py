@@ -44,13 +44,15 @@ import optax
 
 import jaxcomm
 from jaxcomm.diloco import DILOCO_SCOPE, DiLoCoState
+from jaxcomm.network import Network
 from models import layer_groups
+from train.clock import wire_time
 from train.config import Config
 from train.localsgd import _divergence
 from train.sync import Sync
 from train.trainer import AXIS, Trainer, make_optimizer
 
-__all__ = ["DiLoCo"]
+__all__ = ["DiLoCo", "link_step"]
 
 # Each codec's defaults (the papers' settings); a mapping in ``compress`` overrides them.
 COMPRESS_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -60,6 +62,34 @@ COMPRESS_DEFAULTS: dict[str, dict[str, Any]] = {
     "sparseloco": {"chunk": 4096, "k": 64, "bits": 2, "decay": 0.95},
     "ar_topk": {"ratio": 0.01},
 }
+
+
+def link_step(
+    wire: dict[str, Any],
+    compute: float,
+    comm: float,
+    kind: tuple[int, tuple[int, ...]],
+    step: int,
+    overlap: int,
+) -> float:
+    """Advance the link clock ``wire`` (``t``: now, ``free``: when the link frees,
+    ``arrive``: when each fragment's transfer lands) by 0-based step ``step`` of ``kind``
+    (:func:`jaxcomm.diloco_steps`: fragment synchronised, fragments merged) and return its
+    seconds: the step computes; a synchronisation's transfer starts when that compute
+    ends and the link is free and takes ``comm``; a merge (once ``step >= overlap``) waits
+    for its fragment's transfer."""
+    sync, merges = kind
+    start = wire["t"]
+    end = start + compute
+    if sync >= 0:
+        send = max(end, wire["free"])
+        wire["free"] = send + comm
+        wire["arrive"][str(sync)] = wire["free"]
+    if step >= overlap:
+        for p in merges:
+            end = max(end, wire["arrive"].get(str(p), end))
+    wire["t"] = end
+    return end - start
 
 
 class DiLoCo(Sync):
@@ -198,19 +228,21 @@ class DiLoCo(Sync):
             overlap=False,
             branches=branches,
         )
-        sync, merges = self._steps[h]
-        w = self._wire
-        start = w["t"]
-        end = start + compute
-        if sync >= 0:
-            send = max(end, w["free"])
-            w["free"] = send + comm
-            w["arrive"][str(sync)] = w["free"]
-        if step >= self.sync["overlap"]:
-            for p in merges:
-                end = max(end, w["arrive"].get(str(p), end))
-        w["t"] = end
-        return end - start, compute, comm
+        seconds = link_step(self._wire, compute, comm, self._steps[h], step, self.sync["overlap"])
+        return seconds, compute, comm
+
+    def replay(self, rows: list[dict[str, Any]], network: Network) -> np.ndarray:
+        """Seconds of every step of a finished data-parallel run (its metrics rows, from
+        step 1) on another ``network``: the same link model, each row's compute and its
+        logged collectives' alpha-beta time there."""
+        wire: dict[str, Any] = {"t": 0.0, "free": 0.0, "arrive": {}}
+        out = []
+        for r in rows:
+            step = r["step"] - 1
+            kind = self._steps[step % self.sync["period"]]
+            comm = wire_time(r["wire"], network)
+            out.append(link_step(wire, r["sim_compute_s"], comm, kind, step, self.sync["overlap"]))
+        return np.asarray(out)
 
     # ------------------------------------------------------------------ state
 

@@ -10,7 +10,9 @@ timeline (:func:`jaxcomm.gpipe_timeline`): per microbatch, each stage's forward 
 compute (its program's tick ops on the roofline) and each boundary message, with the
 bubbles, then the data-parallel collectives; exactly ``compute + comm`` without overlap.
 For AQ-SGD the steady state (every sample seen, deltas cross) and the first epoch (float32)
-are reported apart.
+are reported apart. For DiLoCo each kind of step (inner, synchronising, merging) is
+estimated apart and laid on DiLoCo's link clock over a period, giving the compute
+utilisation and the peak and per-period bytes.
 
     python -m train.estimate --config configs/aqsgd_gpt2xl.yaml --set compute=v100 \\
         --set network=1ms,10Gbps [--json out.json]
@@ -89,6 +91,59 @@ def _mode(
     }
 
 
+def _diloco(
+    trainer: Any, network: Any, overlap: bool, batch: int, branches: Any = None
+) -> dict[str, Any]:
+    """A DiLoCo run's figures: each kind of step (inner only, synchronising a fragment,
+    merging one) estimated apart, then laid on DiLoCo's link clock
+    (:func:`train.diloco.link_step`) for three periods; the last period is the steady
+    state. Top-level figures are its per-step means (``sent_bytes_per_device``: the
+    busiest step's), ``diloco`` the details: compute utilisation (compute over wall time),
+    peak and per-period bytes."""
+    import numpy as np
+
+    from jaxcomm.diloco import DILOCO_SCOPE
+    from train.diloco import link_step
+
+    sync = trainer.sync
+    period, tau = sync.sync["period"], sync.sync["overlap"]
+    kinds = list(dict.fromkeys(sync._steps))
+    per_kind = {}
+    for b, kind in enumerate(kinds):
+        mine = dict(branches or {})
+        if len(kinds) > 1:
+            mine[DILOCO_SCOPE] = b
+        per_kind[kind] = _mode(trainer, None, network, overlap, batch, mine)
+    wire: dict[str, Any] = {"t": 0.0, "free": 0.0, "arrive": {}}
+    seconds, compute = [], []
+    for step in range(3 * period):
+        kind = sync._steps[step % period]
+        m = per_kind[kind]
+        seconds.append(link_step(wire, m["compute_s"], m["comm_s"], kind, step, tau))
+        compute.append(m["compute_s"])
+    last = slice(2 * period, 3 * period)
+    sent = [per_kind[k]["sent_bytes_per_device"] for k in sync._steps]
+    round_s = float(sum(seconds[last]))
+    busiest = max(per_kind.values(), key=lambda m: m["sent_bytes_per_device"])
+    return {
+        **busiest,
+        "step_s": round_s / period,
+        "compute_s": float(np.mean(compute[last])),
+        "comm_s": float(np.mean([per_kind[k]["comm_s"] for k in sync._steps])),
+        "samples_per_s": batch * period / round_s,
+        "diloco": {
+            "period": period,
+            "overlap": tau,
+            "round_s": round_s,
+            "compute_utilisation": float(sum(compute[last]) / round_s),
+            "peak_sent_bytes_per_device": int(max(sent)),
+            "sent_bytes_per_period": int(sum(sent)),
+            "sync_comm_s": float(max(per_kind[k]["comm_s"] for k in kinds)),
+            "inner_step_s": float(min(per_kind[k]["compute_s"] for k in kinds)),
+        },
+    }
+
+
 def estimate(cfg: Any, branches: dict[str, int] | None = None) -> dict[str, Any]:
     """Estimate one step of ``cfg`` (a :class:`train.config.Config` whose ``compute`` names
     a device). Returns the figures of the steady state at the top level and, for AQ-SGD,
@@ -133,8 +188,11 @@ def estimates(
             "overlap": overlap,
             "devices": int(trainer.mesh.devices.size),
             "global_batch": cfg.global_batch,
-            **_mode(trainer, steady, network, overlap, cfg.global_batch, branches),
         }
+        if cfg.sync_settings().get("method") == "diloco" and cfg.stages == 1:
+            out.update(_diloco(trainer, network, overlap, cfg.global_batch, branches))
+        else:
+            out.update(_mode(trainer, steady, network, overlap, cfg.global_batch, branches))
         if branches:
             out["branches"] = dict(branches)
         if aqsgd:
@@ -147,8 +205,9 @@ def estimates(
 def _format(est: dict[str, Any]) -> str:
     lines = ["", "== estimate =="]
     flat = {k: v for k, v in est.items() if not isinstance(v, dict)}
-    for k, v in est.get("first_epoch", {}).items():
-        flat[f"first_epoch.{k}"] = v
+    for part in ("first_epoch", "diloco"):
+        for k, v in est.get(part, {}).items():
+            flat[f"{part}.{k}"] = v
     width = max(len(k) for k in flat)
     for key, value in flat.items():
         if isinstance(value, float):
