@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     nets = {k: Network.parse(v) for k, v in NETWORKS.items()}
     runs: dict[str, list[dict]] = {}
-    jobs = [(m, s) for m in args.methods for s in seeds]
+    jobs = [(m, s) for s in seeds for m in args.methods]  # seed-major: whole seeds first
     for method, seed in tqdm(jobs, desc="runs"):
         slug = method.lower().replace(" ", "_").replace("=", "").replace("+", "").replace("__", "_")
         cfg = config(slug, out, steps, seed, **METHODS[method])
@@ -160,18 +160,19 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         shutil.rmtree(cfg.run_dir / "checkpoints", ignore_errors=True)
-    record = {
-        "meta": run_meta(argv, t0),
-        "steps": steps,
-        "tokens": steps * 64 * 64,
-        "seeds": seeds,
-        "networks": NETWORKS,
-        "methods": {m: METHODS[m] for m in runs},
-        "runs": runs,
-    }
-    (out / "experiments.json").write_text(json.dumps(record, indent=2))
-    plot(record, out / "loss_vs_time.png")
-    (out / "experiments.md").write_text(render(record))
+        # Written after every run: an interrupted sweep keeps the seeds it finished.
+        record = {
+            "meta": run_meta(argv, t0),
+            "steps": steps,
+            "tokens": steps * 64 * 64,
+            "seeds": sorted({r["seed"] for rs in runs.values() for r in rs}),
+            "networks": NETWORKS,
+            "methods": {m: METHODS[m] for m in runs},
+            "runs": runs,
+        }
+        (out / "experiments.json").write_text(json.dumps(record, indent=2))
+        plot(record, out / "loss_vs_time.png")
+        (out / "experiments.md").write_text(render(record))
     print(render(record))
     return 0
 

@@ -214,35 +214,73 @@ class _Branches:
         table[np.arange(self.num_devices), choice] = total
         return table
 
+    def _parents(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        """Each conditional's enclosing ``(conditional, branch)`` path, outermost first, read
+        from the paths of what runs inside it."""
+        out: dict[str, tuple[tuple[str, int], ...]] = {}
+        for thing in (*getattr(self, "ops", ()), *getattr(self, "items", ())):
+            path = tuple(thing.branches)
+            for i, (c, _) in enumerate(path):
+                out.setdefault(c, path[:i])
+        return out
+
     def _resolve(
         self, branches: Mapping[str, Any] | None, fallback: Mapping[str, int] | None = None
     ) -> dict[str, np.ndarray]:
-        branches = dict(branches or {})
+        """Branch tables of every conditional. A key names the conditional whose op name
+        holds it; among several, the outermost (a scope's conditional and those nested in
+        its branches share the scope), then those inside branches that run. A conditional
+        inside a branch that runs on no device needs no branch."""
+        pending = dict(branches or {})
+        ops, parents = self.conditionals, self._parents()
         out: dict[str, np.ndarray] = {}
-        for key, value in branches.items():
-            if key in self.conditionals:
-                names = [key]
-            else:
-                names = [c for c, op in self.conditionals.items() if key in op]
-                # A scope's conditional and the conditionals nested in its branches all
-                # carry the scope in their op names: the key names the outermost one.
-                ops = self.conditionals
-                names = [
-                    c
-                    for c in names
-                    if not any(o != c and ops[c].startswith(ops[o] + "/") for o in names)
-                ]
-            if len(names) != 1:
-                raise ValueError(
-                    f"branches key {key!r} must name exactly one of the program's "
-                    f"conditionals listed below (by HLO name or a part of its op name); it "
-                    f"matches {len(names)}. Conditionals: {self.conditionals}"
-                )
-            out[names[0]] = self._executions(names[0], value)
+
+        def runs(c: str) -> bool:
+            return all(
+                o not in out or (b < out[o].shape[1] and bool(out[o][:, b].any()))
+                for o, b in parents.get(c, ())
+            )
+
+        def candidates(key: str) -> list[str]:
+            if key in ops:
+                return [key]
+            names = [c for c, op in ops.items() if key in op]
+            return [
+                c
+                for c in names
+                if not any(o != c and ops[c].startswith(ops[o] + "/") for o in names)
+            ]
+
+        progress = True
+        while pending and progress:
+            progress = False
+            for key, value in list(pending.items()):
+                names = candidates(key)
+                live = [c for c in names if runs(c)]
+                if len(names) > 1 and len(live) == 1:
+                    names = live
+                if len(names) == 1:
+                    out[names[0]] = self._executions(names[0], value)
+                elif names and not live:
+                    pass  # only inside branches that do not run: nothing to resolve
+                else:
+                    continue
+                del pending[key]
+                progress = True
+        for key in pending:
+            names = [c for c in candidates(key) if runs(c)]
+            raise ValueError(
+                f"branches key {key!r} must name exactly one of the program's "
+                f"conditionals listed below (by HLO name or a part of its op name); it "
+                f"matches {len(names)}. Conditionals: {self.conditionals}"
+            )
         for c, branch in (fallback or {}).items():
             if c not in out:
                 out[c] = self._executions(c, branch)
-        missing = {c: op for c, op in self.conditionals.items() if c not in out}
+        for c in ops:
+            if c not in out and not runs(c):
+                out[c] = np.zeros((self.num_devices, self.conditional_branches.get(c, 1)), np.int64)
+        missing = {c: op for c, op in ops.items() if c not in out}
         if missing:
             raise ValueError(
                 "the program holds collectives inside conditionals, whose branch the program "

@@ -619,7 +619,10 @@ def chunk_topk_encode(
       k: entries kept per chunk, ``1 <= k <= chunk``.
       bits: quantize the kept values to ``bits`` bits (1..8) with nearest rounding on each
         chunk's max-abs grid (one float32 scale per chunk), or None for float32 values.
-        Nearest rounding is biased: pair it with error feedback.
+        Nearest rounding is biased: pair it with error feedback. An even number of levels
+        has no zero: a chunk with fewer than ``k`` non-zero entries sends zeros as the
+        smallest level of either sign (``+-s/3`` at 2 bits), which error feedback takes
+        back at the next call.
       method: the selection inside each chunk, as :func:`topk_indices` (``"exact"``:
         ``lax.top_k``, ties to the lower index).
 

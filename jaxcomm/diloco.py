@@ -33,9 +33,13 @@ Streaming DiLoCo (Douillard et al., arXiv 2501.18512) adds:
   Deviation: Streaming DiLoCo sends a 4-bit *float* format; jaxcomm's 4-bit codes are
   uniform on each bucket's max-abs grid, error-fed.
 
-**State and dtypes.** ``theta_sync`` is kept in float32 whatever the parameters' dtype (a
-master copy, as INTELLECT-1 keeps its outer parameters); the outer optimizer runs on it
-in float32 and the workers' parameters receive it in their own dtype. Steps that
+**State and dtypes.** ``theta_sync`` starts as each worker's initial parameters: start
+every worker from the same ones (as DiLoCo does; workers started apart keep different
+``theta_sync`` forever, since each applies the same mean step to its own). It is kept in
+float32 whatever the parameters' dtype (a master copy, as INTELLECT-1 keeps its outer
+parameters); the outer optimizer runs on it in float32 and the workers receive it in their
+own dtype, as an update added to their parameters (with ``bfloat16`` parameters the sum
+is rounded once more, and the next pseudo-gradient sees that rounding). Steps that
 synchronise nothing return the inner optimizer's updates unchanged.
 
 Usage, inside ``jax.shard_map`` with per-worker parameters (they differ between
@@ -277,7 +281,7 @@ def diloco(
     """
     period = check_int("period", period, lo=1)
     for name, tx in (("inner", inner), ("outer", outer), ("aggregate", aggregate)):
-        if tx is not None and not _is_transform(tx):
+        if (tx is not None or name == "inner") and not _is_transform(tx):
             raise TypeError(
                 f"{name} must be an optax.GradientTransformation (with init and update), "
                 f"got {tx!r} of type {type(tx).__name__}"
@@ -298,6 +302,11 @@ def diloco(
         raise ValueError(
             f"schedule has {len(as_schedule(schedule).groups)} steps, but period={period}; "
             "its groups must cover one period"
+        )
+    if layers is None and fragments > 1:
+        raise ValueError(
+            f"fragments={fragments} splits the model by layers: pass layers= (the top-level "
+            "parameter keys, input to output)"
         )
     outer = outer if outer is not None else optax.sgd(0.7, momentum=0.9, nesterov=True)
     agg = aggregate if aggregate is not None else dense_allreduce(axis_name, reduce=reduce)

@@ -436,6 +436,11 @@ def chunk_topk(
     ``N`` payloads and the updates are ``mean_w(c_w)``, summed in rank order (bit-identical
     on every worker).
 
+    Chunks run over the whole fused vector (the leaves of the pytree one after another), so
+    a chunk may span the end of one tensor and the start of the next under one scale;
+    SparseLoCo chunks each tensor apart. A chunk with fewer than ``k`` non-zero entries
+    sends some zeros as the smallest 2-bit level (see :func:`jaxcomm.chunk_topk_encode`).
+
     SparseLoCo (arXiv 2508.15706) uses it on DiLoCo's pseudo-gradients in place of the
     outer momentum, with ``chunk=4096, k=64, bits=2, decay=0.95`` and an outer SGD step of
     1.0: ``jaxcomm.diloco(inner, axis, period=30, outer=optax.sgd(1.0),

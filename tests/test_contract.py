@@ -76,8 +76,9 @@ def _diloco(period, schedule=None, overlap=0, root=False):
         if period > 1:  # period 1 has one kind of step: no conditional
             branch = jaxcomm.diloco_branch(period, step, schedule=schedule, overlap=overlap)
             out[jaxcomm.DILOCO_SCOPE] = branch
-        if root:  # AR-Topk inside: the root its (only) fragment's state logged
-            out.update(_root(step, state.reduce[0]))
+        if root:  # AR-Topk inside: the root the synchronised fragment's state logged
+            synced = jaxcomm.diloco_steps(period, schedule=schedule, overlap=overlap)
+            out.update(_root(step, state.reduce[synced[step % period][0]]))
         return out
 
     return branches
@@ -162,13 +163,21 @@ CASES = {
         branches=_diloco(1),
         local=True,
     ),
-    # AR-Topk's shared root indices on the pseudo-gradient (a ring all-reduce of values).
+    # AR-Topk's shared root indices on the pseudo-gradient (a ring all-reduce of values),
+    # two fragments ("b" at step 0, "w" at step 1): each branch of DiLoCo's switch holds its
+    # own AR-Topk root switch, resolved by the one that runs.
     "diloco_ar_topk": Case(
         lambda ax: jaxcomm.diloco(
-            optax.sgd(0.1), ax, period=1, aggregate=jaxcomm.ar_topk(ax, ratio=0.1)
+            optax.sgd(0.1),
+            ax,
+            period=2,
+            layers=["b", "w"],
+            fragments=2,
+            aggregate=jaxcomm.ar_topk(ax, ratio=0.2),  # "b" has 5 entries: k >= 1
         ),
-        branches=_diloco(1, root=True),
+        branches=_diloco(2, jaxcomm.streaming_schedule(2, 2, 2), root=True),
         local=True,
+        spreads=lambda step: step % 2 == 1,
     ),
 }
 

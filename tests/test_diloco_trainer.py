@@ -186,8 +186,22 @@ def test_a_pipeline_runs_diloco_across_its_replicas(tmp_path):
         )
         if isinstance(s, DiLoCoState)
     ][0].anchor
-    for a, e in zip(_host(blocks), _host(trainer.eval_params()["blocks"]), strict=True):
+    evald = trainer.eval_params()
+    for a, e in zip(_host(blocks), _host(evald["blocks"]), strict=True):
         np.testing.assert_array_equal(a.astype(e.dtype), e)
+    # The embedding and head: theta_sync on their owner stages (0 and the last).
+    for name, stage in (("embed", 0), ("head", -1)):
+        (state,) = [
+            s
+            for s in jax.tree_util.tree_leaves(
+                trainer.opt_state[name], is_leaf=lambda x: isinstance(x, DiLoCoState)
+            )
+            if isinstance(s, DiLoCoState)
+        ]
+        for a, e in zip(_host(state.anchor), _host(evald[name]), strict=True):
+            np.testing.assert_array_equal(a[:, 0].astype(e.dtype), e[:, stage])
+    # Fragments in input-to-output order: embed, then the blocks, then the head.
+    assert "h0: 0 | h1: 1 | h2: 2" in summary["schedule"]
 
 
 def test_bad_diloco_settings_are_refused(tmp_path):
@@ -199,10 +213,35 @@ def test_bad_diloco_settings_are_refused(tmp_path):
         ({"period": 3, "fused": True}, "sync.fused is local SGD's"),
         ({"period": 3, "outerlr": 1}, r"unknown keys \['outerlr'\]"),
         ({"period": 0}, "sync.period must be a positive integer"),
+        ({"period": 3, "outer_lr": float("inf")}, "sync.outer_lr must be a finite number"),
+        ({"period": 3, "fill_bubbles": True}, "sync.fill_bubbles is DreamDDP's"),
+        ({"period": 3, "compress": {"method": "int8", "bits": 4}}, r"'int8' sets \['bits'\]"),
+        ({"period": 3, "compress": {"method": "none", "k": 4}}, r"'none' sets \['k'\]"),
+        ({"period": 3, "compress": "int4", "reduce": "tree"}, "sync.reduce applies to"),
     ]:
         with pytest.raises(ValueError, match=match):
             _cfg(tmp_path, sync).sync_settings()
+    with pytest.raises(ValueError, match="stragglers=.* with sync.method=diloco"):
+        _cfg(tmp_path, {"period": 3}, stragglers={"seed": 1, "compute_sigma": 0.3})
     with pytest.raises(ValueError, match="sync.fragments=9 exceeds the model's"):
         Trainer(_cfg(tmp_path, {"period": 9, "fragments": 9}))
     with pytest.raises(ValueError, match="k must be an integer"):
         Trainer(_cfg(tmp_path, {"period": 2, "compress": {"method": "sparseloco", "k": 0}}))
+
+
+def test_the_estimate_lays_a_period_on_the_link_clock_and_matches_a_run(tmp_path):
+    """``train.estimate`` of a DiLoCo config (compiled from shapes, bytes from the audit)
+    against a run of one period (bytes from the logs, time from the trainer's clock): the
+    same bytes at the synchronising step, the same period time, the same utilisation."""
+    from train.estimate import estimate
+
+    cfg = _cfg(tmp_path, {"period": 4}, steps=4, checkpoint_every=0)
+    d = estimate(cfg)["diloco"]
+    assert d["period"] == 4 and d["sent_bytes_per_period"] == d["peak_sent_bytes_per_device"]
+    Trainer(cfg).run()
+    rows = _rows(cfg)
+    assert [r["sent_bytes"] for r in rows] == [0, 0, 0, d["peak_sent_bytes_per_device"]]
+    assert sum(r["sim_step_s"] for r in rows) == pytest.approx(d["round_s"], rel=1e-6)
+    util = sum(r["sim_compute_s"] for r in rows) / sum(r["sim_step_s"] for r in rows)
+    assert d["compute_utilisation"] == pytest.approx(util, rel=1e-6)
+    assert rows[3]["comm_s"] == pytest.approx(d["sync_comm_s"], rel=1e-9)

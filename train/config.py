@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -290,7 +291,7 @@ class Config:
         _choice("sync.method", out["method"], SYNC_METHODS)
         _positive("sync.period", out["period"])
         if out["method"] == "diloco":
-            out = _diloco_settings(out)
+            out = _diloco_settings(out, self.sync)
         _choice("sync.reduce", out["reduce"], DENSE_AGGREGATORS)
         for key in ("fill_bubbles", "fused"):
             if not isinstance(out[key], bool):
@@ -300,11 +301,24 @@ class Config:
                 f"sync.fused averages the whole model as one message, which only "
                 f"method='local_sgd' does; got method={out['method']!r}"
             )
+        if self.overlap and self.stages == 1 and out["method"] == "diloco":
+            raise ValueError(
+                "overlap=true with sync.method=diloco and stages=1: DiLoCo's clock hides a "
+                "transfer behind sync.overlap inner steps (its own key); set overlap=false "
+                "and sync.overlap to the inner steps a transfer may take"
+            )
         if self.overlap and self.stages == 1:
             raise ValueError(
                 "overlap=true with sync and stages=1: data-parallel local SGD follows "
                 "DreamDDP's iteration timeline, whose averaging overlaps the backward pass by "
                 "construction; set overlap=false"
+            )
+        if out["method"] == "diloco" and self.stragglers:
+            raise ValueError(
+                f"stragglers={self.stragglers!r} with sync.method=diloco: DiLoCo's clock does "
+                "not model each worker's own pace between synchronisations (it would make "
+                "every inner step wait for the slowest worker); use stragglers with "
+                "local_sgd or dreamddp"
             )
         if self.stages != 1 and self.stragglers:
             raise ValueError(
@@ -481,10 +495,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return apply_overrides(cfg, list(overrides or []))
 
 
-def _diloco_settings(out: dict[str, Any]) -> dict[str, Any]:
+def _diloco_settings(out: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     """``sync`` of ``method: diloco`` with its defaults (the DiLoCo paper's outer step:
     Nesterov SGD, lr 0.7, momentum 0.9; one fragment; no overlap; dense pseudo-gradients),
-    checked."""
+    checked; ``given`` is what the config set."""
     out = {
         "outer_lr": 0.7,
         "outer_momentum": 0.9,
@@ -497,10 +511,12 @@ def _diloco_settings(out: dict[str, Any]) -> dict[str, Any]:
     }
     if out["fused"]:
         raise ValueError("sync.fused is local SGD's; DiLoCo sends each fragment as one message")
+    if "fill_bubbles" in given:
+        raise ValueError("sync.fill_bubbles is DreamDDP's; DiLoCo's fragments are not filled")
     for key in ("outer_lr", "outer_momentum"):
         v = out[key]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-            raise ValueError(f"sync.{key} must be a number >= 0, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+            raise ValueError(f"sync.{key} must be a finite number >= 0, got {v!r}")
     if out["outer_lr"] == 0:
         raise ValueError("sync.outer_lr must be > 0 (0 would never move the model), got 0")
     if out["outer_momentum"] >= 1:
@@ -521,4 +537,17 @@ def _diloco_settings(out: dict[str, Any]) -> dict[str, Any]:
     if isinstance(comp, dict) and "method" not in comp:
         raise ValueError(f"sync.compress={comp!r} needs method: one of {list(DILOCO_COMPRESS)}")
     _choice("sync.compress", method, DILOCO_COMPRESS)
+    if isinstance(comp, dict):
+        fixed = {"none": set(comp) - {"method"}, "int8": {"bits"} & set(comp)}
+        fixed["int4"] = fixed["int8"]
+        if fixed.get(method):
+            raise ValueError(
+                f"sync.compress={comp!r}: {method!r} sets {sorted(fixed[method])} itself "
+                "(int8 and int4 name their bits; none takes no arguments)"
+            )
+    if method != "none" and "reduce" in given:
+        raise ValueError(
+            f"sync.reduce applies to compress='none' (the float32 all-reduce); "
+            f"compress={method!r} has its own collective"
+        )
     return out

@@ -31,7 +31,9 @@ synchronising step (no overlap credit).
 Evaluation, the exported ``params.msgpack`` and the summary use ``theta_sync`` (the
 synchronised model of the outer optimizer); each metrics row records the workers'
 divergence and the fragment synchronised (-1: none), the summary the peak and total bytes
-a worker sent in a step and over the run.
+a worker sent in a step and over the run (on a pipeline, with its boundary messages). A
+non-finite ``theta_sync`` stops the run at the synchronisation that made it, not at the
+merge ``overlap`` steps later.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -62,6 +65,18 @@ COMPRESS_DEFAULTS: dict[str, dict[str, Any]] = {
     "sparseloco": {"chunk": 4096, "k": 64, "bits": 2, "decay": 0.95},
     "ar_topk": {"ratio": 0.01},
 }
+
+
+def _states(opt_state: Any) -> list[DiLoCoState]:
+    """The :class:`jaxcomm.DiLoCoState` s in an optimizer state (one per parameter group)."""
+    leaves = jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, DiLoCoState))
+    return [s for s in leaves if isinstance(s, DiLoCoState)]
+
+
+@jax.jit
+def _finite(tree: Any) -> jax.Array:
+    """``bool[]``: every leaf finite (not a max reduction, which may drop a NaN on CPU)."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in jax.tree_util.tree_leaves(tree)]))
 
 
 def link_step(
@@ -102,7 +117,6 @@ class DiLoCo(Sync):
         self.sync = cfg.sync_settings()
         self.schedule: jaxcomm.Schedule | None = None
         self._steps: list[tuple[int, tuple[int, ...]]] = []
-        self._branch_s: dict[int, float] = {}
         # The clock's link: when it frees, when each fragment's transfer arrives; and the
         # bytes a worker sent, peak (one step) and total.
         self._wire: dict[str, Any] = {"t": 0.0, "free": 0.0, "arrive": {}}
@@ -132,7 +146,7 @@ class DiLoCo(Sync):
             if method == "sparseloco":
                 return jaxcomm.chunk_topk(AXIS, **args)
             return jaxcomm.ar_topk(AXIS, **args)
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
             raise ValueError(f"sync.compress={self.sync['compress']!r}: {e}") from e
 
     def _outer(self) -> optax.GradientTransformation:
@@ -186,7 +200,8 @@ class DiLoCo(Sync):
         """A pipeline's transforms: one wrapper per parameter group (``embed``, ``blocks``,
         ``head``), each synchronising its whole group over the ``data`` axis at the step
         the schedule gives it (fragments are the groups)."""
-        names = list(units)
+        order = {"embed": 0, "blocks": 1, "head": 2}  # input to output
+        names = sorted(units, key=lambda name: order.get(name, 1))
         if self.sync["fragments"] > len(names):
             raise ValueError(
                 f"sync.fragments={self.sync['fragments']} with stages={stages}: a pipeline's "
@@ -259,9 +274,17 @@ class DiLoCo(Sync):
     # ------------------------------------------------------------------ the synchronised model
 
     def report(self, trainer: Trainer, params: Any, opt_state: Any) -> dict[str, Any]:
-        return {"divergence": _divergence(params)}
+        # One flag per parameter group (a pipeline's live on different devices).
+        finite = [_finite(s.anchor) for s in _states(opt_state)]
+        return {"divergence": _divergence(params), "anchor_finite": finite}
 
     def step_extras(self, trainer: Trainer, report: dict[str, Any]) -> dict[str, Any]:
+        if not bool(np.all(report["anchor_finite"])):
+            # Caught at the synchronisation, not overlap steps later at the merge.
+            raise FloatingPointError(
+                f"step {trainer.step}: theta_sync became non-finite (a worker's "
+                f"pseudo-gradient held NaN or Inf); {trainer._checkpoint_note()}"
+            )
         sent = int(trainer.last_traffic.sent.max())
         self._bytes["peak"] = max(self._bytes["peak"], sent)
         self._bytes["total"] += sent
@@ -272,14 +295,7 @@ class DiLoCo(Sync):
         """``theta_sync`` in the parameters' dtypes and placement."""
 
         def anchor(opt_state: Any) -> Any:
-            found = [
-                s
-                for s in jax.tree_util.tree_leaves(
-                    opt_state, is_leaf=lambda x: isinstance(x, DiLoCoState)
-                )
-                if isinstance(s, DiLoCoState)
-            ]
-            return found[0].anchor
+            return _states(opt_state)[0].anchor
 
         def place(a: Any, p: Any) -> Any:
             return jax.device_put(a.astype(p.dtype), p.sharding)

@@ -109,8 +109,14 @@ def _diloco(
     period, tau = sync.sync["period"], sync.sync["overlap"]
     kinds = list(dict.fromkeys(sync._steps))
     per_kind = {}
+    from jaxcomm.sparse import ROOT_SCOPE
+
     for b, kind in enumerate(kinds):
         mine = dict(branches or {})
+        # AR-Topk's root inside a synchronising step: every root sends the same busiest
+        # device's bytes; the first is taken unless given.
+        if sync._codec()[0] == "ar_topk":
+            mine.setdefault(ROOT_SCOPE, 0)
         if len(kinds) > 1:
             mine[DILOCO_SCOPE] = b
         per_kind[kind] = _mode(trainer, None, network, overlap, batch, mine)
@@ -189,7 +195,13 @@ def estimates(
             "devices": int(trainer.mesh.devices.size),
             "global_batch": cfg.global_batch,
         }
-        if cfg.sync_settings().get("method") == "diloco" and cfg.stages == 1:
+        if cfg.sync_settings().get("method") == "diloco" and cfg.stages > 1:
+            raise ValueError(
+                "train.estimate of sync.method=diloco on a pipeline (stages > 1) is not "
+                "modelled: each parameter group synchronises on its own steps inside GPipe's "
+                "timeline; estimate the data-parallel shape (stages=1), or run it"
+            )
+        if cfg.sync_settings().get("method") == "diloco":
             out.update(_diloco(trainer, network, overlap, cfg.global_batch, branches))
         else:
             out.update(_mode(trainer, steady, network, overlap, cfg.global_batch, branches))

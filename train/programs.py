@@ -104,9 +104,16 @@ def ready_at(tree: Any) -> float:
 def state_report(opt_state: Any) -> dict[str, Any]:
     """What the host reads of a step's optimizer state: its traffic logs and a top-k
     aggregator's gain and root (the first one's)."""
+    from jaxcomm.diloco import DiLoCoState
+
+    def stop(x: Any) -> bool:
+        return isinstance(x, (TopkState, DiLoCoState))
+
+    # A top-k aggregator inside DiLoCo runs only at its fragment's synchronisations: its
+    # gain and root would be stale on the other steps, so they are not reported.
     topk = [
         (s.gain, s.root)
-        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, TopkState))
+        for s in jax.tree.leaves(opt_state, is_leaf=stop)
         if isinstance(s, TopkState)
     ]
     return {"logs": find_logs(opt_state), "topk": topk[:1]}
