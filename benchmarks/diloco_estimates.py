@@ -1,7 +1,7 @@
 """DiLoCo at paper scale, by estimate: compute utilisation and bandwidth of an
 INTELLECT-1-like run (``configs/diloco_intellect1.yaml``) beside data parallelism.
 
-Each setting's step is compiled from shapes and costed by ``train.estimate`` (H100 bf16
+Each setting's step is compiled from shapes and costed by ``train.estimate`` (H100 tf32
 roofline, the alpha-beta network): every kind of step apart, then DiLoCo's link clock over
 a period (an overlapped fragment's transfer hides behind the next inner steps). Settings:
 
@@ -77,7 +77,7 @@ def render(record: dict) -> str:
         "",
         "9.5B-parameter GPT (42 layers, width 4096, sequence 8192), 14 nodes of 8 H100s (one "
         "simulated device per GPU: 16 sequences each; its 1/8 of the pseudo-gradient on 1/8 "
-        "of the node's link), H100 bf16 roofline; intra-node traffic not modelled. "
+        "of the node's link), H100 tf32 roofline (the models compute in float32); intra-node traffic not modelled. "
         "Utilisation: inner compute over wall time, steady state of a period.",
         "",
         "| setting | network | step (s, mean) | compute utilisation | peak bytes / step "
