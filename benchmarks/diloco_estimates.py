@@ -76,7 +76,7 @@ def render(record: dict) -> str:
         f"{meta.get('wall_s', 0) / 60:.0f} min).",
         "",
         "9.5B-parameter GPT (42 layers, width 4096, sequence 8192), 14 nodes of 8 H100s (one "
-        "simulated device per GPU: 16 sequences each; its 1/8 of the pseudo-gradient on 1/8 "
+        "simulated device per GPU: 8 sequences each; its 1/8 of the pseudo-gradient on 1/8 "
         "of the node's link), H100 tf32 roofline (the models compute in float32); intra-node "
         "traffic not modelled. Utilisation: inner compute over wall time, steady state of "
         "a period.",
