@@ -11,26 +11,12 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+# The local SGD tests' per-worker quadratics (the gradient depends on the parameters, so a
+# wrong merge or outer step changes the trajectory).
+from test_localsgd import LAYERS, SHAPES, N, _loss, _problem  # noqa: E402
+
 import jaxcomm
 from jaxcomm.network import as_bytes, find_logs, merge_logs
-
-N = 8
-SHAPES = {"emb": (6, 4), "mid": (4, 4), "out": (4, 3)}
-LAYERS = ["emb", "mid", "out"]  # layer 0, 1, 2
-
-
-def _problem(seed=0):
-    """Per-worker quadratics ``0.5 ||a_w * p - y_w||^2`` (the gradient depends on the
-    parameters, so a wrong merge or outer step changes the trajectory)."""
-    rng = np.random.default_rng(seed)
-    a = {k: rng.normal(size=(N, *s)).astype(np.float32) for k, s in SHAPES.items()}
-    y = {k: rng.normal(size=(N, *s)).astype(np.float32) for k, s in SHAPES.items()}
-    p0 = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
-    return a, y, p0
-
-
-def _loss(p, a, y):
-    return sum(0.5 * jnp.sum((a[k] * p[k] - y[k]) ** 2) for k in p)
 
 
 def _run(tx, steps, *, seed=0, dense=False):
