@@ -125,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--quick", action="store_true", help="40 steps, seed 0")
     ap.add_argument("--render", action="store_true", help="rewrite the .md from the .json")
+    ap.add_argument(
+        "--add",
+        action="store_true",
+        help="keep the record's runs of other seeds (same --steps) and add these seeds to it",
+    )
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.render:
@@ -136,6 +141,16 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     nets = {k: Network.parse(v) for k, v in NETWORKS.items()}
     runs: dict[str, list[dict]] = {}
+    earlier: list[dict] = []
+    if args.add and (out / "experiments.json").exists():
+        old = json.loads((out / "experiments.json").read_text())
+        if old["steps"] != steps:
+            ap.error(f"--add: the record has {old['steps']} steps, this sweep {steps}")
+        earlier = [*old.get("earlier", []), old["meta"]]
+        for method, rs in old["runs"].items():
+            kept = [r for r in rs if r["seed"] not in seeds]
+            if kept:
+                runs[method] = kept
     jobs = [(m, s) for s in seeds for m in args.methods]  # seed-major: whole seeds first
     for method, seed in tqdm(jobs, desc="runs"):
         slug = method.lower().replace(" ", "_").replace("=", "").replace("+", "").replace("__", "_")
@@ -146,23 +161,29 @@ def main(argv: list[str] | None = None) -> int:
         sent = np.array([r["sent_bytes"] for r in rows], np.float64)
         times = {n: seconds(trainer, rows, net) for n, net in nets.items()}
         valid = [(r["step"], r["valid_loss"]) for r in rows if "valid_loss" in r]
-        runs.setdefault(method, []).append(
-            {
-                "seed": seed,
-                "valid_loss": summary["valid_loss"],
-                "train_loss": float(np.mean([r["loss"] for r in rows[-10:]])),
-                "total_bytes": float(sent.sum()),
-                "peak_bytes": float(sent.max()),
-                "sim_s": {n: float(t.sum()) for n, t in times.items()},
-                "valid_curve": [
-                    (float(np.sum(times[TRAIN_NET][:step])), loss) for step, loss in valid
-                ],
-            }
+        runs.setdefault(method, [])
+        runs[method] = sorted(
+            [
+                *runs[method],
+                {
+                    "seed": seed,
+                    "valid_loss": summary["valid_loss"],
+                    "train_loss": float(np.mean([r["loss"] for r in rows[-10:]])),
+                    "total_bytes": float(sent.sum()),
+                    "peak_bytes": float(sent.max()),
+                    "sim_s": {n: float(t.sum()) for n, t in times.items()},
+                    "valid_curve": [
+                        (float(np.sum(times[TRAIN_NET][:step])), loss) for step, loss in valid
+                    ],
+                },
+            ],
+            key=lambda r: r["seed"],
         )
         shutil.rmtree(cfg.run_dir / "checkpoints", ignore_errors=True)
         # Written after every run: an interrupted sweep keeps the seeds it finished.
         record = {
             "meta": run_meta(argv, t0),
+            "earlier": earlier,
             "steps": steps,
             "tokens": steps * 64 * 64,
             "seeds": sorted({r["seed"] for rs in runs.values() for r in rs}),
@@ -186,11 +207,13 @@ def render(record: dict) -> str:
     meta, runs = record["meta"], record["runs"]
     dp = runs.get("DP")
     nets = list(record["networks"])
-    lines = [
-        "# DiLoCo family experiments",
-        "",
-        f"`{meta['command']}` ({meta['date']}, {meta['machine']}, jax {meta['jax']}, "
-        f"{meta.get('wall_s', 0) / 60:.0f} min).",
+    lines = ["# DiLoCo family experiments", ""]
+    for m in [*record.get("earlier", []), meta]:
+        lines.append(
+            f"`{m['command']}` ({m['date']}, {m['machine']}, jax {m['jax']}, "
+            f"{m.get('wall_s', 0) / 60:.0f} min)."
+        )
+    lines += [
         "",
         f"GPT (4 layers, width 128, 867K parameters) on the embedded Shakespeare text, 8 "
         f"workers, global batch 64, {record['steps']} steps ({record['tokens']:,} tokens), "
