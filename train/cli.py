@@ -51,10 +51,13 @@ def main(argv: list[str] | None = None) -> int:
         flag = f"--xla_force_host_platform_device_count={cfg.workers * cfg.stages}"
         if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
             os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
-    from train.trainer import RunFolderBusy, Trainer
+    from train.trainer import Interrupted, RunFolderBusy, Trainer
 
     try:
         summary = Trainer(cfg).run(resume=args.resume)
+    except Interrupted as e:
+        print(str(e), file=sys.stderr)
+        return 128 + e.signum
     except (ValueError, FloatingPointError, FileNotFoundError, RunFolderBusy) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

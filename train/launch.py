@@ -6,9 +6,11 @@ Starts ``P`` processes of ``python -m train`` with the given arguments, each wit
 ``workers * stages / P`` CPU devices (``XLA_FLAGS``), wired to a coordinator on a free local
 port (``JAXCOMM_COORDINATOR``, ``JAXCOMM_NUM_PROCESSES``, ``JAXCOMM_PROCESS_ID``; see
 :mod:`train.distributed`). Every line the processes print comes out here prefixed with
-``[p<i>]``. When a process fails, the others are stopped (SIGTERM, then SIGKILL after
-``--grace`` seconds) and the launcher exits with the first failing exit code (``128 + n``
-for a process killed by signal ``n``). Ctrl-C stops every process.
+``[p<i>]``. When a process fails, the others are stopped at once (they cannot go on
+without it) and the launcher exits with the first failing exit code (``128 + n`` for a
+process killed by signal ``n``). Ctrl-C (or SIGTERM, SIGHUP to the launcher) asks every
+process to stop: they finish the step under way, save a checkpoint together and exit, and
+what is left after ``--grace`` seconds is killed.
 
 On a real cluster, start one ``python -m train`` per host yourself with those variables set
 (or ``JAXCOMM_DISTRIBUTED=auto`` where ``jax.distributed.initialize()`` detects the
@@ -78,7 +80,7 @@ def launch(
     *,
     devices_per_process: int,
     port: int | None = None,
-    grace_s: float = 10.0,
+    grace_s: float = 30.0,
     env: dict[str, str] | None = None,
     commands: Sequence[Sequence[str]] | None = None,
     host: str = "127.0.0.1",
@@ -169,12 +171,29 @@ def launch(
                         file=sys.stderr,
                         flush=True,
                     )
-                    _stop(procs, grace_s)
+                    _stop(procs, 0.0)
     except KeyboardInterrupt as e:
-        print(f"[launch] interrupted ({e or 'Ctrl-C'}); stopping every process", file=sys.stderr)
+        print(
+            f"[launch] interrupted ({e or 'Ctrl-C'}); every process saves a checkpoint and "
+            f"stops (at most {grace_s:g} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        _signal(procs, signal.SIGTERM)
+        end = time.monotonic() + grace_s
+        while time.monotonic() < end and (open_streams or any(p.poll() is None for p in procs)):
+            try:
+                i, line = lines.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if line is None:
+                open_streams -= 1
+            else:
+                sys.stdout.write(f"[p{i}] {line}" + ("" if line.endswith("\n") else "\n"))
+                sys.stdout.flush()
         return 128 + getattr(e, "signum", signal.SIGINT)  # 130 for Ctrl-C, 143 for SIGTERM
     finally:
-        _stop(procs, grace_s)  # whatever ended the loop, no process outlives the launcher
+        _stop(procs, 0.0)  # whatever ended the loop, no process outlives the launcher
         for sig, handler in old.items():
             signal.signal(sig, handler)
     if first_fail is not None:
@@ -182,24 +201,25 @@ def launch(
     return 0
 
 
-def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM every running process's group, SIGKILL what is left after ``grace_s``."""
-
-    def kill(p: subprocess.Popen, sig: int) -> None:
-        try:
-            os.killpg(p.pid, sig)
-        except ProcessLookupError:
-            pass  # it ended meanwhile
-
+def _signal(procs: list[subprocess.Popen], sig: int) -> None:
+    """Send ``sig`` to every running process's group."""
     for p in procs:
         if p.poll() is None:
-            kill(p, signal.SIGTERM)
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass  # it ended meanwhile
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM every running process's group, SIGKILL what is left after ``grace_s``."""
+    _signal(procs, signal.SIGTERM)
     end = time.monotonic() + grace_s
     for p in procs:
         try:
             p.wait(timeout=max(0.0, end - time.monotonic()))
         except subprocess.TimeoutExpired:
-            kill(p, signal.SIGKILL)
+            _signal([p], signal.SIGKILL)
             p.wait()
 
 
@@ -211,7 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--processes", type=int, required=True, help="processes to start (>= 1)")
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
-    p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and KILL")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="seconds the processes get to save a checkpoint after Ctrl-C before they are killed",
+    )
     args, train_args = p.parse_known_args(argv)
     if args.processes < 1:
         p.error(f"--processes must be >= 1, got {args.processes}")

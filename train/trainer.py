@@ -37,6 +37,8 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -77,6 +79,8 @@ __all__ = [
     "save_model_params",
     "load_model_params",
     "RunFolderBusy",
+    "Interrupted",
+    "NothingToResume",
     "AXIS",
 ]
 
@@ -326,10 +330,44 @@ class Trainer:
 
         The run folder is locked for the run (``<out_dir>/<name>/.lock``, by process 0): a
         second run into the same folder while this one lives is refused, naming this one's
-        process, instead of interleaving metrics and overwriting checkpoints."""
+        process, instead of interleaving metrics and overwriting checkpoints.
+
+        SIGINT (Ctrl-C) and SIGTERM stop the run after the steps already dispatched, save a
+        checkpoint of the last one and raise :class:`Interrupted` (a second Ctrl-C stops at
+        once). Resuming a finished run returns its summary and changes nothing (raise
+        ``steps`` to train further); resuming a folder without checkpoints raises
+        :class:`NothingToResume`."""
         self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
         with run_lock(self.cfg.run_dir) if is_primary() else contextlib.nullcontext():
-            return self._run(resume=resume, metrics_cb=metrics_cb)
+            with _stop_signals() as stop:
+                self._stop = stop
+                return self._run(resume=resume, metrics_cb=metrics_cb)
+
+    def _stopping(self) -> bool:
+        """Whether a stop signal arrived here or (several processes) at any process: every
+        process must dispatch the same steps, so they agree before each one."""
+        flag = bool(getattr(self, "_stop", None) and self._stop.signum)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            flag = bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+        return flag
+
+    def _finished_summary(self, summary_path: Any) -> dict[str, Any] | None:
+        """The stored summary of a run already at (or past) ``cfg.steps``; None when it has
+        none (stopped between its last checkpoint and its summary: it is written again)."""
+        try:
+            summary = json.loads(summary_path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        if is_primary():
+            print(
+                f"{self.cfg.name} is already complete at step {self.step}; its summary "
+                f"({summary_path}) is unchanged. To train further, resume with --set "
+                f"steps=<more than {self.step}>",
+                flush=True,
+            )
+        return {**summary, "resumed": True, "already_complete": True}
 
     def _run(self, *, resume: bool, metrics_cb: Callable | None) -> dict[str, Any]:
         cfg = self.cfg
@@ -337,10 +375,21 @@ class Trainer:
         manager = self.store = Checkpoints(run_dir, cfg.keep_checkpoints)
         if manager.latest_step() is not None and not resume:
             raise ValueError(
-                f"{str(run_dir)!r} already holds checkpoints (newest: step "
-                f"{manager.latest_step()}); pass --resume to continue it or choose another out_dir"
+                f"{str(run_dir)!r} already holds a run's checkpoints (newest: step "
+                f"{manager.latest_step()}): continue it with --resume, or write this run to "
+                "another folder with --set name=<new name> (or --set out_dir=<folder>)"
+            )
+        if resume and manager.latest_step() is None:
+            raise NothingToResume(
+                f"nothing to resume in {str(run_dir)!r}: it holds no checkpoint; run without "
+                "--resume to start this run there"
             )
         resumed = self.restore(manager) if resume else False
+        if resumed and self.step >= cfg.steps:
+            done = self._finished_summary(run_dir / "summary.json")
+            if done is not None:
+                manager.close()
+                return done
         primary = is_primary()
         metrics_path = run_dir / "metrics.jsonl"
         kept = []
@@ -365,13 +414,17 @@ class Trainer:
         wall0 = time.perf_counter()
         self._lagging = self._lags()
         self._last_ready = None
-        self._last: dict[str, Any] = {}
+        # A resumed run's last logged step, so a run resumed at its end still reports it.
+        self._last: dict[str, Any] = json.loads(kept[-1]) if kept else {}
         bar = _progress(cfg, self.step) if primary else None
         flights: collections.deque[Flight] = collections.deque()
         dispatched = self.step
+        stopped = False
         with open(metrics_path if primary else os.devnull, "a") as out:
-            while dispatched < cfg.steps or flights:
-                if dispatched < cfg.steps:
+            while (dispatched < cfg.steps and not stopped) or flights:
+                if dispatched < cfg.steps and not stopped:
+                    stopped = self._stopping()
+                if dispatched < cfg.steps and not stopped:
                     self._before_step()
                     dispatched += 1
                     flights.append(self.layout.launch(self, dispatched, self._lagging))
@@ -382,6 +435,7 @@ class Trainer:
                     len(flights) > 1
                     or not self._lagging
                     or dispatched == cfg.steps
+                    or stopped
                     or self._needs_state(flights[0].step)
                 ):
                     self._accept(flights.popleft(), out, manager, bar, metrics_cb)
@@ -391,6 +445,13 @@ class Trainer:
         if manager.latest_step() != self.step:
             self.save(manager)
         manager.close()
+        if stopped and self.step < cfg.steps:
+            name = signal.Signals(self._stop.signum).name
+            raise Interrupted(
+                f"stopped by {name} at step {self.step} of {cfg.steps}; checkpoint saved in "
+                f"{manager.folder / str(self.step)}; continue with --resume",
+                self._stop.signum,
+            )
         valid = self.evaluate()
         summary = {
             "name": cfg.name,
@@ -408,7 +469,9 @@ class Trainer:
         }
         model = self.model_params()  # on every process: a collective read when multi-process
         if primary:
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            tmp = run_dir / ".summary.json.tmp"
+            tmp.write_text(json.dumps(summary, indent=2))
+            os.replace(tmp, run_dir / "summary.json")
             save_model_params(run_dir / "params.msgpack", model)
             from train.plot import plot_metrics
 
@@ -496,6 +559,52 @@ class Trainer:
         """Replica 0's parameters (the averaged model for local SGD) in the model's own
         layout (what ``init_params`` loads)."""
         return self.layout.model_params(self, to_host(self.eval_params()))
+
+
+class Interrupted(RuntimeError):
+    """A run stopped by a signal once its last completed step was checkpointed."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+
+class NothingToResume(ValueError):
+    """``resume`` was asked of a run folder that holds no checkpoint."""
+
+
+class _StopFlag:
+    signum: int = 0
+
+
+@contextlib.contextmanager
+def _stop_signals():
+    """While the block runs, SIGINT and SIGTERM set a flag (the run loop stops at the next
+    step and checkpoints) instead of ending the process; a second SIGINT raises
+    ``KeyboardInterrupt`` at once. Outside the main thread (no handlers possible) the flag
+    never rises."""
+    flag = _StopFlag()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+
+    def handler(signum: int, _frame: Any) -> None:
+        if flag.signum and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if not flag.signum:
+            print(
+                f"\n{signal.Signals(signum).name}: stopping after the current step and "
+                "saving a checkpoint (Ctrl-C again to stop at once)",
+                flush=True,
+            )
+        flag.signum = flag.signum or signum
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield flag
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 def _progress(cfg: Config, start: int):

@@ -1,0 +1,164 @@
+"""Runs that lose nothing: a signal saves the last completed step, resuming a finished run
+changes nothing, resuming an empty folder says so, and the summary is never replaced by
+one without results."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from tests.test_trainer import ROOT, _cfg
+from train.cli import main
+from train.trainer import Interrupted, NothingToResume, Trainer
+
+MLP = dict(task="mlp", model={"features": [16]}, dataset="digits", aggregator="ec_quantized")
+
+
+def _rows(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _stop_at(step: int, sig: int):
+    """A metrics callback that raises ``sig`` in this process once ``step`` is logged."""
+
+    def cb(row):
+        if row["step"] == step:
+            signal.raise_signal(sig)
+
+    return cb
+
+
+@pytest.mark.skipif(
+    threading.current_thread() is not threading.main_thread(), reason="signals need main"
+)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_checkpoints_the_last_step_and_resume_ends_bit_exact(tmp_path, sig):
+    """With no checkpoint due for 100 steps, Ctrl-C (or SIGTERM) at step 3 of 12 saves the
+    steps done (3, or 4 when the next was already dispatched), names --resume, and the
+    resumed run ends where an uninterrupted one does: every logged loss and the error
+    feedback's residuals (the run's per-worker state) alike."""
+    kw = dict(MLP, steps=12, checkpoint_every=100, lr=0.05)
+    run = _cfg(tmp_path, **kw)
+    with pytest.raises(Interrupted, match="continue with --resume") as stop:
+        Trainer(run).run(metrics_cb=_stop_at(3, sig))
+    assert stop.value.signum == sig
+    saved = sorted(int(p.name) for p in (run.run_dir / "checkpoints").iterdir())
+    assert saved in ([3], [4]) and f"at step {saved[0]} of 12" in str(stop.value)
+    assert not (run.run_dir / "summary.json").exists()  # a summary is for a finished run
+    # The handlers are gone with the run: the test process keeps its own.
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    resumed = Trainer(run)
+    summary = resumed.run(resume=True)
+    ref = Trainer(_cfg(tmp_path / "ref", **kw))
+    ref_summary = ref.run()
+    assert [r["loss"] for r in _rows(run.run_dir)] == [r["loss"] for r in _rows(ref.cfg.run_dir)]
+    assert summary["final_loss"] == ref_summary["final_loss"]
+    leaves = [jax.tree_util.tree_leaves(t.opt_state) for t in (resumed, ref)]
+    for x, y in zip(*leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_resuming_a_finished_run_changes_nothing_and_can_go_further(tmp_path, capsys):
+    run = _cfg(tmp_path, **MLP, steps=4, checkpoint_every=2)
+    first = Trainer(run).run()
+    files = {n: (run.run_dir / n).read_bytes() for n in ("summary.json", "metrics.jsonl")}
+    again = Trainer(run).run(resume=True)
+    assert "already complete at step 4" in capsys.readouterr().out
+    assert again["already_complete"] and again["final_loss"] == first["final_loss"]
+    assert {n: (run.run_dir / n).read_bytes() for n in files} == files
+    # A larger steps continues from the end.
+    more = Trainer(_cfg(tmp_path, **MLP, steps=6, checkpoint_every=2)).run(resume=True)
+    assert more["steps"] == 6 and more["final_loss"] is not None
+    assert [r["step"] for r in _rows(run.run_dir)] == list(range(1, 7))
+
+
+def test_a_summary_lost_after_the_last_checkpoint_is_written_again_with_results(tmp_path):
+    """A run that stopped between its final checkpoint and its summary gets the summary on
+    resume, with the last step's loss and bytes from the log (not nulls)."""
+    run = _cfg(tmp_path, **MLP, steps=4, checkpoint_every=2)
+    first = Trainer(run).run()
+    (run.run_dir / "summary.json").unlink()
+    again = Trainer(run).run(resume=True)
+    stored = json.loads((run.run_dir / "summary.json").read_text())
+    for s in (again, stored):
+        assert s["final_loss"] == first["final_loss"]
+        assert s["sent_bytes_per_step"] == first["sent_bytes_per_step"]
+        assert s["valid_loss"] == pytest.approx(first["valid_loss"], rel=1e-6)
+
+
+def test_resuming_an_empty_folder_says_there_is_nothing_to_resume(tmp_path, capsys):
+    run = _cfg(tmp_path, **MLP, steps=2)
+    with pytest.raises(NothingToResume, match="nothing to resume in .*run without --resume"):
+        Trainer(run).run(resume=True)
+    assert not (run.run_dir / "checkpoints").exists() or not any(
+        (run.run_dir / "checkpoints").iterdir()
+    )
+    assert not (run.run_dir / "metrics.jsonl").exists()
+    args = ["--set", "task=mlp", "--set", "dataset=digits", "--set", "steps=2"]
+    args += ["--set", f"out_dir={tmp_path / 'cli'}", "--no-progress", "--resume"]
+    assert main(args) == 1
+    assert "nothing to resume" in capsys.readouterr().err
+
+
+def test_a_second_run_into_a_used_folder_is_told_how_to_choose_another(tmp_path):
+    run = _cfg(tmp_path, **MLP, steps=2, checkpoint_every=2)
+    Trainer(run).run()
+    with pytest.raises(ValueError, match=r"--resume.*--set name=.*--set out_dir="):
+        Trainer(run).run()
+
+
+def _launch(args, **kw):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "train.launch", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+def test_ctrl_c_to_the_launcher_saves_every_process_and_resume_ends_as_one_run(tmp_path):
+    """Two processes, SIGINT to the launcher once step 4 is logged (no checkpoint due): the
+    processes agree on the step, save it together, exit naming --resume; the resumed run's
+    losses equal one uninterrupted process's."""
+    sets = ["task=mlp", "dataset=digits", "model.features=[16]", "workers=4",
+            "global_batch=16", "aggregator=ec_quantized", "checkpoint_every=100",
+            "eval_every=0", "progress=false", "steps=40"]  # fmt: skip
+    two = tmp_path / "two"
+    args = ["--processes", "2"]
+    for s in [*sets, f"out_dir={two}"]:
+        args += ["--set", s]
+    proc = _launch(args)
+    metrics = two / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-2000:] + err[-2000:]
+    assert "continue with --resume" in out
+    saved = [int(p.name) for p in (two / "checkpoints").iterdir() if p.name.isdigit()]
+    assert len(saved) == 1 and 4 <= saved[0] < 40
+    again = _launch([*args, "--resume"])
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0, out[-2000:] + err[-2000:]
+    one = tmp_path / "one"
+    args = []
+    for s in [*sets, f"out_dir={one}"]:
+        args += ["--set", s]
+    assert main(args) == 0
+    a, b = _rows(two), _rows(one)
+    assert [r["step"] for r in a] == list(range(1, 41))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
