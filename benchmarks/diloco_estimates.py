@@ -45,10 +45,15 @@ SETTINGS = {
 def main(argv: list[str] | None = None) -> int:
     """Estimate every setting on every network; write ``estimates.md`` and ``.json``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--render", action="store_true", help="rewrite the .md from the .json")
     ap.add_argument("--out", default="benchmarks/results/diloco")
     ap.add_argument("--config", default="configs/diloco_intellect1.yaml")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
+    if args.render:
+        record = json.loads((Path(args.out) / "estimates.json").read_text())
+        (Path(args.out) / "estimates.md").write_text(render(record))
+        return 0
     t0 = time.time()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -75,14 +80,15 @@ def render(record: dict) -> str:
         f"`{meta['command']}` ({meta['date']}, {meta['machine']}, jax {meta['jax']}, "
         f"{meta.get('wall_s', 0) / 60:.0f} min).",
         "",
-        "9.5B-parameter GPT (42 layers, width 4096, sequence 8192), 14 nodes of 8 H100s (one "
-        "simulated device per GPU: 8 sequences each; its 1/8 of the pseudo-gradient on 1/8 "
-        "of the node's link), H100 tf32 roofline (the models compute in float32); intra-node "
-        "traffic not modelled. Utilisation: inner compute over wall time, steady state of "
-        "a period.",
+        "9.5B-parameter GPT (42 layers, width 4096, sequence 8192), 14 nodes of 8 H100s, "
+        "one simulated device per node: it computes one GPU's 8 sequences, and its ring "
+        "all-reduce of the whole pseudo-gradient over the node's link stands for the "
+        "node's 8 GPUs each sending 1/8 of it on 1/8 of the link (same time), so bytes are "
+        "per node. H100 tf32 roofline (the models compute in float32); intra-node traffic "
+        "not modelled. Utilisation: inner compute over wall time, steady state of a period.",
         "",
         "| setting | network | step (s, mean) | compute utilisation | peak bytes / step "
-        "/ GPU | bytes / 100 steps / GPU | peak vs DP | bytes vs DP |",
+        "/ node | bytes / 100 steps / node | peak vs DP | bytes vs DP |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, per in res.items():

@@ -27,7 +27,8 @@ Writes ``experiments.md``, ``experiments.json`` and ``loss_vs_time.png`` (valida
 against simulated time at 100 Mbps, one line per method) to ``--out`` (default
 ``benchmarks/results/diloco``).
 
-    python benchmarks/diloco_experiments.py                 # ~50 min on 2 CPU cores
+    python benchmarks/diloco_experiments.py                 # ~2 h on 2 CPU cores (1 h a seed)
+    python benchmarks/diloco_experiments.py --seeds 1 --add # one more seed into the record
     python benchmarks/diloco_experiments.py --quick         # 40 steps, one seed
 """
 

@@ -192,22 +192,42 @@ def _kinds(period: int, steps: list[int], overlap: int) -> tuple[list[tuple], li
     return kinds, index
 
 
+def _steps_schedule(period: int, schedule: Schedule | None, fragments: int) -> Schedule:
+    """The schedule that :func:`diloco` with these arguments synchronises by (its sync
+    steps depend on the fragment count, not on the layers)."""
+    fragments = check_int("fragments", fragments, lo=1, hi=period)
+    if schedule is not None:
+        if fragments != 1:
+            raise ValueError(
+                f"give either schedule or fragments, got schedule={schedule!r} and "
+                f"fragments={fragments}"
+            )
+        return as_schedule(schedule)
+    return streaming_schedule(fragments, period, fragments)
+
+
 def diloco_branch(
-    period: int, step: int, *, schedule: Schedule | None = None, overlap: int = 0
+    period: int,
+    step: int,
+    *,
+    fragments: int = 1,
+    schedule: Schedule | None = None,
+    overlap: int = 0,
 ) -> int:
     """The :data:`DILOCO_SCOPE` branch that 0-based step ``step`` takes (for ``branches=``);
-    ``schedule`` as given to :func:`diloco` (None: one fragment)."""
-    sched = as_schedule(schedule) if schedule is not None else streaming_schedule(1, period, 1)
+    ``fragments`` or ``schedule`` and ``overlap`` as given to :func:`diloco`."""
+    sched = _steps_schedule(period, schedule, fragments)
     _, steps = _fragments(sched)
     return _kinds(len(sched.groups), steps, overlap)[1][check_int("step", step, lo=0) % period]
 
 
 def diloco_steps(
-    period: int, *, schedule: Schedule | None = None, overlap: int = 0
+    period: int, *, fragments: int = 1, schedule: Schedule | None = None, overlap: int = 0
 ) -> list[tuple[int, tuple[int, ...]]]:
     """For each local step ``h`` of a period: ``(fragment synchronised or -1, fragments
-    merged)`` (a merge at step ``t`` happens only once ``t >= overlap``)."""
-    sched = as_schedule(schedule) if schedule is not None else streaming_schedule(1, period, 1)
+    merged)`` (a merge at step ``t`` happens only once ``t >= overlap``); ``fragments`` or
+    ``schedule`` and ``overlap`` as given to :func:`diloco`."""
+    sched = _steps_schedule(period, schedule, fragments)
     _, steps = _fragments(sched)
     kinds, index = _kinds(len(sched.groups), steps, overlap)
     return [kinds[i] for i in index]
@@ -238,12 +258,12 @@ def diloco(
     outer: optax.GradientTransformation | None = None,
     layers: Layers = None,
     fragments: int = 1,
-    pattern: str = "strided",
+    pattern: str | None = None,
     schedule: Schedule | Sequence[Sequence[int]] | None = None,
     overlap: int = 0,
     alpha: float | None = None,
     aggregate: optax.GradientTransformation | None = None,
-    reduce: str = "ring",
+    reduce: str | None = None,
 ) -> optax.GradientTransformation:
     """DiLoCo / Streaming DiLoCo around ``inner`` (see the module docstring).
 
@@ -260,17 +280,23 @@ def diloco(
         :func:`jaxcomm.local_sgd`); needed for ``fragments > 1`` and ``schedule``.
       fragments: ``F``, fragments synchronised at staggered steps
         (:func:`streaming_schedule`); 1 is plain DiLoCo.
-      pattern: ``"strided"`` or ``"sequential"`` fragments.
+      pattern: ``"strided"`` (default) or ``"sequential"`` fragments.
       schedule: instead of ``fragments``/``pattern``: a :class:`jaxcomm.Schedule` (or
         groups of layer indices) of ``period`` steps whose non-empty groups are the
         fragments, each layer in exactly one.
       overlap: ``tau`` in ``[0, period)``: inner steps between a fragment's
         synchronisation and its merge.
       alpha: the merge's weight on the local parameters, in ``[0, 1)``; default 0.5 with
-        ``overlap > 0`` (the Streaming DiLoCo paper's), else 0 (take ``theta_sync``).
+        ``overlap > 0`` (the Streaming DiLoCo paper's), else 0 (take ``theta_sync``). With
+        ``overlap=0`` and ``alpha > 0`` the workers keep part of their own drift at every
+        synchronisation (the paper's mixing without the delay).
       aggregate: a jaxcomm aggregator over ``axis_name`` that averages the pseudo-gradient
         (default :func:`jaxcomm.dense_allreduce` with ``reduce``); one state per fragment.
-      reduce: the default aggregator's all-reduce: ``ring``, ``tree`` or ``psum``.
+      reduce: the default aggregator's all-reduce: ``ring`` (default), ``tree`` or
+        ``psum``; not with ``aggregate``.
+
+    Between synchronisations every worker's parameters differ: keep them per worker
+    (``out_specs=P(axis_name)`` from ``shard_map``), never ``P()``.
 
     Returns:
       A ``GradientTransformation`` with :class:`DiLoCoState`; its updates are added to
@@ -290,7 +316,19 @@ def diloco(
     if alpha is None:
         alpha = 0.5 if overlap else 0.0
     alpha = check_float("alpha", alpha, lo=0.0, hi=1.0, hi_open=True)
+    if reduce is not None and aggregate is not None:
+        raise ValueError(
+            f"reduce={reduce!r} picks the default aggregator's all-reduce, but aggregate= "
+            "was given: set the reduction on that aggregator instead"
+        )
+    reduce = "ring" if reduce is None else reduce
     check_choice("reduce", reduce, DENSE_REDUCE)
+    if pattern is not None and schedule is not None:
+        raise ValueError(
+            f"pattern={pattern!r} shapes the fragments that fragments= makes, but schedule= "
+            "was given: the schedule's groups are the fragments"
+        )
+    pattern = "strided" if pattern is None else pattern
     check_choice("pattern", pattern, PATTERNS)
     fragments = check_int("fragments", fragments, lo=1)
     if schedule is not None and fragments != 1:

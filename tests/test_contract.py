@@ -136,7 +136,8 @@ CASES = {
         spreads=lambda step: step % 2 == 1,
     ),
     # Two fragments ("b" at step 0, "w" at step 1), each merged one step later, 4-bit
-    # error-fed pseudo-gradients: a NaN in "w" at step 1 reaches the others at step 2.
+    # error-fed pseudo-gradients: a NaN in "w" at step 1 reaches the others at step 2
+    # (test_a_nonfinite_pseudo_gradient_reaches_every_worker_at_its_merge).
     "diloco_streaming": Case(
         lambda ax: jaxcomm.diloco(
             optax.adam(0.01),
@@ -389,6 +390,30 @@ def test_nonfinite_gradient_reaches_every_worker(name, bad):
             assert np.all(~finite), (step, finite)
         else:  # a local step: only the worker with the NaN
             assert not finite[3] and finite.sum() == N - 1, (step, finite)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_nonfinite_pseudo_gradient_reaches_every_worker_at_its_merge(bad):
+    """Streaming DiLoCo with overlap: a NaN (or Inf) in worker 3's "w" gradient at step 1
+    (the step "w" synchronises) stays in worker 3's update that step, and is in every
+    worker's update at step 2, when the averaged fragment is merged."""
+    case = CASES["diloco_streaming"]
+    mesh, init_f, update_f = _programs(case)
+    params, grads, spec = _params(), _grads(3), P(case.axes)
+    state = init_f(params)
+    finite = []
+    for step in range(3):
+        g = jax.tree_util.tree_map(lambda a, step=step: a[step], grads)
+        if step == 1:
+            g = {**g, "w": g["w"].at[3, 2, 4].set(bad)}
+        u, state = update_f(_put(mesh, g, spec), state, params)
+        flat = np.concatenate(
+            [np.asarray(a).reshape(N, -1) for a in jax.tree_util.tree_leaves(u)], 1
+        )
+        finite.append(np.all(np.isfinite(flat), axis=1))
+    assert finite[0].all()
+    assert not finite[1][3] and finite[1].sum() == N - 1
+    assert not finite[2].any()
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -258,6 +258,32 @@ def test_bad_arguments():
         jaxcomm.diloco(sgd, "data", period=3, layers=LAYERS, schedule=((2, 1), (0,)))
     with pytest.raises(ValueError, match=r"k must be an integer in \[1, 16\], got 0"):
         jaxcomm.chunk_topk("data", chunk=16, k=0)
+    # Arguments that the others make meaningless are refused, not ignored.
+    agg = jaxcomm.chunk_topk("data", chunk=16, k=2)
+    with pytest.raises(ValueError, match="reduce='tree' picks the default aggregator"):
+        jaxcomm.diloco(sgd, "data", period=2, aggregate=agg, reduce="tree")
+    with pytest.raises(ValueError, match="pattern='sequential' shapes the fragments"):
+        jaxcomm.diloco(sgd, "data", period=2, layers=LAYERS, schedule=((0, 1, 2), ()),
+                       pattern="sequential")  # fmt: skip
+    with pytest.raises(ValueError, match="give either schedule or fragments"):
+        jaxcomm.diloco_steps(6, fragments=3, schedule=jaxcomm.streaming_schedule(3, 6, 3))
+
+
+def test_the_step_helpers_follow_the_fragment_count_as_diloco_does():
+    """``diloco_steps``/``diloco_branch`` given ``fragments`` (as :func:`jaxcomm.diloco`
+    is) give the same synchronisation steps as the layer schedule the transform builds,
+    whatever the layer count or pattern; without it, one fragment."""
+    for layers, frags, pattern in ((6, 3, "strided"), (7, 3, "sequential"), (5, 5, "strided")):
+        sched = jaxcomm.streaming_schedule(layers, 10, frags, pattern=pattern)
+        for overlap in (0, 2):
+            want = jaxcomm.diloco_steps(10, schedule=sched, overlap=overlap)
+            assert jaxcomm.diloco_steps(10, fragments=frags, overlap=overlap) == want
+            got = [jaxcomm.diloco_branch(10, t, fragments=frags, overlap=overlap) for t in
+                   range(20)]  # fmt: skip
+            assert got == [jaxcomm.diloco_branch(10, t, schedule=sched, overlap=overlap)
+                           for t in range(20)]  # fmt: skip
+    assert [s for s, _ in jaxcomm.diloco_steps(6, fragments=3)] == [-1, 0, -1, 1, -1, 2]
+    assert [s for s, _ in jaxcomm.diloco_steps(6)] == [-1, -1, -1, -1, -1, 0]
 
 
 # --------------------------------------------------------------------------- chunk top-k
@@ -319,6 +345,7 @@ def test_chunk_topk_two_bit_values_and_a_nan_anywhere():
     scale = np.abs(kept).reshape(-1)[: 4096 * 3].reshape(3, 4096).max(1)
     levels = dense[: 4096 * 3].reshape(3, 4096) / scale[:, None]
     assert set(np.round(levels[levels != 0] * 3).astype(int)) <= {-3, -1, 1, 3}
+    np.testing.assert_allclose(dense, _two_bit_reference(kept, 4096), rtol=1e-6, atol=0)
     encode = jax.jit(
         lambda v: jaxcomm.chunk_topk_decode(jaxcomm.chunk_topk_encode(v, chunk=4096, k=64, bits=2))
     )
@@ -334,6 +361,74 @@ def test_chunk_topk_two_bit_values_and_a_nan_anywhere():
         others = np.ones(len(x), bool)
         others[chunk] = False
         assert np.all(np.isfinite(out[others]))
+
+
+def _two_bit_reference(kept, chunk):
+    """Each chunk's kept entries on the grid ``{-1, -1/3, 1/3, 1} * max|kept|`` by nearest
+    level, computed by distances to the four levels (float64)."""
+    kept = np.asarray(kept, np.float64).reshape(-1)
+    d = len(kept)
+    rows = np.pad(kept, (0, (-d) % chunk)).reshape(-1, chunk)
+    out = np.zeros_like(rows)
+    for c, row in enumerate(rows):
+        s = np.max(np.abs(row))
+        if s == 0:
+            continue
+        levels = s * np.array([-1.0, -1 / 3, 1 / 3, 1.0])
+        nz = row != 0
+        out[c, nz] = levels[np.argmin(np.abs(row[nz, None] - levels[None]), axis=1)]
+    return out.reshape(-1)[:d]
+
+
+def test_diloco_with_sparseloco_matches_a_numpy_simulation():
+    """DiLoCo with SparseLoCo's compressor, against float64 numpy: each worker's
+    pseudo-gradient plus its decayed error buffer is cut to the top-2 of every 8 entries
+    of the flattened model (leaves in tree order), put on the 2-bit grid, averaged, and
+    applied by outer SGD 1.0; the buffer keeps what was not sent. Every worker's
+    parameters after every step and theta_sync match."""
+    period, steps, lr, decay = 2, 6, 0.05, 0.9
+    tx = jaxcomm.diloco(
+        optax.sgd(lr),
+        "data",
+        period=period,
+        outer=optax.sgd(1.0),
+        aggregate=jaxcomm.chunk_topk("data", chunk=8, k=2, bits=2, decay=decay),
+    )
+    hist, state = _run(tx, steps)
+    a, y, p0 = _problem()
+    keys = sorted(SHAPES)  # jax flattens a dict by sorted keys
+    sizes = [int(np.prod(SHAPES[k])) for k in keys]
+
+    def flat(tree):
+        return np.concatenate([np.asarray(tree[k], np.float64).reshape(-1) for k in keys])
+
+    def unflat(v):
+        parts = np.split(v, np.cumsum(sizes)[:-1])
+        return {k: p.reshape(SHAPES[k]) for k, p in zip(keys, parts, strict=True)}
+
+    theta = flat(p0)
+    local = [theta.copy() for _ in range(N)]
+    error = [np.zeros_like(theta) for _ in range(N)]
+    for t in range(steps):
+        for w in range(N):
+            p = unflat(local[w])
+            g = {k: a[k][w] * (a[k][w] * p[k] - y[k][w]) for k in keys}
+            local[w] = local[w] - lr * flat(g)
+        if t % period == period - 1:
+            sent = []
+            for w in range(N):
+                error[w] = decay * error[w] + (theta - local[w])
+                c = _two_bit_reference(_chunk_reference(error[w], 8, 2), 8)
+                error[w] = error[w] - c
+                sent.append(c)
+            theta = theta - np.mean(sent, axis=0)
+            local = [theta.copy() for _ in range(N)]
+        got = np.stack([flat({k: hist[k][t][w] for k in keys}) for w in range(N)])
+        np.testing.assert_allclose(got, np.stack(local), rtol=1e-5, atol=1e-6, err_msg=str(t))
+    np.testing.assert_allclose(
+        flat({k: np.asarray(state.anchor[k])[0] for k in keys}), theta, rtol=1e-5, atol=1e-6
+    )
+    assert np.abs(theta - flat(p0)).max() > 1e-3  # the outer steps moved the model
 
 
 def test_chunk_topk_error_feedback_keeps_what_it_did_not_send():

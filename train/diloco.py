@@ -157,6 +157,7 @@ class DiLoCo(Sync):
 
     def _wrapper(self, layers: Any, schedule: Any) -> optax.GradientTransformation:
         s = self.sync
+        aggregate = self._aggregate()
         wrapper = jaxcomm.diloco(
             make_optimizer(self.cfg),
             AXIS,
@@ -166,8 +167,8 @@ class DiLoCo(Sync):
             schedule=schedule,
             overlap=s["overlap"],
             alpha=s["alpha"],
-            aggregate=self._aggregate(),
-            reduce=s["reduce"],
+            aggregate=aggregate,
+            reduce=s["reduce"] if aggregate is None else None,
         )
         return optax.chain(optax.identity(), wrapper)
 
