@@ -7,6 +7,12 @@ run (what a checkpoint must match to be resumed) and host-side extras as JSON; r
 checks the files against the sums written at the commit, moves damaged newer checkpoints
 aside, and refuses a checkpoint of a different run, naming what differs. Step sizes
 (:data:`STEP_SIZES`) may change on resume.
+
+A state array whose leading (worker) axis holds the same bits in every row (parameters and
+optimizer state under synchronous training, the synchronised model of local SGD just after
+an average) is saved once, as its first row; arrays that differ per worker (error feedback,
+local SGD replicas between averages) are saved whole. Which arrays were saved once is part
+of the checkpoint, and restoring broadcasts them back to every worker bit for bit.
 """
 
 from __future__ import annotations
@@ -22,11 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import serialization
+from jax.sharding import NamedSharding, PartitionSpec
 
-from train.distributed import is_primary
+from train.distributed import is_primary, to_host
 
 __all__ = [
     "Checkpoints",
@@ -202,6 +210,93 @@ def resume_note(folder: Path | None, step: int | None) -> str:
     )
 
 
+def _row_sharding(a: jax.Array) -> NamedSharding | None:
+    """The sharding of one row of ``a`` (its leading axis dropped); None when ``a`` has no
+    leading axis of several rows on a named mesh (nothing to save once)."""
+    sharding = getattr(a, "sharding", None)
+    if not isinstance(a, jax.Array) or a.ndim < 1 or a.shape[0] < 2:
+        return None
+    if not isinstance(sharding, NamedSharding):
+        return None
+    spec = tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec[1:]))
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """``x`` as unsigned integers of its width (equal bits compare equal, NaN included)."""
+    if x.dtype == jnp.bool_:
+        return x
+    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
+    return jax.lax.bitcast_convert_type(x, width)
+
+
+@jax.jit
+def _rows_once(leaves: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
+    """``(equal, rows)``: per array, whether every row holds the same bits, and the rows'
+    bitwise maximum (row 0 when they are equal). Reductions over the leading axis, not
+    slices of it (it is sharded over workers); one program for the whole state, since
+    several programs with collectives in flight at once can starve the CPU backend's
+    threads."""
+    equal, rows = [], []
+    for x in leaves:
+        bits = _bits(x)
+        top = bits.max(0)
+        equal.append(jnp.all(top == bits.min(0)))
+        rows.append(top if x.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(top, x.dtype))
+    return equal, rows
+
+
+def collapse_rows(state: Any) -> tuple[Any, list[str]]:
+    """``(saved, once)``: ``state`` with every array whose rows (leading axis) are bitwise
+    identical replaced by its first row, and the key paths of those arrays."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+    candidates = [i for i, (_, a) in enumerate(flat) if _row_sharding(a) is not None]
+    leaves = [a for _, a in flat]
+    once: list[str] = []
+    if not candidates:
+        return state, once
+    equal, rows = _rows_once([leaves[i] for i in candidates])
+    for i, same, row in zip(candidates, to_host(equal), rows, strict=True):
+        if bool(same):
+            leaves[i] = jax.device_put(row, _row_sharding(leaves[i]))
+            once.append(jax.tree_util.keystr(flat[i][0]))
+    return jax.tree_util.tree_unflatten(treedef, leaves), once
+
+
+def _row_targets(template: Any, once: list[str]) -> Any:
+    """Restore targets for ``template``: one row's shape and sharding for the arrays in
+    ``once``, the whole array's for the rest."""
+    names = set(once)
+
+    def target(path, a):
+        struct = ocp.utils.to_shape_dtype_struct(a)
+        if jax.tree_util.keystr(path) in names:
+            return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=_row_sharding(a))
+        return struct
+
+    return jax.tree_util.tree_map_with_path(target, template)
+
+
+def expand_rows(restored: Any, template: Any, once: list[str]) -> Any:
+    """Undo :func:`collapse_rows`: each array in ``once`` broadcast back to every row, in
+    ``template``'s shape and sharding (one program for all of them)."""
+    names = set(once)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(restored)
+    want = jax.tree_util.tree_leaves(template)
+    pick = [i for i, (path, _) in enumerate(flat) if jax.tree_util.keystr(path) in names]
+    if not pick:
+        return restored
+    shapes = [want[i].shape for i in pick]
+    spread = jax.jit(
+        lambda rows: [jnp.broadcast_to(r[None], s) for r, s in zip(rows, shapes, strict=True)],
+        out_shardings=[want[i].sharding for i in pick],
+    )([flat[i][1] for i in pick])
+    leaves = [a for _, a in flat]
+    for i, a in zip(pick, spread, strict=True):
+        leaves[i] = a
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
 class Checkpoints:
     """The checkpoints of one run folder (``<run>/checkpoints/<step>``, Orbax, synchronous).
 
@@ -232,13 +327,16 @@ class Checkpoints:
 
     def save(self, step: int, state: Any, fingerprint: dict, extras: dict) -> None:
         """Write checkpoint ``step`` (atomic: a crash leaves the previous one) and, on
-        process 0, its SHA-256 sums."""
+        process 0, its SHA-256 sums. Arrays identical on every worker are written once
+        (:func:`collapse_rows`)."""
+        saved, once = collapse_rows(state)
         self.manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
+                state=ocp.args.StandardSave(saved),
                 meta=ocp.args.JsonSave(fingerprint),
                 extras=ocp.args.JsonSave(extras),
+                rows=ocp.args.JsonSave({"once": once}),
             ),
             force=True,
         )
@@ -334,10 +432,17 @@ class Checkpoints:
             )
         for key, (old, new) in (changed or {}).items():
             print(f"resuming with aggregator_args.{key} changed: {old!r} -> {new!r}", flush=True)
-        target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, template)
+        try:
+            once = manager.restore(latest, args=ocp.args.Composite(rows=ocp.args.JsonRestore()))[
+                "rows"
+            ]["once"]
+        except (KeyError, ValueError, FileNotFoundError):
+            once = []  # a checkpoint that saved every worker's rows
+        target = _row_targets(template, once)
         state = manager.restore(
             latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
         )["state"]
+        state = expand_rows(state, template, once)
         try:
             extras = manager.restore(
                 latest, args=ocp.args.Composite(extras=ocp.args.JsonRestore())

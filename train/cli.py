@@ -3,13 +3,63 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import re
 import sys
+from pathlib import Path
+
+
+def _configs_dir() -> Path:
+    """The shipped configs: ``configs/`` beside the package (a source checkout)."""
+    return Path(__file__).resolve().parent.parent / "configs"
+
+
+def shipped_configs() -> list[tuple[str, str]]:
+    """``(path, first line of its comment)`` of every shipped config."""
+    folder = _configs_dir()
+    out = []
+    for path in sorted(folder.glob("*.yaml")):
+        comment = []
+        for line in path.read_text().splitlines():
+            if not line.startswith("#"):
+                break
+            comment.append(line.lstrip("#").strip())
+        text = " ".join(comment)
+        first = re.split(r"(?<=\.)\s", text, maxsplit=1)[0]
+        if len(first) > 80:
+            first = first[:77].rsplit(" ", 1)[0] + "..."
+        out.append((f"configs/{path.name}", first))
+    return out
+
+
+def _epilog() -> str:
+    from train.config import AGGREGATORS, DILOCO_COMPRESS, SYNC_METHODS
+
+    lines = ["shipped configs (--config PATH):"]
+    for path, what in shipped_configs():
+        lines.append(f"  {path:<30} {what}")
+    lines += [
+        "",
+        f"aggregators (--set aggregator=...): {', '.join(AGGREGATORS)}",
+        f"sync methods (--set sync.method=..., with aggregator=none): {', '.join(SYNC_METHODS)}",
+        f"  diloco compress: {', '.join(DILOCO_COMPRESS)}",
+        "network (--set network=...): LATENCY,BANDWIDTH such as 1ms,1Gbps or 50ms,100Mbps; a",
+        "  schedule STEP:LATENCY,BANDWIDTH;... such as '0:1ms,10Gbps;100:50ms,1Gbps'; or c1, c2",
+        "",
+        "every config key with its default and meaning: python -m train --list-keys",
+        "a second run beside the first: --set name=NEW (writes runs/NEW) or --set out_dir=DIR",
+        "several processes on this machine: python -m train.launch --processes P [these args]",
+    ]
+    return "\n".join(lines)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m train", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m train",
+        description=__doc__,
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", help="YAML experiment config (default: built-in defaults)")
     p.add_argument(
         "--set",
@@ -21,12 +71,34 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument(
+        "--list-keys", action="store_true", help="print every config key, its default and meaning"
+    )
     return p
+
+
+def list_keys() -> str:
+    """Every config key, its default and its meaning, as the CLI prints it."""
+    import textwrap
+
+    from train.config import key_docs
+
+    out = []
+    for key, default, text in key_docs():
+        out.append(f"{key} (default: {default!r})")
+        out += textwrap.wrap(text, width=92, initial_indent="    ", subsequent_indent="    ")
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, run one training job, print its summary."""
     args = _parser().parse_args(argv)
+    if args.list_keys:
+        try:
+            print(list_keys())
+        except BrokenPipeError:  # e.g. piped into head
+            sys.stderr.close()
+        return 0
     from train.config import load_config
 
     try:
@@ -62,16 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if distributed.is_primary():
-        print(_format_summary(summary))
+        from train.summary import format_summary
+
+        print("\n" + format_summary(summary))
         print(f"metrics, plot and checkpoints in {cfg.run_dir}/")
     return 0
-
-
-def _format_summary(s: dict) -> str:
-    lines = ["", "== summary =="]
-    width = max((len(k) for k in s), default=0)
-    for key, value in s.items():
-        if isinstance(value, float):
-            value = f"{value:.4g}"
-        lines.append(f"{key:>{width}}: {value}")
-    return "\n".join(lines) if s else json.dumps(s)

@@ -126,6 +126,10 @@ class Config:
         ``int4``, ``sparseloco`` or ``ar_topk``, or a mapping with ``method`` and that
         codec's arguments). ``{}`` for none. Layers are ``models.layer_groups`` of
         the parameters.
+      adaptive: AR-Topk's adaptive compression ratio (``aggregator: ar_topk``): the keyword
+        arguments of :class:`jaxcomm.adaptive.AdaptiveRatio` (``candidates``,
+        ``trial_steps``, ``gain_threshold``, ``network_threshold``, ``min_interval``,
+        ``objectives``, ``normalize``); ``{}`` for a fixed ``ratio``.
       init_params: start from the model parameters in this ``params.msgpack`` (every run
         writes one into its ``out_dir``) instead of a random init, e.g. to fine-tune a
         briefly pre-trained model; the architecture must match ("" = random init).
@@ -376,7 +380,32 @@ def _roofline(cfg: Config) -> Any:
 
 def _choice(name: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        hint = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+        tail = f"; did you mean {hint[0]!r}?" if hint else ""
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}{tail}")
+
+
+def key_docs() -> list[tuple[str, Any, str]]:
+    """``(key, default, meaning)`` of every config key, the meaning read from
+    :class:`Config`'s docstring (a key described inside another's entry gets that entry)."""
+    doc = Config.__doc__ or ""
+    body = doc.split("Attributes:", 1)[1] if "Attributes:" in doc else ""
+    entries: list[tuple[str, str]] = []
+    for line in body.splitlines():
+        m = re.match(r"^      (\w+): (.*)$", line)
+        if m:
+            entries.append((m.group(1), m.group(2).strip()))
+        elif entries and line.strip():
+            entries[-1] = (entries[-1][0], entries[-1][1] + " " + line.strip())
+    own = dict(entries)
+    out = []
+    for f in dataclasses.fields(Config):
+        text = own.get(f.name)
+        if text is None:
+            text = next((t for _, t in entries if f"``{f.name}``" in t), "")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        out.append((f.name, default, text))
+    return out
 
 
 def _positive(name: str, value: Any) -> None:

@@ -250,6 +250,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --branch takes NAME=INDEX (an int >= 0), got {item!r}", file=sys.stderr)
             return 2
         branches[name] = int(index)
+    print(
+        f"estimating {cfg.name}: compiling one step from shapes (a large model takes a minute "
+        "or more)...",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         est = estimate(cfg, branches or None)
     except ValueError as e:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -68,9 +69,14 @@ def _exit_code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-def _pump(i: int, stream, out: queue.Queue) -> None:
+# What gloo prints once per pair of processes as they connect: noise unless --verbose.
+_GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+
+
+def _pump(i: int, stream, out: queue.Queue, quiet: bool = True) -> None:
     for line in iter(stream.readline, ""):
-        out.put((i, line))
+        if not (quiet and _GLOO_CONNECTED.match(line)):
+            out.put((i, line))
     out.put((i, None))
 
 
@@ -84,11 +90,13 @@ def launch(
     env: dict[str, str] | None = None,
     commands: Sequence[Sequence[str]] | None = None,
     host: str = "127.0.0.1",
+    verbose: bool = False,
 ) -> int:
     """Run ``processes`` copies of ``python -m train train_args``; their first failing
     exit code, or 0. ``commands`` replaces the command of each process (for tests and for
     wrappers such as ``ip netns exec``); the environment is set the same way. ``host`` is
-    the coordinator's address (process 0's host)."""
+    the coordinator's address (process 0's host). ``verbose`` keeps gloo's connection
+    lines, which are dropped otherwise."""
     if processes < 1:
         raise ValueError(f"processes must be >= 1, got {processes}")
     if devices_per_process < 1:
@@ -134,7 +142,7 @@ def launch(
         )
         procs.append(p)
         print(f"[launch] process {i}: pid {p.pid}", file=sys.stderr, flush=True)
-        threading.Thread(target=_pump, args=(i, p.stdout, lines), daemon=True).start()
+        threading.Thread(target=_pump, args=(i, p.stdout, lines, not verbose), daemon=True).start()
 
     first_fail: tuple[int, int] | None = None
     open_streams = processes
@@ -227,7 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     """Parse ``--processes`` (and ``--port``, ``--grace``), check the config, launch."""
     p = argparse.ArgumentParser(
         prog="python -m train.launch",
-        description="Run python -m train as several processes on this machine.",
+        usage="python -m train.launch --processes P [--port N] [--grace S] [--verbose] "
+        "[python -m train's arguments]",
+        description="Run python -m train as several processes on this machine. Every "
+        "argument not listed below passes through to each process's python -m train "
+        "(--config, --set, --resume, --no-progress; see python -m train --help).",
+        epilog="example: python -m train.launch --processes 2 --config configs/dp_default.yaml "
+        "--set steps=50",
     )
     p.add_argument("--processes", type=int, required=True, help="processes to start (>= 1)")
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
@@ -237,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         default=30.0,
         help="seconds the processes get to save a checkpoint after Ctrl-C before they are killed",
     )
+    p.add_argument("--verbose", action="store_true", help="keep gloo's per-connection lines")
     args, train_args = p.parse_known_args(argv)
     if args.processes < 1:
         p.error(f"--processes must be >= 1, got {args.processes}")
@@ -267,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         devices_per_process=devices // args.processes,
         port=args.port,
         grace_s=args.grace,
+        verbose=args.verbose,
     )
 
 

@@ -38,6 +38,7 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -410,12 +411,21 @@ class Trainer:
             metrics_path.write_text("".join(line + "\n" for line in kept))
             (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
 
+        if primary and cfg.progress:
+            print(
+                f"{cfg.name}: compiling the training step (the first run on this machine takes "
+                "the longest)...",
+                file=sys.stderr,
+                flush=True,
+            )
         self.layout.compile(self)
         wall0 = time.perf_counter()
         self._lagging = self._lags()
         self._last_ready = None
         # A resumed run's last logged step, so a run resumed at its end still reports it.
         self._last: dict[str, Any] = json.loads(kept[-1]) if kept else {}
+        self._times = [(r.get("sim_compute_s", 0.0), r.get("comm_s", 0.0)) for r in map(
+            json.loads, kept)]  # fmt: skip
         bar = _progress(cfg, self.step) if primary else None
         flights: collections.deque[Flight] = collections.deque()
         dispatched = self.step
@@ -462,6 +472,10 @@ class Trainer:
             "params": self.num_params(),
             "sent_bytes_per_step": last.get("sent_bytes"),
             "sim_time_s": self.clock.now,
+            "sim_compute_s_per_step": float(np.mean([c for c, _ in self._times]))
+            if self._times
+            else None,
+            "comm_s_per_step": float(np.mean([m for _, m in self._times])) if self._times else None,
             "network": cfg.network,
             "compute": cfg.compute,
             "wall_s": time.perf_counter() - wall0,
@@ -469,9 +483,15 @@ class Trainer:
         }
         model = self.model_params()  # on every process: a collective read when multi-process
         if primary:
-            tmp = run_dir / ".summary.json.tmp"
-            tmp.write_text(json.dumps(summary, indent=2))
-            os.replace(tmp, run_dir / "summary.json")
+            from train.summary import format_summary
+
+            for name, text in (
+                ("summary.json", json.dumps(summary, indent=2)),
+                ("summary.txt", format_summary(summary) + "\n"),
+            ):
+                tmp = run_dir / f".{name}.tmp"
+                tmp.write_text(text)
+                os.replace(tmp, run_dir / name)
             save_model_params(run_dir / "params.msgpack", model)
             from train.plot import plot_metrics
 
@@ -539,6 +559,7 @@ class Trainer:
         out.write(json.dumps(last) + "\n")
         out.flush()
         self._last = last
+        self._times.append((step_s, comm_s))
         if metrics_cb is not None:
             metrics_cb(last)
         if bar is not None:

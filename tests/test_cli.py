@@ -1,0 +1,116 @@
+"""The command line explains itself: --help lists the shipped configs, aggregators, sync
+methods and network syntax; --list-keys every config key; enumerated values get "did you
+mean"; the launcher says what passes through and drops gloo's connection lines; errors are
+one short line; the summary reads as text."""
+
+import dataclasses
+import io
+import queue
+
+import pytest
+
+from tests.test_trainer import ROOT, _cfg
+from train import launch as launch_mod
+from train.cli import list_keys, main, shipped_configs
+from train.config import AGGREGATORS, SYNC_METHODS, Config
+from train.summary import format_summary
+from train.trainer import Trainer
+
+
+def test_help_lists_configs_aggregators_sync_methods_and_the_network_syntax(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    shipped = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+    assert shipped and [p.split("/")[-1] for p, _ in shipped_configs()] == shipped
+    for name in shipped:
+        assert f"configs/{name}" in out
+    assert all(what for _, what in shipped_configs())  # every config says what it is
+    for name in (*AGGREGATORS, *SYNC_METHODS):
+        assert name in out
+    assert "50ms,100Mbps" in out and "--list-keys" in out and "--set name=" in out
+
+
+def test_list_keys_explains_every_config_key(capsys):
+    assert main(["--list-keys"]) == 0
+    out = capsys.readouterr().out
+    assert out == list_keys() + "\n"
+    for f in dataclasses.fields(Config):
+        head = next(line for line in out.splitlines() if line.startswith(f"{f.name} (default"))
+        # The line after a key's head is its meaning (indented), never another key.
+        lines = out.splitlines()
+        assert lines[lines.index(head) + 1].startswith("    "), f.name
+
+
+@pytest.mark.parametrize(
+    "key, value, hint",
+    [("aggregator", "rnig", "ring"), ("optimizer", "adamm", "adam"),
+     ("sync.method", "diloc", "diloco"), ("boundary", "aqsdg", "aqsgd")],
+)  # fmt: skip
+def test_a_misspelled_choice_gets_did_you_mean(capsys, key, value, hint):
+    args = ["--set", f"{key}={value}"]
+    if key == "sync.method":
+        args += ["--set", "aggregator=none", "--set", "sync.period=2"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"did you mean {hint!r}?" in err and err.count("\n") == 1
+
+
+def test_the_launcher_help_says_what_passes_through(capsys):
+    with pytest.raises(SystemExit):
+        launch_mod.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "passes through to each process's python -m train" in out
+    assert "--config" in out and "--resume" in out
+
+
+def test_the_launcher_drops_gloos_connection_lines_unless_verbose():
+    text = (
+        "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks"
+        " is : 1\nstep 1\n[Gloo] something else\n"
+    )
+    for quiet, want in ((True, ["step 1\n", "[Gloo] something else\n"]), (False, None)):
+        out: queue.Queue = queue.Queue()
+        launch_mod._pump(0, io.StringIO(text), out, quiet)
+        got = []
+        while (item := out.get())[1] is not None:
+            got.append(item[1])
+        assert got == (want or text.splitlines(keepends=True))
+
+
+def test_resuming_a_changed_model_is_one_short_line(tmp_path):
+    """A different model's checkpoint is refused naming the keys that differ, not every
+    parameter path."""
+    kw = dict(task="gpt", steps=1, checkpoint_every=1)
+    Trainer(_cfg(tmp_path, **kw)).run()
+    wider = _cfg(tmp_path, **{**kw, "model": {**_cfg(tmp_path).model, "width": 64}})
+    with pytest.raises(ValueError) as refused:
+        Trainer(wider).run(resume=True)
+    message = str(refused.value)
+    assert "model: checkpoint" in message and "parameter shapes differ" in message
+    assert len(message) < 400 and "\n" not in message
+
+
+def test_the_summary_reads_as_text():
+    text = format_summary(
+        {
+            "name": "dp_default", "steps": 300, "resumed": False, "final_loss": 2.5591,
+            "valid_loss": 2.58, "params": 867328, "sent_bytes_per_step": 6071296,
+            "sim_time_s": 18.95, "network": "1ms,1Gbps", "compute": "v100", "wall_s": 104.2,
+            "sim_compute_s_per_step": 0.00059, "comm_s_per_step": 0.0626,
+            "total_sent_bytes": 1821388800,
+        }
+    )  # fmt: skip
+    assert "== dp_default: 300 steps ==" in text
+    assert "2.559 training, 2.58 validation" in text
+    assert "867,328" in text and "6,071,296 B (6.07 MB)" in text
+    assert "0.59 ms compute + 62.60 ms communication a step" in text
+    assert "total_sent_bytes" in text and "1,821,388,800" in text
+
+
+def test_a_run_writes_its_summary_as_text_beside_the_json(tmp_path):
+    run = _cfg(tmp_path, task="mlp", model={"features": [8]}, dataset="digits", steps=2)
+    summary = Trainer(run).run()
+    assert (run.run_dir / "summary.txt").read_text() == format_summary(summary) + "\n"
+    assert summary["sim_compute_s_per_step"] > 0 and summary["comm_s_per_step"] > 0
