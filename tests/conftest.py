@@ -48,3 +48,40 @@ def run_tx():
         return jax.jit(f)(g, p)
 
     return _run_tx
+
+
+# `pytest -m quick`: a few tests from each layer that check an install in about a minute
+# (codecs, collectives against lax, the user's step, a training run that learns, resume,
+# the command line). The full suite is what CI runs.
+QUICK = (
+    "test_codecs.py::test_quantizer_unbiased",
+    "test_codecs.py::test_topk_roundtrip_and_bytes",
+    "test_collectives.py::test_ring_all_reduce_equals_psum",
+    "test_collectives.py::test_tree_all_reduce_equals_psum",
+    "test_user_step.py::test_user_step_gives_the_rule_on_each_workers_own_gradient[ring]",
+    "test_user_step.py::test_user_step_gives_the_rule_on_each_workers_own_gradient[ec_quantized]",
+    "test_trainer.py::test_mlp_loss_goes_down_and_files_written",
+    "test_lose_nothing.py::test_arrays_equal_on_every_worker_are_saved_once_and_restored_bit",
+    "test_lose_nothing.py::test_resuming_a_finished_run_changes_nothing_and_can_go_further",
+    "test_cli.py::test_help_lists_configs_aggregators_sync_methods_and_the_network_syntax",
+    "test_cli.py::test_a_misspelled_choice_gets_did_you_mean",
+)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "quick: the install check (`pytest -m quick`)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(config, items):
+    matched = set()
+    for item in items:
+        name = item.nodeid.split("tests/", 1)[-1]
+        hits = [q for q in QUICK if name.startswith(q)]
+        if hits:
+            item.add_marker(pytest.mark.quick)
+            matched.update(hits)
+    files = {item.nodeid.split("tests/", 1)[-1].split("::")[0] for item in items}
+    stale = [q for q in QUICK if q not in matched and q.split("::")[0] in files]
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py QUICK names tests that do not exist: {stale}")

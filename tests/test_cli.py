@@ -114,3 +114,13 @@ def test_a_run_writes_its_summary_as_text_beside_the_json(tmp_path):
     summary = Trainer(run).run()
     assert (run.run_dir / "summary.txt").read_text() == format_summary(summary) + "\n"
     assert summary["sim_compute_s_per_step"] > 0 and summary["comm_s_per_step"] > 0
+
+
+def test_the_license_file_is_the_one_the_package_declares():
+    import tomllib
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"]
+    text = (ROOT / "LICENSE").read_text()
+    assert declared == {"text": "Apache-2.0"}
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
