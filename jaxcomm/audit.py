@@ -14,13 +14,13 @@ rounds. Nothing is taken from jaxcomm's own byte accounting, so comparing the tw
 
 How each collective counts (bytes a device sends per execution, rounds):
 
-=================== ===================================================== ==========
-collective-permute  its operand, on devices that are a source of a pair   1
-all-gather          ``(N - 1) *`` its operand                            ``N - 1``
-reduce-scatter      ``(N - 1) *`` its result (``operand / N``)           ``N - 1``
-all-to-all          ``(N - 1) / N *`` its operands                       ``N - 1``
-all-reduce          ``2 (N - 1) * ceil(size / N) * itemsize`` per array  ``2 (N - 1)``
-=================== ===================================================== ==========
+================== =================================================== =============
+collective-permute its operand, on devices that are a source of a pair 1
+all-gather         ``(N - 1) *`` its operand                           ``N - 1``
+reduce-scatter     ``(N - 1) *`` its result (``operand / N``)          ``N - 1``
+all-to-all         ``(N - 1) / N *`` its operands                      ``N - 1``
+all-reduce         ``2 (N - 1) * ceil(size / N) * itemsize`` per array ``2 (N - 1)``
+================== =================================================== =============
 
 ``N`` is the size of the device's replica group. XLA's own collectives have no fixed
 algorithm, so they are counted as the bandwidth-optimal ring (pairwise exchange for

@@ -493,25 +493,26 @@ def test_sparseloco_wire_is_141x_below_fp32_in_the_compiled_program():
     assert audit.traffic().sent.tolist() == [(N - 1) * payload] * N
 
 
-def test_the_readme_block_runs_as_printed():
-    """The README's DiLoCo block, executed as printed: its construction as it stands, its
-    step lines inside ``shard_map`` with per-worker parameters, for one period of 30 steps.
+def test_the_docs_block_runs_as_printed():
+    """The DiLoCo block of docs/algorithms/diloco.md, executed as printed: its construction
+    as it stands, its step lines inside ``shard_map`` with per-worker parameters, for one
+    period of 30 steps.
     Each of the three fragments is synchronised once, at steps 9, 19 and 29, over 4-bit
     codes; theta_sync is the same on every worker and has moved."""
     import pathlib
 
     import models
 
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    block = readme.split("<!-- diloco:begin -->")[1].split("<!-- diloco:end -->")[0]
-    code = block.split("```python")[1].split("```")[0]
+    page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "algorithms" / "diloco.md"
+    block = page.read_text().split("<!-- diloco:begin -->")[1].split("<!-- diloco:end -->")[0]
+    code = block.split("```py\n")[1].split("```")[0]
     build, step = code.split("# inside jax.shard_map")
     step = "\n".join(step.splitlines()[1:])  # the lines after that comment
     rng = np.random.default_rng(0)
     shapes = {"embed": (5, 3), "block_0": (3, 3), "block_1": (3, 3), "head": (3, 2)}
     params0 = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
     ns = {"models": models, "jaxcomm": jaxcomm, "optax": optax, "params": params0}
-    exec(compile(build, "README.md", "exec"), ns)  # noqa: S102
+    exec(compile(build, "diloco.md", "exec"), ns)  # noqa: S102
     tx = ns["tx"]
 
     def loss_fn(p, batch):
@@ -527,7 +528,7 @@ def test_the_readme_block_runs_as_printed():
         for t in range(30):
             scope = {"jaxcomm": jaxcomm, "optax": optax, "loss_fn": loss_fn, "tx": tx}
             scope.update(params=params, opt_state=opt_state, batch=batches[0, t])
-            exec(compile(step, "README.md", "exec"), scope)  # noqa: S102
+            exec(compile(step, "diloco.md", "exec"), scope)  # noqa: S102
             params, opt_state = scope["params"], scope["opt_state"]
             sent.append(merge_logs(*find_logs(opt_state)).sent_bytes)
         lead = lambda tree: jax.tree_util.tree_map(lambda a: a[None], tree)  # noqa: E731

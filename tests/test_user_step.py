@@ -1,4 +1,4 @@
-"""Every aggregator used from the user's own train step, exactly as the README shows.
+"""Every aggregator used from the user's own train step, exactly as the docs show.
 
 Parameters enter ``jax.shard_map`` replicated (``in_specs=P()``, ``check_vma`` on), each
 worker has its own data, and the gradient is taken inside with :func:`jaxcomm.worker_grad`.
@@ -286,15 +286,16 @@ def test_dtype_policy(name):
 
 
 def test_the_readme_train_step_runs_as_printed(capsys):
-    """The README's train-step block, executed as printed: the update is the mean of the
+    """The train-step block of docs/user-step.md, executed as printed: the update is the mean of the
     workers' own gradients and the compiled step holds no unlogged collective."""
     import pathlib
 
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "user-step.md"
+    readme = page.read_text()
     block = readme.split("<!-- user-step:begin -->")[1].split("<!-- user-step:end -->")[0]
     code = block.split("```python")[1].split("```")[0]
     ns: dict = {}
-    exec(compile(code, "README.md", "exec"), ns)  # noqa: S102
+    exec(compile(code, "docs/user-step.md", "exec"), ns)  # noqa: S102
     assert capsys.readouterr().out.strip() == "()"
     params, new = ns["params"], ns["new_params"]
     x, y = ns["x_host"], ns["y_host"]

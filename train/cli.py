@@ -90,6 +90,63 @@ def list_keys() -> str:
     return "\n".join(out)
 
 
+def reference_page() -> str:
+    """The command line and config reference (``docs/cli.md``), in Markdown: every
+    command's ``--help`` and every config key with its default and meaning."""
+    from train.config import key_docs
+    from train.estimate import _parser as estimate_parser
+    from train.launch import _parser as launch_parser
+
+    def help_text(parser: argparse.ArgumentParser) -> str:
+        import io
+
+        out = io.StringIO()
+        width = os.environ.get("COLUMNS")
+        os.environ["COLUMNS"] = "100"  # the same page whatever the terminal
+        try:
+            parser.print_help(out)
+        finally:
+            if width is None:
+                os.environ.pop("COLUMNS")
+            else:
+                os.environ["COLUMNS"] = width
+        return out.getvalue().rstrip()
+
+    parts = [
+        "# Command line and config reference",
+        "",
+        "Written from the code at every docs build (`train.cli.reference_page`); a test",
+        "checks that this page is current.",
+        "",
+        "## `python -m train`",
+        "",
+        "```text",
+        help_text(_parser()),
+        "```",
+        "",
+        "## `python -m train.launch`",
+        "",
+        "```text",
+        help_text(launch_parser()),
+        "```",
+        "",
+        "## `python -m train.estimate`",
+        "",
+        "```text",
+        help_text(estimate_parser()),
+        "```",
+        "",
+        "## Config keys",
+        "",
+        "A YAML config (`--config`) sets any of these; `--set key=value` overrides one (a",
+        "nested one as `--set model.width=64`).",
+        "",
+    ]
+    for key, default, text in key_docs():
+        parts += [f"`{key}` (default `{default!r}`)", f": {text}", ""]
+    return "\n".join(parts).rstrip() + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, run one training job, print its summary."""
     args = _parser().parse_args(argv)

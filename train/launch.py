@@ -231,8 +231,8 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
             p.wait()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse ``--processes`` (and ``--port``, ``--grace``), check the config, launch."""
+def _parser() -> argparse.ArgumentParser:
+    """The launcher's own options (the rest pass through to ``python -m train``)."""
     p = argparse.ArgumentParser(
         prog="python -m train.launch",
         usage="python -m train.launch --processes P [--port N] [--grace S] [--verbose] "
@@ -252,6 +252,12 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds the processes get to save a checkpoint after Ctrl-C before they are killed",
     )
     p.add_argument("--verbose", action="store_true", help="keep gloo's per-connection lines")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``--processes`` (and ``--port``, ``--grace``), check the config, launch."""
+    p = _parser()
     args, train_args = p.parse_known_args(argv)
     if args.processes < 1:
         p.error(f"--processes must be >= 1, got {args.processes}")
@@ -259,10 +265,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--port must be in [1, 65535], got {args.port}")
     if args.grace < 0:
         p.error(f"--grace must be >= 0, got {args.grace}")
-    from train.cli import _parser
+    from train.cli import _parser as train_parser
     from train.config import load_config
 
-    targs = _parser().parse_args(train_args)
+    targs = train_parser().parse_args(train_args)
     try:
         cfg = load_config(targs.config, targs.overrides)
     except (ValueError, FileNotFoundError) as e:
