@@ -50,11 +50,22 @@ def check_float(
 
 
 def check_choice(name: str, value: Any, allowed: Iterable[Any]) -> Any:
-    """Return ``value`` if it is one of ``allowed``; raise a ValueError listing them otherwise."""
+    """Return ``value`` if it is one of ``allowed``; raise a ValueError listing them otherwise
+    (with the closest one, when one is close)."""
     allowed = tuple(allowed)
     if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        hint = did_you_mean(value, allowed)
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}{hint}")
     return value
+
+
+def did_you_mean(value: Any, allowed: Iterable[Any]) -> str:
+    """``"; did you mean 'x'?"`` for the entry of ``allowed`` closest to ``value`` (as text),
+    or ``""`` when none is close."""
+    import difflib
+
+    hint = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+    return f"; did you mean {hint[0]!r}?" if hint else ""
 
 
 def axis_size(axis_name: Any) -> int:

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from jaxcomm._checks import did_you_mean
 from jaxcomm.audit import ComputeCost
 
 __all__ = ["DEVICES", "Device", "Roofline", "get_device", "roofline"]
@@ -132,7 +133,10 @@ DEVICES: dict[str, Device] = {
 def get_device(name: str) -> Device:
     """The :class:`Device` called ``name`` (case-insensitive)."""
     if not isinstance(name, str) or name.lower() not in DEVICES:
-        raise ValueError(f"unknown device {name!r}; known devices: {', '.join(DEVICES)}")
+        raise ValueError(
+            f"unknown device {name!r}; known devices: {', '.join(DEVICES)}"
+            + did_you_mean(name, DEVICES)
+        )
     return DEVICES[name.lower()]
 
 

@@ -46,7 +46,8 @@ def test_list_keys_explains_every_config_key(capsys):
 @pytest.mark.parametrize(
     "key, value, hint",
     [("aggregator", "rnig", "ring"), ("optimizer", "adamm", "adam"),
-     ("sync.method", "diloc", "diloco"), ("boundary", "aqsdg", "aqsgd")],
+     ("sync.method", "diloc", "diloco"), ("boundary", "aqsdg", "aqsgd"),
+     ("compute", "v10", "v100")],
 )  # fmt: skip
 def test_a_misspelled_choice_gets_did_you_mean(capsys, key, value, hint):
     args = ["--set", f"{key}={value}"]

@@ -8,13 +8,14 @@ as YAML and must have the field's type. Unknown keys are errors, never silently 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import re
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from jaxcomm._checks import check_choice, did_you_mean
 
 __all__ = ["Config", "load_config", "apply_overrides"]
 
@@ -379,10 +380,7 @@ def _roofline(cfg: Config) -> Any:
 
 
 def _choice(name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        hint = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
-        tail = f"; did you mean {hint[0]!r}?" if hint else ""
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}{tail}")
+    check_choice(name, value, allowed)
 
 
 def key_docs() -> list[tuple[str, Any, str]]:
@@ -417,8 +415,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 
 
 def _unknown(key: str, allowed: list[str]) -> ValueError:
-    hint = difflib.get_close_matches(key, allowed, n=1)
-    tail = f"; did you mean {hint[0]!r}?" if hint else ""
+    tail = did_you_mean(key, allowed)
     return ValueError(f"unknown config key {key!r}; allowed keys: {sorted(allowed)}{tail}")
 
 
