@@ -227,6 +227,11 @@ def test_bad_diloco_settings_are_refused(tmp_path):
         Trainer(_cfg(tmp_path, {"period": 9, "fragments": 9}))
     with pytest.raises(ValueError, match="k must be an integer"):
         Trainer(_cfg(tmp_path, {"period": 2, "compress": {"method": "sparseloco", "k": 0}}))
+    # A ratio that keeps nothing of a fragment is refused when the fragments are known,
+    # naming the setting.
+    tiny = {"period": 2, "fragments": 2, "compress": {"method": "ar_topk", "ratio": 1e-6}}
+    with pytest.raises(ValueError, match=r"sync.compress=\{'method': 'ar_topk'.*ratio must be"):
+        Trainer(_cfg(tmp_path, tiny, steps=1)).run()
 
 
 def test_the_estimate_lays_a_period_on_the_link_clock_and_matches_a_run(tmp_path):

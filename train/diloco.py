@@ -138,16 +138,19 @@ class DiLoCo(Sync):
 
     def _aggregate(self) -> optax.GradientTransformation | None:
         method, args = self._codec()
+        name = f"sync.compress={self.sync['compress']!r}"
         try:
             if method == "none":
                 return None
             if method in ("int8", "int4"):
-                return jaxcomm.ec_quantized_allreduce(AXIS, **args)
-            if method == "sparseloco":
-                return jaxcomm.chunk_topk(AXIS, **args)
-            return jaxcomm.ar_topk(AXIS, **args)
+                agg = jaxcomm.ec_quantized_allreduce(AXIS, **args)
+            elif method == "sparseloco":
+                agg = jaxcomm.chunk_topk(AXIS, **args)
+            else:
+                agg = jaxcomm.ar_topk(AXIS, **args)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"sync.compress={self.sync['compress']!r}: {e}") from e
+            raise ValueError(f"{name}: {e}") from e
+        return _named_errors(agg, name)
 
     def _outer(self) -> optax.GradientTransformation:
         lr, mu = float(self.sync["outer_lr"]), float(self.sync["outer_momentum"])
@@ -322,3 +325,22 @@ class DiLoCo(Sync):
             "peak_sent_bytes_per_step": self._bytes["peak"],
             "total_sent_bytes": self._bytes["total"],
         }
+
+
+def _named_errors(tx: optax.GradientTransformation, name: str) -> optax.GradientTransformation:
+    """``tx`` whose ``ValueError`` at trace time (e.g. a top-k ratio that keeps nothing of a
+    small fragment) names the setting that made it."""
+
+    def init(params):
+        try:
+            return tx.init(params)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from e
+
+    def update(updates, state, params=None):
+        try:
+            return tx.update(updates, state, params)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from e
+
+    return optax.GradientTransformation(init, update)
