@@ -11,6 +11,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -191,12 +192,14 @@ def test_arrays_equal_on_every_worker_are_saved_once_and_restored_bit_for_bit(tm
         "signed": _sharded(signed),
         "ints": _sharded(np.tile(np.arange(4, dtype=np.int32), (8, 1))),
         "flags": _sharded(np.ones((8, 2), np.bool_)),
+        "half": _sharded(np.broadcast_to(row.astype(jnp.bfloat16), (8, 5, 3)).copy()),
+        "bytes": _sharded(np.tile(np.arange(6, dtype=np.uint8), (8, 1))),
         "step": np.asarray(7, np.int64),
     }
     store = Checkpoints(tmp_path, keep=1)
     store.save(7, state, {"run": 1}, {})
     rows = json.loads((tmp_path / "checkpoints" / "7" / "rows" / "metadata").read_text())
-    assert sorted(rows["once"]) == ["['flags']", "['ints']", "['same']"]
+    assert sorted(rows["once"]) == ["['bytes']", "['flags']", "['half']", "['ints']", "['same']"]
     step, back, _ = store.restore(state, {"run": 1})
     store.close()
     assert step == 7
@@ -233,3 +236,67 @@ def test_the_main_jobs_checkpoint_holds_one_copy_of_the_replicated_state(tmp_pat
     ]
     assert any("residual" in r or "error" in r for r in residual)
     assert not [r for r in once if "residual" in r or "error" in r]
+
+
+def test_a_summary_of_an_earlier_shorter_run_is_not_taken_for_this_ones(tmp_path):
+    """Run 2 steps (summary of step 2), resume to 4 but stop at 4 without a summary (as a
+    stop between the last checkpoint and the summary leaves it): resuming at 4 writes step
+    4's summary and model, it does not return step 2's as complete."""
+    run = _cfg(tmp_path, **MLP, steps=2, checkpoint_every=2)
+    Trainer(run).run()
+    longer = _cfg(tmp_path, **MLP, steps=4, checkpoint_every=2)
+    full = Trainer(longer).run(resume=True)
+    (run.run_dir / "summary.json").write_text(
+        json.dumps({**json.loads((run.run_dir / "summary.json").read_text()), "steps": 2})
+    )
+    again = Trainer(longer).run(resume=True)
+    assert again["steps"] == 4 and not again.get("already_complete")
+    assert again["final_loss"] == full["final_loss"]
+    assert json.loads((run.run_dir / "summary.json").read_text())["steps"] == 4
+
+
+def test_a_torn_last_metrics_row_does_not_block_resume(tmp_path, capsys):
+    run = _cfg(tmp_path, **MLP, steps=4, checkpoint_every=2)
+    Trainer(run).run()
+    path = run.run_dir / "metrics.jsonl"
+    path.write_text(path.read_text() + '{"step": 5, "loss": 1.2')  # a crash mid-write
+    more = Trainer(_cfg(tmp_path, **MLP, steps=6, checkpoint_every=2)).run(resume=True)
+    assert "line 5 is not a complete row (dropped)" in capsys.readouterr().err
+    assert more["steps"] == 6 and [r["step"] for r in _rows(run.run_dir)] == list(range(1, 7))
+
+
+def test_keys_complex_and_old_checkpoints_round_trip(tmp_path):
+    """Typed PRNG keys and complex arrays (which cannot be compared bit for bit here) are
+    saved whole even when equal on every worker; a checkpoint written before rows were
+    saved once (no ``rows`` item) restores as it was written."""
+    from train.checkpoint import Checkpoints
+
+    keys = jax.random.split(jax.random.key(0), 8)
+    same_keys = jax.random.wrap_key_data(
+        np.broadcast_to(np.asarray(jax.random.key_data(keys[:1])), (8, 2)).copy()
+    )
+    state = {
+        "keys": _sharded(same_keys),
+        "complex": _sharded(np.ones((8, 3), np.complex64)),
+        "w": _sharded(np.ones((8, 4), np.float32)),
+    }
+    store = Checkpoints(tmp_path / "a", keep=1)
+    store.save(1, state, {"run": 1}, {})
+    rows = json.loads((tmp_path / "a" / "checkpoints" / "1" / "rows" / "metadata").read_text())
+    assert rows["once"] == ["['w']"]
+    _, back, _ = store.restore(state, {"run": 1})
+    store.close()
+    np.testing.assert_array_equal(jax.random.key_data(back["keys"]), jax.random.key_data(same_keys))
+    np.testing.assert_array_equal(np.asarray(back["complex"]), np.ones((8, 3), np.complex64))
+    # The format before: every worker's rows, no "rows" item.
+    import orbax.checkpoint as ocp
+
+    old = Checkpoints(tmp_path / "b", keep=1)
+    plain = {"w": _sharded(np.arange(32, dtype=np.float32).reshape(8, 4))}
+    old.manager.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(plain),
+                     meta=ocp.args.JsonSave({"run": 1}), extras=ocp.args.JsonSave({})),
+                     force=True)  # fmt: skip
+    old.manager.wait_until_finished()
+    _, back, _ = old.restore(plain, {"run": 1})
+    old.close()
+    np.testing.assert_array_equal(np.asarray(back["w"]), np.asarray(plain["w"]))

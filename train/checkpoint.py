@@ -216,10 +216,28 @@ def _row_sharding(a: jax.Array) -> NamedSharding | None:
     sharding = getattr(a, "sharding", None)
     if not isinstance(a, jax.Array) or a.ndim < 1 or a.shape[0] < 2:
         return None
+    if not _comparable(a.dtype):
+        return None  # saved whole: typed PRNG keys, complex, sub-byte integers
     if not isinstance(sharding, NamedSharding):
         return None
     spec = tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
     return NamedSharding(sharding.mesh, PartitionSpec(*spec[1:]))
+
+
+def _comparable(dtype: Any) -> bool:
+    """Whether rows of ``dtype`` can be compared bit for bit by :func:`_bits` (bool, and
+    integers and floats of 8, 16, 32 or 64 bits)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return False
+    if dtype == jnp.bool_:
+        return True
+    if jnp.issubdtype(dtype, jnp.integer):
+        bits = jnp.iinfo(dtype).bits
+    elif jnp.issubdtype(dtype, jnp.floating):
+        bits = jnp.finfo(dtype).bits
+    else:
+        return False
+    return bits in (8, 16, 32, 64) and bits == 8 * np.dtype(dtype).itemsize
 
 
 def _bits(x: jax.Array) -> jax.Array:

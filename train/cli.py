@@ -32,6 +32,15 @@ def shipped_configs() -> list[tuple[str, str]]:
     return out
 
 
+def resolve_config(path: str | None) -> str | None:
+    """``path`` as given when it exists; else a shipped config of that name
+    (``configs/dp_default.yaml`` from any folder); else as given (its error names it)."""
+    if path is None or Path(path).exists():
+        return path
+    shipped = _configs_dir() / Path(path).name
+    return str(shipped) if shipped.is_file() else path
+
+
 def _epilog() -> str:
     from train.config import AGGREGATORS, DILOCO_COMPRESS, SYNC_METHODS
 
@@ -158,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from train.config import load_config
 
+    args.config = resolve_config(args.config)
     try:
         cfg = load_config(args.config, args.overrides)
     except (ValueError, FileNotFoundError) as e:
@@ -184,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         summary = Trainer(cfg).run(resume=args.resume)
+    except KeyboardInterrupt:  # before the run's handlers, or a second Ctrl-C
+        print("interrupted; nothing was saved beyond the newest checkpoint", file=sys.stderr)
+        return 130
     except Interrupted as e:
         print(str(e), file=sys.stderr)
         return 128 + e.signum

@@ -288,7 +288,7 @@ class Config:
         if unknown:
             raise ValueError(
                 f"sync: unknown keys {unknown} for method={self.sync.get('method')!r}; "
-                f"known: {list(keys)}"
+                f"known: {list(keys)}{did_you_mean(unknown[0], keys)}"
             )
         out = {"fill_bubbles": True, "reduce": "ring", "fused": False, **self.sync}
         if "method" not in out or "period" not in out:
@@ -359,7 +359,10 @@ class Config:
         known = {f.name for f in dataclasses.fields(Stragglers)}
         unknown = sorted(set(self.stragglers) - known)
         if unknown:
-            raise ValueError(f"stragglers: unknown keys {unknown}; known: {sorted(known)}")
+            raise ValueError(
+                f"stragglers: unknown keys {unknown}; known: {sorted(known)}"
+                + did_you_mean(unknown[0], known)
+            )
         model = Stragglers(**self.stragglers)
         workers = self.workers * self.stages
         bad = [w for w in model.slow if w >= workers]

@@ -70,13 +70,16 @@ def _exit_code(rc: int) -> int:
 
 
 # What gloo prints once per pair of processes as they connect: noise unless --verbose.
-_GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+_GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks[^\n]*")
 
 
 def _pump(i: int, stream, out: queue.Queue, quiet: bool = True) -> None:
     for line in iter(stream.readline, ""):
-        if not (quiet and _GLOO_CONNECTED.match(line)):
-            out.put((i, line))
+        if quiet:  # also where a progress bar's redraw shares the line
+            line = _GLOO_CONNECTED.sub("", line)
+            if not line.strip():
+                continue
+        out.put((i, line))
     out.put((i, None))
 
 
@@ -266,11 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.grace < 0:
         p.error(f"--grace must be >= 0, got {args.grace}")
     from train.cli import _parser as train_parser
+    from train.cli import resolve_config
     from train.config import load_config
 
     targs = train_parser().parse_args(train_args)
     try:
-        cfg = load_config(targs.config, targs.overrides)
+        cfg = load_config(resolve_config(targs.config), targs.overrides)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import optax
 
 import jaxcomm
+from jaxcomm._checks import did_you_mean
 from jaxcomm.network import Network
 from train.config import DENSE_AGGREGATORS, Config
 from train.programs import AXIS
@@ -69,9 +70,20 @@ def make_aggregator(cfg: Config) -> optax.GradientTransformation:
     if cfg.aggregator == "ar_topk" and args.get("reduce") == "auto":
         net = args.get("network") or cfg.network_schedule().at(0)
         args["network"] = Network.parse(net) if isinstance(net, str) else net
+    import inspect
+
+    accepted = [
+        n for n, q in inspect.signature(factory).parameters.items() if q.kind == q.KEYWORD_ONLY
+    ]
+    odd = sorted(set(cfg.aggregator_args) - set(accepted))
+    if odd and accepted:
+        raise ValueError(
+            f"aggregator_args: {cfg.aggregator!r} takes no {odd[0]!r}; it takes {accepted}"
+            + did_you_mean(odd[0], accepted)
+        )
     try:
         return factory(AXIS, **args)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise ValueError(f"aggregator_args {args!r} do not fit {cfg.aggregator!r}: {e}") from e
 
 

@@ -361,6 +361,8 @@ class Trainer:
             summary = json.loads(summary_path.read_text())
         except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
             return None
+        if not isinstance(summary, dict) or summary.get("steps") != self.step:
+            return None  # an earlier, shorter run's summary: this step's is written now
         if is_primary():
             print(
                 f"{self.cfg.name} is already complete at step {self.step}; its summary "
@@ -393,13 +395,7 @@ class Trainer:
                 return done
         primary = is_primary()
         metrics_path = run_dir / "metrics.jsonl"
-        kept = []
-        if resumed and metrics_path.exists():
-            kept = [
-                line
-                for line in metrics_path.read_text().splitlines()
-                if line and json.loads(line).get("step", 0) <= self.step
-            ]
+        kept = _kept_rows(metrics_path, self.step) if resumed else []
         if primary:  # files are written once, by process 0
             if resumed and (run_dir / "config.json").is_file():
                 try:
@@ -408,8 +404,8 @@ class Trainer:
                     before = {}
                 if "lr" in before and before["lr"] != cfg.lr:
                     print(f"resuming with lr changed: {before['lr']!r} -> {cfg.lr!r}", flush=True)
-            metrics_path.write_text("".join(line + "\n" for line in kept))
-            (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+            _write_atomically(metrics_path, "".join(line + "\n" for line in kept))
+            _write_atomically(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
 
         if primary and cfg.progress:
             print(
@@ -428,7 +424,7 @@ class Trainer:
             json.loads, kept)]  # fmt: skip
         bar = _progress(cfg, self.step) if primary else None
         flights: collections.deque[Flight] = collections.deque()
-        dispatched = self.step
+        dispatched = start = self.step
         stopped = False
         with open(metrics_path if primary else os.devnull, "a") as out:
             while (dispatched < cfg.steps and not stopped) or flights:
@@ -452,6 +448,14 @@ class Trainer:
         last = self._last
         if bar is not None:
             bar.close()
+        if stopped and self.step == start:  # a signal before the first step finished
+            manager.close()
+            name = signal.Signals(self._stop.signum).name
+            raise Interrupted(
+                f"stopped by {name} before step {start + 1}; nothing new to save"
+                + (" (the newest checkpoint is unchanged)" if start else ""),
+                self._stop.signum,
+            )
         if manager.latest_step() != self.step:
             self.save(manager)
         manager.close()
@@ -485,13 +489,8 @@ class Trainer:
         if primary:
             from train.summary import format_summary
 
-            for name, text in (
-                ("summary.json", json.dumps(summary, indent=2)),
-                ("summary.txt", format_summary(summary) + "\n"),
-            ):
-                tmp = run_dir / f".{name}.tmp"
-                tmp.write_text(text)
-                os.replace(tmp, run_dir / name)
+            _write_atomically(run_dir / "summary.json", json.dumps(summary, indent=2))
+            _write_atomically(run_dir / "summary.txt", format_summary(summary) + "\n")
             save_model_params(run_dir / "params.msgpack", model)
             from train.plot import plot_metrics
 
@@ -582,6 +581,32 @@ class Trainer:
         return self.layout.model_params(self, to_host(self.eval_params()))
 
 
+def _write_atomically(path: Any, text: str) -> None:
+    """Replace ``path`` with ``text`` (a temporary file renamed: a crash leaves the old)."""
+    tmp = path.parent / f".{path.name}.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _kept_rows(path: Any, step: int) -> list[str]:
+    """The metrics rows of steps up to ``step`` (a resumed run's history). A line that does
+    not parse (the last one, torn by a crash mid-write) is dropped with a line saying so."""
+    if not path.exists():
+        return []
+    kept = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line:
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            print(f"{path}: line {n} is not a complete row (dropped)", file=sys.stderr, flush=True)
+            continue
+        if row.get("step", 0) <= step:
+            kept.append(line)
+    return kept
+
+
 class Interrupted(RuntimeError):
     """A run stopped by a signal once its last completed step was checkpointed."""
 
@@ -614,7 +639,7 @@ def _stop_signals():
             raise KeyboardInterrupt
         if not flag.signum:
             print(
-                f"\n{signal.Signals(signum).name}: stopping after the current step and "
+                f"\n{signal.Signals(signum).name}: stopping after the steps under way and "
                 "saving a checkpoint (Ctrl-C again to stop at once)",
                 flush=True,
             )
