@@ -4,6 +4,7 @@ one without results."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -115,6 +116,14 @@ def test_a_second_run_into_a_used_folder_is_told_how_to_choose_another(tmp_path)
         Trainer(run).run()
 
 
+def _stderr_so_far(proc) -> str:
+    """What the launcher printed on stderr up to now (its pid lines come first)."""
+    text = ""
+    while "process 1: pid" not in text:
+        text += proc.stderr.readline()
+    return text
+
+
 def _launch(args, **kw):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
@@ -129,10 +138,13 @@ def _launch(args, **kw):
     )
 
 
-def test_ctrl_c_to_the_launcher_saves_every_process_and_resume_ends_as_one_run(tmp_path):
-    """Two processes, SIGINT to the launcher once step 4 is logged (no checkpoint due): the
-    processes agree on the step, save it together, exit naming --resume; the resumed run's
-    losses equal one uninterrupted process's."""
+@pytest.mark.parametrize("target", ["launcher", "one process"])
+def test_a_signal_saves_every_process_and_resume_ends_as_one_run(tmp_path, target):
+    """Two processes; once step 4 is logged (no checkpoint due), SIGINT to the launcher
+    (which asks every process to stop) or SIGTERM to process 1 alone (which only it sees:
+    without agreement process 0 would go on alone and hang in the next collective): the
+    processes agree on the step, save it together, exit naming --resume; the resumed
+    run's losses equal one uninterrupted process's."""
     sets = ["task=mlp", "dataset=digits", "model.features=[16]", "workers=4",
             "global_batch=16", "aggregator=ec_quantized", "checkpoint_every=100",
             "eval_every=0", "progress=false", "steps=40"]  # fmt: skip
@@ -146,9 +158,14 @@ def test_ctrl_c_to_the_launcher_saves_every_process_and_resume_ends_as_one_run(t
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    if target == "launcher":
+        proc.send_signal(signal.SIGINT)
+    else:
+        pid = int(re.search(r"process 1: pid (\d+)", _stderr_so_far(proc)).group(1))
+        os.kill(pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, out[-2000:] + err[-2000:]
+    want = 130 if target == "launcher" else 128 + signal.SIGTERM
+    assert proc.returncode == want, out[-2000:] + err[-2000:]
     assert "continue with --resume" in out
     saved = [int(p.name) for p in (two / "checkpoints").iterdir() if p.name.isdigit()]
     assert len(saved) == 1 and 4 <= saved[0] < 40

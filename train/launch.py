@@ -176,6 +176,17 @@ def launch(
                 rc = p.poll()
                 if rc not in (None, 0) and first_fail is None:
                     first_fail = (i, rc)
+                    if rc in _SAVED_AND_STOPPED:
+                        # Stopped by a signal after a checkpoint: the others saved the same
+                        # step with it and are ending too; give them the grace to finish.
+                        print(
+                            f"[launch] process {i} stopped after a checkpoint (exit code {rc}); "
+                            "waiting for the others",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                        _stop_after(procs, grace_s)
+                        continue
                     how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
                     print(
                         f"[launch] process {i} failed ({how}); stopping the other processes",
@@ -220,6 +231,21 @@ def _signal(procs: list[subprocess.Popen], sig: int) -> None:
                 os.killpg(p.pid, sig)
             except ProcessLookupError:
                 pass  # it ended meanwhile
+
+
+# Exit codes of `python -m train` stopped by SIGINT / SIGTERM once it saved a checkpoint.
+_SAVED_AND_STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
+
+
+def _stop_after(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """Wait up to ``grace_s`` for every process to end on its own, then stop the rest."""
+    end = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            break
+    _stop(procs, 0.0)
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
