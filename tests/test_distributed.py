@@ -58,7 +58,7 @@ def test_two_processes_end_where_one_process_ends(tmp_path):
         args += ["--set", s]
     proc = _launch(args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "[p0]" in proc.stdout and "final_loss" in proc.stdout
+    assert "[p0]" in proc.stdout and "sent per step" in proc.stdout
     assert "final_loss" not in "".join(
         line for line in proc.stdout.splitlines(True) if line.startswith("[p1]")
     )

@@ -137,7 +137,7 @@ def test_star_topk_in_the_trainer_logs_roots_gain_and_audited_bytes(tmp_path):
 
 def test_refuses_to_overwrite_or_mix_checkpoints(tmp_path):
     Trainer(_cfg(tmp_path, steps=3)).run()
-    with pytest.raises(ValueError, match="already holds checkpoints"):
+    with pytest.raises(ValueError, match="already holds a run's checkpoints"):
         Trainer(_cfg(tmp_path, steps=3)).run()
     other = _cfg(tmp_path, steps=6, model={**SMALL, "width": 64})
     with pytest.raises(ValueError, match="holds a different run.*model"):
@@ -186,7 +186,7 @@ def test_cli_runs_and_reports(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert rc == 0
-    assert "final_loss" in out and "sent_bytes_per_step" in out
+    assert "steps ==" in out and "sent per step" in out and "simulated time" in out
     assert main(["--set", "nope=1"]) == 2
 
 
