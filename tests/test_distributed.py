@@ -33,6 +33,19 @@ def _launch(args, timeout=600):
     )
 
 
+def _start(args):
+    """``python -m train.launch args`` started in the background (pipes for its output)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "train.launch", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def _rows(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -129,15 +142,7 @@ def test_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path):
     args = ["--processes", "2", *common]
     for s in [*sets, "steps=100000"]:
         args += ["--set", s]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "train.launch", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _start(args)
     pid = None
     while pid is None:
         line = proc.stderr.readline()

@@ -6,8 +6,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -16,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.test_trainer import ROOT, _cfg
+from tests.test_distributed import _start
+from tests.test_trainer import _cfg
 from train.cli import main
 from train.trainer import Interrupted, NothingToResume, Trainer
 
@@ -124,20 +123,6 @@ def _stderr_so_far(proc) -> str:
     return text
 
 
-def _launch(args, **kw):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
-    return subprocess.Popen(
-        [sys.executable, "-m", "train.launch", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kw,
-    )
-
-
 @pytest.mark.parametrize("target", ["launcher", "one process"])
 def test_a_signal_saves_every_process_and_resume_ends_as_one_run(tmp_path, target):
     """Two processes; once step 4 is logged (no checkpoint due), SIGINT to the launcher
@@ -152,7 +137,7 @@ def test_a_signal_saves_every_process_and_resume_ends_as_one_run(tmp_path, targe
     args = ["--processes", "2"]
     for s in [*sets, f"out_dir={two}"]:
         args += ["--set", s]
-    proc = _launch(args)
+    proc = _start(args)
     metrics = two / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
@@ -169,7 +154,7 @@ def test_a_signal_saves_every_process_and_resume_ends_as_one_run(tmp_path, targe
     assert "continue with --resume" in out
     saved = [int(p.name) for p in (two / "checkpoints").iterdir() if p.name.isdigit()]
     assert len(saved) == 1 and 4 <= saved[0] < 40
-    again = _launch([*args, "--resume"])
+    again = _start([*args, "--resume"])
     out, err = again.communicate(timeout=300)
     assert again.returncode == 0, out[-2000:] + err[-2000:]
     one = tmp_path / "one"
