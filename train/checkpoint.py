@@ -41,6 +41,7 @@ __all__ = [
     "RunFolderBusy",
     "run_lock",
     "write_checksums",
+    "write_atomically",
     "verify_checksums",
     "save_model_params",
     "load_model_params",
@@ -87,15 +88,21 @@ def _checkpoint_files(run_dir: Any, step: int) -> dict[str, Any]:
     return files
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text``: a temporary file beside it, renamed (a crash leaves
+    the old file or the new, never half of one)."""
+    tmp = path.parent / f".{path.name}.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_checksums(run_dir: Any, step: int, kept: Any = ()) -> None:
     """Write the SHA-256 of every file of checkpoint ``step`` to ``run_dir/checksums/
     <step>.json`` (atomically), and drop the sums of checkpoints no longer kept."""
     folder = run_dir / "checksums"
     folder.mkdir(exist_ok=True)
     sums = {name: _sha256(p) for name, p in _checkpoint_files(run_dir, step).items()}
-    tmp = folder / f".{step}.json.tmp"
-    tmp.write_text(json.dumps(sums, indent=0, sort_keys=True))
-    os.replace(tmp, folder / f"{step}.json")
+    write_atomically(folder / f"{step}.json", json.dumps(sums, indent=0, sort_keys=True))
     keep = {f"{s}.json" for s in kept} | {f"{step}.json"}
     for old in folder.glob("*.json"):
         if old.name not in keep:

@@ -61,6 +61,7 @@ from train.checkpoint import (
     run_lock,
     save_model_params,
     save_run,
+    write_atomically,
 )
 from train.clock import StepTraffic, step_traffic, wire_time
 from train.config import Config
@@ -404,8 +405,8 @@ class Trainer:
                     before = {}
                 if "lr" in before and before["lr"] != cfg.lr:
                     print(f"resuming with lr changed: {before['lr']!r} -> {cfg.lr!r}", flush=True)
-            _write_atomically(metrics_path, "".join(line + "\n" for line in kept))
-            _write_atomically(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
+            write_atomically(metrics_path, "".join(line + "\n" for line in kept))
+            write_atomically(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
 
         if primary and cfg.progress:
             print(
@@ -489,8 +490,8 @@ class Trainer:
         if primary:
             from train.summary import format_summary
 
-            _write_atomically(run_dir / "summary.json", json.dumps(summary, indent=2))
-            _write_atomically(run_dir / "summary.txt", format_summary(summary) + "\n")
+            write_atomically(run_dir / "summary.json", json.dumps(summary, indent=2))
+            write_atomically(run_dir / "summary.txt", format_summary(summary) + "\n")
             save_model_params(run_dir / "params.msgpack", model)
             from train.plot import plot_metrics
 
@@ -579,13 +580,6 @@ class Trainer:
         """Replica 0's parameters (the averaged model for local SGD) in the model's own
         layout (what ``init_params`` loads)."""
         return self.layout.model_params(self, to_host(self.eval_params()))
-
-
-def _write_atomically(path: Any, text: str) -> None:
-    """Replace ``path`` with ``text`` (a temporary file renamed: a crash leaves the old)."""
-    tmp = path.parent / f".{path.name}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _kept_rows(path: Any, step: int) -> list[str]:
