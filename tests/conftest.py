@@ -7,6 +7,17 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Many tests compile the same programs again (a resumed trainer, the same step in another
+# test, the processes a launcher starts): JAX's compilation cache, in a folder of this
+# session's own, shared by the pytest workers and the processes they start, compiles each
+# once. The cache keys on the whole program, so a hit is the very executable.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxcomm-tests-")
+    os.environ["JAXCOMM_TESTS_OWN_CACHE"] = "1"
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -92,3 +103,11 @@ def pytest_collection_modifyitems(config, items):
     ]
     if stale:
         raise pytest.UsageError(f"tests/conftest.py QUICK names tests that do not exist: {stale}")
+
+
+def pytest_unconfigure(config):
+    """The session's compilation cache goes when the session ends (in the main process)."""
+    if os.environ.get("JAXCOMM_TESTS_OWN_CACHE") and not hasattr(config, "workerinput"):
+        import shutil
+
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

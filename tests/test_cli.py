@@ -12,7 +12,7 @@ import pytest
 from tests.test_trainer import ROOT, _cfg
 from train import launch as launch_mod
 from train.cli import list_keys, main, shipped_configs
-from train.config import AGGREGATORS, SYNC_METHODS, Config
+from train.config import AGGREGATORS, SYNC_METHODS, Config, key_docs
 from train.summary import format_summary
 from train.trainer import Trainer
 
@@ -41,6 +41,14 @@ def test_list_keys_explains_every_config_key(capsys):
         # The line after a key's head is its meaning (indented), never another key.
         lines = out.splitlines()
         assert lines[lines.index(head) + 1].startswith("    "), f.name
+    # A key explained inside another's entry points to that entry instead of repeating it.
+    meanings = {key: text for key, _, text in key_docs()}
+    said = [t for t in meanings.values() if not t.startswith("see ")]
+    assert len(said) == len(set(said))
+    for key, text in meanings.items():
+        if text.startswith("see "):
+            assert f"``{key}``" in meanings[text[len("see ``") : -2]], key
+    assert meanings["mfu"] == "see ``compute``"
 
 
 @pytest.mark.parametrize(
@@ -120,6 +128,17 @@ def test_a_run_writes_its_summary_as_text_beside_the_json(tmp_path):
     summary = Trainer(run).run()
     assert (run.run_dir / "summary.txt").read_text() == format_summary(summary) + "\n"
     assert summary["sim_compute_s_per_step"] > 0 and summary["comm_s_per_step"] > 0
+
+
+def test_the_long_silences_are_announced(tmp_path, capsys):
+    """With progress on, the compilation before the first step and the final evaluation
+    after the last each say what is happening, in that order around the progress bar."""
+    run = _cfg(tmp_path, task="mlp", model={"features": [8]}, dataset="digits", steps=2)
+    Trainer(dataclasses.replace(run, progress=True)).run()
+    err = capsys.readouterr().err
+    compiling = err.index("compiling the training step")
+    evaluating = err.index("final evaluation and summary")
+    assert compiling < err.index("2/2") < evaluating
 
 
 def test_the_license_file_is_the_one_the_package_declares():

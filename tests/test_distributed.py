@@ -188,36 +188,6 @@ def test_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path):
         np.testing.assert_allclose(x, y, atol=1e-5)
 
 
-def test_pipeline_stages_on_two_processes_match_one_process(tmp_path):
-    """AQ-SGD across a process boundary: stage 0 on one process, stage 1 on the other.
-    From step 3 the samples repeat, so deltas against each process's own message buffer
-    cross; run 4 steps, resume to 8, and end bit for bit where one process ends."""
-    sets = ["workers=1", "stages=2", "boundary=aqsgd", "global_batch=8", "microbatches=2",
-            "model.num_layers=2", "model.width=32", "model.seq_len=32", "train_samples=16",
-            "checkpoint_every=2", "eval_every=0", "progress=false"]  # fmt: skip
-    two = tmp_path / "two"
-
-    def args(steps, resume=False):
-        a = ["--processes", "2", "--config", "configs/dp_default.yaml"]
-        for s in [*sets, f"steps={steps}", f"out_dir={two}"]:
-            a += ["--set", s]
-        return a + (["--resume"] if resume else [])
-
-    for steps, resume in ((4, False), (8, True)):
-        proc = _launch(args(steps, resume))
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert sorted(p.name for p in (two / "buffers" / "8").iterdir()) == ["process0", "process1"]
-    one = tmp_path / "one"
-    cfg = load_config(str(ROOT / "configs/dp_default.yaml"), [*sets, "steps=8", f"out_dir={one}"])
-    Trainer(cfg).run()
-    a, b = _rows(two), _rows(one)
-    assert [r["loss"] for r in a] == [r["loss"] for r in b]
-    sent = [r["sent_bytes"] for r in a]
-    assert sent == [r["sent_bytes"] for r in b] and sent[-1] < sent[0] / 2  # deltas
-    for x, y in zip(_params(two), _params(one), strict=True):
-        np.testing.assert_array_equal(x, y)
-
-
 _WRAPPER = """
 import sys, time
 from train import launch
@@ -343,5 +313,10 @@ def test_new_combinations_on_two_processes_resume_bit_exactly(tmp_path, combo):
     if "boundary=aqsgd" in sets:
         p2p = [sum(w[5] for w in r["wire"] if w[0] == "p2p") for r in a]
         assert p2p[3] < p2p[0] / 2  # deltas once the samples repeat
+        # Each process keeps (and checkpoints) the message buffers of its own stage.
+        assert sorted(q.name for q in (two / "buffers" / "6").iterdir()) == [
+            "process0",
+            "process1",
+        ]
     for x, y in zip(_params(two), _params(one), strict=True):
         np.testing.assert_array_equal(x, y)

@@ -1,5 +1,6 @@
 """The documentation: it builds with warnings as errors (links between pages included),
-every complete ``python`` block in it and in the README runs as printed, its command line
+every complete ``python`` block in it and in the README runs as printed, every ``py``
+fragment runs in the setting its page describes, its command line
 reference is current, and every relative link points at a file that exists."""
 
 import contextlib
@@ -16,8 +17,8 @@ from train.cli import reference_page
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PAGES = [p for p in PAGES if "_build" not in p.parts]
-# ```python blocks are complete programs and run here; ```py blocks are fragments of a step
-# (highlighted, not run; the long ones run in their own tests with the setup they need).
+# ```python blocks are complete programs and run as printed; ```py blocks are fragments of a
+# step, run below in the setting their page describes.
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
@@ -82,3 +83,240 @@ def test_the_docs_build_with_warnings_as_errors(tmp_path):
     api = (tmp_path / "html" / "api.html").read_text()
     for name in ("ec_quantized_allreduce", "diloco", "wire_audit", "ring_all_reduce"):
         assert name in api
+
+
+# ```py fragments: each runs here in the setting its page describes, its free names given
+# values of that setting, and what the page says of its result is checked.
+FRAGMENT = re.compile(r"^```py\n(.*?)^```", re.S | re.M)
+
+
+def _fragments():
+    for page in PAGES:
+        for i, m in enumerate(FRAGMENT.finditer(page.read_text())):
+            yield f"{page.relative_to(ROOT)}#{i}", m.group(1)
+
+
+def _quantize(code):
+    import math
+
+    import jax
+    import numpy as np
+
+    n = 10_000
+    x = jax.numpy.asarray(np.random.default_rng(0).normal(size=n), np.float32)
+    ns = {"x": x, "key": jax.random.key(0)}
+    exec(compile(code, "library.md", "exec"), ns)  # noqa: S102
+    assert ns["x_hat"].shape == x.shape and ns["x_hat"].dtype == x.dtype
+    assert ns["jaxcomm"].payload_bytes(ns["q"]) == math.ceil(n * 4 / 8) + 4 * math.ceil(n / 512)
+
+
+def _ring(code):
+    import jax
+    import numpy as np
+
+    import jaxcomm
+
+    x = np.arange(8 * 16, dtype=np.float32)
+    ns = {"jax": jax, "jaxcomm": jaxcomm, "x": x}
+    exec(compile(code, "library.md", "exec"), ns)  # noqa: S102
+    got = np.asarray(jax.jit(ns["f"])(ns["x"]))
+    np.testing.assert_allclose(got, np.tile(x.reshape(8, 16).sum(0), 8))
+
+
+def _sgd_step(reduce):
+    """A data-parallel SGD step over 8 workers (dense all-reduce), its parameters and batch."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomm
+
+    mesh = jax.make_mesh((8,), ("data",))
+    tx = optax.chain(jaxcomm.dense_allreduce("data", reduce=reduce), optax.sgd(0.1))
+    specs = (P("data"), P())
+
+    def loss_fn(params, x):
+        return jnp.mean((x @ params["w"]) ** 2)
+
+    def per_worker(params, opt_state, batch):
+        agg, rest = opt_state
+        grads = jaxcomm.worker_grad(loss_fn, "data")(params, batch)
+        updates, (agg, rest) = tx.update(grads, (jax.tree.map(lambda a: a[0], agg), rest), params)
+        return optax.apply_updates(params, updates), (jax.tree.map(lambda a: a[None], agg), rest)
+
+    step = jax.shard_map(
+        per_worker, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs)
+    )
+    params = {"w": jnp.ones((128, 8))}  # 1,024 float32
+    init = lambda p: (jax.tree.map(lambda a: a[None], tx.init(p)[0]), tx.init(p)[1])  # noqa: E731
+    opt_state = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+    x = np.random.default_rng(0).normal(size=(64, 128)).astype(np.float32)
+    return step, params, opt_state, jax.device_put(x, NamedSharding(mesh, P("data")))
+
+
+def _audit(code):
+    import numpy as np
+
+    import jaxcomm
+
+    step, params, opt_state, batch = _sgd_step("ring")
+    ns = {"jax": __import__("jax"), "jaxcomm": jaxcomm, "step": step}
+    ns.update(params=params, opt_state=opt_state, batch=batch)
+    exec(compile(code, "library.md", "exec"), ns)  # noqa: S102
+    # A ring all-reduce of 1,024 float32 over 8 workers: 2 (N-1) messages of d / N each.
+    assert np.asarray(ns["audit"].sent_bytes()).tolist() == [2 * 7 * 128 * 4] * 8
+
+
+def _cost(code):
+    import jax
+    import jax.numpy as jnp
+
+    import jaxcomm
+
+    a = jnp.ones((256, 512), jnp.float32)
+    compiled = jax.jit(lambda a, b: a @ b).lower(a, a.T).compile()
+    ns = {"jax": jax, "jaxcomm": jaxcomm, "compiled": compiled}
+    exec(compile(code, "library.md", "exec"), ns)  # noqa: S102
+    assert int(ns["cost"].matmul_flops[0]) == 2 * 256 * 512 * 256
+    assert jaxcomm.roofline("v100").seconds(ns["cost"])[0] > 0
+
+
+def _aqsgd(code):
+    """Stage 0 sends to stage 1; both hold the same previous messages; the receiver's
+    result equals the sender's new previous messages bit for bit."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomm
+
+    mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+    rng = np.random.default_rng(0)
+    previous = rng.normal(size=(16, 64)).astype(np.float32)
+    a = np.stack([previous + 0.1 * rng.normal(size=(16, 64)), np.zeros((16, 64))])
+
+    def per_stage(a, previous):
+        ns = {"jaxcomm": jaxcomm, "a": a[0], "previous": previous, "seen": True, "s": 0}
+        ns["key"] = jax.random.key(1)
+        exec(compile(code, "aqsgd.md", "exec"), ns)  # noqa: S102
+        nbytes = jnp.asarray(jaxcomm.payload_bytes(ns["payload"]))
+        return ns["h"][None], ns["new_prev"][None], nbytes[None]
+
+    f = jax.jit(
+        jax.shard_map(per_stage, mesh=mesh, in_specs=(P("stage"), P()), out_specs=P("stage"))
+    )
+    h, new_prev, nbytes = f(
+        jax.device_put(a.astype(np.float32), NamedSharding(mesh, P("stage"))), previous
+    )
+    np.testing.assert_array_equal(np.asarray(h)[1], np.asarray(new_prev)[0])
+    assert not np.array_equal(np.asarray(h)[1], previous)
+    # 3-bit codes of 16 x 64 and one float32 scale per row: the page's formula.
+    assert np.asarray(nbytes).tolist() == [16 * 64 * 3 // 8 + 4 * 16] * 2
+
+
+def _worker(code, page):
+    """Build as printed; then the step's lines on every worker inside ``shard_map``, each
+    worker with its own parameters, for 10 steps; the loss must fall."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomm
+    import models
+
+    build, step = code.split("# inside jax.shard_map")
+    step = "\n".join(line for line in step.splitlines()[1:] if not line.startswith("#"))
+    rng = np.random.default_rng(0)
+    if "x, y)" in step:  # the user's step of user-step.md: linear regression (200 inputs)
+        params = {"w": jnp.zeros((200, 1)), "b": jnp.zeros(1)}
+        x = rng.normal(size=(8, 10, 8, 200)).astype(np.float32)
+        data = (x, x @ rng.normal(size=(200, 1)).astype(np.float32))
+
+        def loss_fn(p, x, y):
+            return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+        names = ("x", "y")
+    else:  # the README's GPT, four blocks
+        task = models.build_task("gpt", num_layers=4, width=32, num_heads=2, seq_len=16)
+        tokens = rng.integers(0, 65, size=(8, 10, 4, 17)).astype(np.int32)
+        params = task.init(jax.random.key(0), {"tokens": jnp.asarray(tokens[0, 0])})
+        data = ({"tokens": tokens},)
+
+        def loss_fn(p, batch):
+            return task.loss(p, batch)[0]
+
+        names = ("batch",)
+    ns = {"jax": jax, "jaxcomm": jaxcomm, "models": models, "optax": optax}
+    ns.update(params=params, loss_fn=loss_fn, batch=jax.tree.map(lambda a: a[0, 0], data[-1]))
+    out = __import__("io").StringIO()
+    with __import__("contextlib").redirect_stdout(out):
+        exec(compile(build, page, "exec"), ns)  # noqa: S102
+    for line in build.splitlines():
+        if line.startswith("print(") and "  # " in line:
+            assert out.getvalue().strip() == line.split("  # ", 1)[1].strip()
+    tx = ns["tx"]
+
+    def per_worker(params, *data):
+        params = jax.tree.map(lambda a: a[0], params)
+        opt_state = tx.init(params)
+        for t in range(10):
+            scope = {"jaxcomm": jaxcomm, "optax": optax, "loss_fn": loss_fn, "tx": tx}
+            scope.update(params=params, opt_state=opt_state)
+            scope.update(zip(names, jax.tree.map(lambda a, t=t: a[0, t], data), strict=True))
+            exec(compile(step, page, "exec"), scope)  # noqa: S102
+            params, opt_state = scope["params"], scope["opt_state"]
+        return jax.tree.map(lambda a: a[None], params)
+
+    mesh = jax.make_mesh((8,), ("data",))
+    put = lambda t: jax.device_put(t, NamedSharding(mesh, P("data")))  # noqa: E731
+    stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (8, *a.shape)), params)
+    f = jax.jit(jax.shard_map(per_worker, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+    trained = jax.device_get(f(put(stacked), *put(data)))
+
+    def mean_loss(stacked):
+        each = []
+        for w in range(8):
+            mine = jax.tree.map(lambda a, w=w: a[w], stacked)
+            each.append(loss_fn(mine, *jax.tree.map(lambda a, w=w: a[w, 0], data)))
+        return float(np.mean(each))
+
+    before, after = mean_loss(stacked), mean_loss(trained)
+    assert np.isfinite(after) and after < before, (before, after)
+
+
+_SETTINGS = {
+    "docs/library.md#0": _quantize,
+    "docs/library.md#1": _ring,
+    "docs/library.md#2": _audit,
+    "docs/library.md#3": _cost,
+    "docs/algorithms/aqsgd.md#0": _aqsgd,
+    "docs/algorithms/artopk.md#0": _worker,
+    "docs/algorithms/dreamddp.md#0": _worker,
+    "docs/algorithms/marsit.md#0": _worker,
+    # Runs for a whole DiLoCo period in tests/test_diloco.py (theta_sync checked).
+    "docs/algorithms/diloco.md#0": None,
+}
+
+
+def test_every_fragment_has_a_setting():
+    assert sorted(name for name, _ in _fragments()) == sorted(_SETTINGS)
+
+
+@pytest.mark.parametrize(
+    "name, code",
+    [pytest.param(*f, id=f[0]) for f in _fragments() if _SETTINGS.get(f[0])],
+)
+def test_every_fragment_runs_in_its_setting(name, code):
+    run = _SETTINGS[name]
+    if run is _worker:
+        run(code, name)
+    else:
+        run(code)

@@ -388,7 +388,7 @@ def _choice(name: str, value: Any, allowed: tuple) -> None:
 
 def key_docs() -> list[tuple[str, Any, str]]:
     """``(key, default, meaning)`` of every config key, the meaning read from
-    :class:`Config`'s docstring (a key described inside another's entry gets that entry)."""
+    :class:`Config`'s docstring (a key described inside another's entry points to it)."""
     doc = Config.__doc__ or ""
     body = doc.split("Attributes:", 1)[1] if "Attributes:" in doc else ""
     entries: list[tuple[str, str]] = []
@@ -403,7 +403,7 @@ def key_docs() -> list[tuple[str, Any, str]]:
     for f in dataclasses.fields(Config):
         text = own.get(f.name)
         if text is None:
-            text = next((t for _, t in entries if f"``{f.name}``" in t), "")
+            text = next((f"see ``{k}``" for k, t in entries if f"``{f.name}``" in t), "")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         out.append((f.name, default, text))
     return out

@@ -348,12 +348,15 @@ class Trainer:
     def _stopping(self) -> bool:
         """Whether a stop signal arrived here or (several processes) at any process: every
         process must dispatch the same steps, so they agree before each one."""
-        flag = bool(getattr(self, "_stop", None) and self._stop.signum)
+        stop = getattr(self, "_stop", None)
+        signum = int(stop.signum) if stop is not None else 0
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            flag = bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
-        return flag
+            signum = int(np.max(multihost_utils.process_allgather(np.int32(signum))))
+            if stop is not None and signum and not stop.signum:
+                stop.signum = signum  # another process's signal: stop (and report) as it does
+        return bool(signum)
 
     def _finished_summary(self, summary_path: Any) -> dict[str, Any] | None:
         """The stored summary of a run already at (or past) ``cfg.steps``; None when it has
@@ -467,6 +470,8 @@ class Trainer:
                 f"{manager.folder / str(self.step)}; continue with --resume",
                 self._stop.signum,
             )
+        if primary and cfg.progress:
+            print(f"{cfg.name}: final evaluation and summary...", file=sys.stderr, flush=True)
         valid = self.evaluate()
         summary = {
             "name": cfg.name,
