@@ -49,6 +49,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxcomm.codecs import SAMPLE_TOPK_SCOPE
+
 __all__ = [
     "CollectiveOp",
     "ComputeCost",
@@ -943,6 +945,10 @@ def _instr_flops(
                 return flops, flops, 0.0
         elif target in _CONV_TARGETS and len(instr.operands) >= 2:
             return _cudnn_conv_flops(instr, shapes, target, first)
+        elif SAMPLE_TOPK_SCOPE in instr.attrs and instr.operands:
+            # jaxcomm's sample selection on the CPU (a host kernel): about one comparison
+            # per entry, in the same units as a reduce
+            return float(_elements(shapes.get(instr.operands[0], ""))), 0.0, 0.0
         elif target == "TopK" and instr.operands:  # the CPU's lax.top_k: a partial sort
             n = _elements(shapes.get(instr.operands[0], ""))
             k = (_dims(first) or [1])[-1]

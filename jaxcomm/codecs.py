@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxcomm._checks import check_choice, check_finite_if_concrete, check_int
@@ -410,11 +411,14 @@ def sign_decode(code: SignCode) -> jax.Array:
 # --------------------------------------------------------------------------- top-k
 
 
-SELECTIONS = ("auto", "exact", "approx", "threshold")
-# Above this share of entries a threshold search beats lax.top_k (a sort on CPU): measured by
-# benchmarks/topk_selection.py, 1M-64M float32 on CPU, threshold 2.4-10x faster at 10%, about
-# even at 1%, 4-8x slower at 0.1% (results/artopk/topk_selection.md). Not measured on a GPU.
+SELECTIONS = ("auto", "exact", "approx", "threshold", "sample")
+# Off the CPU, above this share of entries a threshold search beats lax.top_k (a sort):
+# measured on CPU by benchmarks/topk_selection.py before the sample selection existed;
+# not yet measured on a GPU.
 AUTO_THRESHOLD_ABOVE = 0.02
+# On the CPU, ``auto`` takes the sample selection from this many entries on (below it one
+# host call costs more than lax.top_k of the whole array: benchmarks/topk_selection.py).
+AUTO_SAMPLE_FROM = 1 << 15
 
 
 EXACT_ROUNDS = 31  # bisection rounds over float32 bit patterns that always end exact
@@ -469,6 +473,107 @@ def _threshold_indices(mag: jax.Array, k: int, rounds: int) -> jax.Array:
     return jnp.where((j == 0) & (bad >= 0), bad, idx)
 
 
+# The named scope around the sample selection's host call: the audit costs it by this name.
+SAMPLE_TOPK_SCOPE = "jaxcomm_sample_topk"
+_SIGNLESS = 0x7FFFFFFF  # float32 bits without the sign: the magnitude's bit pattern
+_SAMPLE = 1 << 16  # entries of the strided sample that places the thresholds
+_BLOCK = 1 << 16  # entries per block of the candidate pass (its temporaries stay in cache)
+
+
+def _sample_select_host(x: np.ndarray, k: int) -> np.ndarray:
+    """``int32[k]`` indices (ascending) of the ``k`` largest ``|x|``, ties to the lower index.
+
+    Exact top-k in about one pass over ``x``: a strided sample of :data:`_SAMPLE` entries
+    places two thresholds on the magnitudes' bit patterns, ``t_lo`` (at least ``k`` entries
+    above it, a few standard deviations of the sample's count to spare) and ``t_hi`` (fewer
+    than ``k`` above it); one blocked pass keeps the entries at or above ``t_lo`` (their
+    indices and bit patterns); all of those at or above ``t_hi`` are in the top-k, and the
+    rest of the ``k`` is an exact selection (a partition) among the few in between. When the
+    sample misplaces a threshold (the count says so) the bound is dropped, which only costs
+    time: the result is exact whatever the data. NaN and Inf have bit patterns above every
+    finite magnitude, so they are always selected.
+    """
+    bits = np.ascontiguousarray(x, np.float32).reshape(-1).view(np.int32)
+    d = bits.size
+    if k >= d:
+        return np.arange(d, dtype=np.int32)
+    s = min(d, _SAMPLE)
+    sample = bits[:: d // s][:s] & np.int32(_SIGNLESS)
+    q = k / d
+    spare = 4.0 * math.sqrt(q * (1.0 - q) * s) + 4.0
+    r_lo, r_hi = math.ceil(q * s + spare), math.floor(q * s - spare)
+
+    def candidates(t_lo):
+        idx, val = [], []
+        for start in range(0, d, _BLOCK):
+            block = bits[start : start + _BLOCK] & np.int32(_SIGNLESS)
+            i = np.flatnonzero(block >= t_lo)
+            idx.append(i.astype(np.int32) + np.int32(start))
+            val.append(block[i])
+        return np.concatenate(idx), np.concatenate(val)
+
+    idx, val = candidates(np.partition(sample, s - r_lo)[s - r_lo] if r_lo < s else 0)
+    if idx.size < k:  # t_lo too high: every entry is a candidate
+        idx, val = candidates(0)
+    between = None
+    if r_hi >= 1:
+        t_hi = np.partition(sample, s - r_hi)[s - r_hi]
+        between = np.flatnonzero(val < t_hi)
+        if idx.size - between.size >= k:  # t_hi too low: every candidate is in between
+            between = None
+    if between is None:
+        between = np.arange(idx.size)
+    need = k - (idx.size - between.size)  # >= 1 of the entries in between
+    vals = val[between]
+    kth = np.partition(vals, vals.size - need)[vals.size - need]
+    take = vals > kth
+    ties = np.flatnonzero(vals == kth)
+    take[ties[: need - int(np.count_nonzero(take))]] = True  # ties: lower indices first
+    keep = np.ones(idx.size, bool)
+    keep[between[~take]] = False
+    return idx[keep]
+
+
+def _varying_like(y: jax.Array, x: jax.Array) -> jax.Array:
+    """``y`` typed as varying over the manual mesh axes ``x`` varies over (inside
+    ``shard_map`` a callback's result is typed invariant, though it is computed per device)."""
+    want = getattr(jax.typeof(x), "manual_axis_type", None)
+    have = getattr(jax.typeof(y), "manual_axis_type", None)
+    if want is None or have is None:
+        return y
+    missing = tuple(n for n in want.varying if n not in have.varying)
+    return lax.pcast(y, missing, to="varying") if missing else y
+
+
+def _sample_indices(x: jax.Array, k: int) -> jax.Array:
+    """The sample selection: on the CPU the host kernel above, called from inside the
+    compiled program on the device buffers themselves (``buffer_callback``: a CPU device's
+    memory is host memory, so nothing is copied); on other platforms the 31-round threshold
+    search, which returns the same set."""
+    out = jax.ShapeDtypeStruct((k,), jnp.int32)
+
+    def host(v):
+        with jax.named_scope(SAMPLE_TOPK_SCOPE):  # the audit costs the call by this name
+            return _host(v)
+
+    def _host(v):
+        try:
+            from jax.experimental.buffer_callback import buffer_callback
+        except ImportError:  # an older JAX: the same kernel on a copy of the array
+            fn = functools.partial(_sample_select_host, k=k)
+            return _varying_like(jax.pure_callback(fn, out, v, vmap_method="sequential"), v)
+
+        def fill(_ctx, result, v):
+            np.asarray(result)[...] = _sample_select_host(np.asarray(v), k)
+
+        return _varying_like(buffer_callback(fill, out, vmap_method="sequential")(v), v)
+
+    def device(v):
+        return _threshold_indices(jnp.abs(v), k, EXACT_ROUNDS)
+
+    return lax.platform_dependent(x, cpu=host, default=device)
+
+
 def topk_indices(
     x: jax.Array, k: int, *, method: str = "exact", rounds: int = EXACT_ROUNDS
 ) -> jax.Array:
@@ -477,27 +582,39 @@ def topk_indices(
     Args:
       x: ``f32[d]``.
       k: entries to keep, ``1 <= k <= d``.
-      method: ``"auto"`` (``"threshold"`` with 31 rounds when ``k / d`` exceeds
-        :data:`AUTO_THRESHOLD_ABOVE`, else ``"exact"``: the faster of the two as measured;
-        exact either way), ``"exact"`` (``lax.top_k``: exact, ties to the lower index),
-        ``"approx"`` (``lax.approx_max_k``: exact on CPU and GPU, recall about 0.95 on TPU)
-        or ``"threshold"`` (bisection on the magnitudes' float32 bit patterns for
-        ``rounds`` rounds, then one pass that compacts the entries above it: with
-        ``rounds >= 31`` exactly ``lax.top_k``'s set, ties to the lower index; with fewer,
-        the last slots go to the lowest indices inside the final bracket of
-        ``2**(31 - rounds)`` bit patterns).
+      method: ``"auto"`` (on the CPU, ``"sample"`` from :data:`AUTO_SAMPLE_FROM` entries
+        on; otherwise ``"threshold"`` with 31 rounds when ``k / d`` exceeds
+        :data:`AUTO_THRESHOLD_ABOVE`, else ``"exact"``; exact either way), ``"exact"``
+        (``lax.top_k``: exact, ties to the lower index), ``"approx"``
+        (``lax.approx_max_k``: exact on CPU and GPU, recall about 0.95 on TPU),
+        ``"threshold"`` (bisection on the magnitudes' float32 bit patterns for ``rounds``
+        rounds, then one pass that compacts the entries above it: with ``rounds >= 31``
+        exactly ``lax.top_k``'s set, ties to the lower index; with fewer, the last slots go
+        to the lowest indices inside the final bracket of ``2**(31 - rounds)`` bit
+        patterns) or ``"sample"`` (exact, ties to the lower index: thresholds placed by a
+        strided sample, one pass that keeps the entries above the lower one, an exact
+        selection among the few between the two; on the CPU a host kernel run on the
+        device buffer in about the time of one copy of ``x``, elsewhere the 31-round
+        threshold search). NaN and Inf count as larger than every finite magnitude in
+        ``"sample"`` and are always selected; ``"threshold"`` puts the first of them in
+        slot 0.
       rounds: bisection rounds of ``"threshold"``.
     Returned indices are a set: ``"exact"``/``"approx"`` list them by magnitude,
-    ``"threshold"`` by index.
+    ``"threshold"`` and ``"sample"`` by index.
     """
     check_choice("method", method, SELECTIONS)
     x = jnp.ravel(x)
     k = check_int("k", k, lo=1, hi=x.shape[0])
     mag = jnp.abs(x)
+    if method == "sample":
+        return _sample_indices(x, k)
     if method == "auto":
         method, rounds = (
             ("threshold", EXACT_ROUNDS) if k > AUTO_THRESHOLD_ABOVE * x.shape[0] else ("exact", 0)
         )
+        if x.shape[0] >= AUTO_SAMPLE_FROM:
+            device = functools.partial(topk_indices, k=k, method=method, rounds=rounds)
+            return lax.platform_dependent(x, cpu=lambda v: _sample_indices(v, k), default=device)
     if method == "exact":
         return lax.top_k(mag, k)[1].astype(jnp.int32)
     if method == "approx":
@@ -525,8 +642,9 @@ def topk_encode(
       k: entries to keep, in ``[1, d]``; or
       ratio: keep ``ceil(ratio * d)`` entries, ratio in ``(0, 1]``.
       method: the selection, one of :data:`SELECTIONS` (see :func:`topk_indices`):
-        ``"auto"`` (a threshold search above 2% of entries, else ``lax.top_k``),
-        ``"exact"``, ``"approx"`` or ``"threshold"``.
+        ``"auto"`` (the sample selection on the CPU; elsewhere a threshold search above
+        2% of entries, else ``lax.top_k``), ``"exact"``, ``"approx"``, ``"threshold"`` or
+        ``"sample"``.
 
     Returns:
       :class:`TopK` of ``k * (itemsize + 4)`` bytes.

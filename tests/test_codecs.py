@@ -193,7 +193,7 @@ def test_pack_codes_matches_the_bit_stream_layout(bits):
     )
 
 
-@pytest.mark.parametrize("method", ["auto", "exact", "threshold"])
+@pytest.mark.parametrize("method", ["auto", "exact", "threshold", "sample"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_topk_payload_of_a_nonfinite_input_is_nonfinite_under_jit(method, bad):
     """Under jit nothing can raise: a NaN or Inf anywhere must reach the payload."""
@@ -229,7 +229,7 @@ def test_a_nonfinite_element_anywhere_poisons_its_bucket_under_vmap(symmetric, b
     assert not np.isfinite(out).all(axis=1).any()
 
 
-@pytest.mark.parametrize("method", ["auto", "threshold"])
+@pytest.mark.parametrize("method", ["auto", "threshold", "sample"])
 def test_threshold_topk_keeps_a_nan_anywhere_in_the_payload(method):
     """A NaN at any position reaches the payload (a max over the magnitudes, which XLA's CPU
     reduction computes without NaN, cannot be what decides it)."""

@@ -222,9 +222,49 @@ def test_auto_and_threshold_equal_lax_top_k_with_outliers_and_ties(d, ratio, see
         x = (np.round(np.abs(x) * levels) / levels * np.sign(x)).astype(np.float32)
     x[rng.integers(d)] = outlier
     want = set(np.asarray(lax.top_k(jnp.abs(jnp.asarray(x)), k)[1]).tolist())
-    for method in ("auto", "threshold"):
+    for method in ("auto", "threshold", "sample"):
         got = np.asarray(_select(jnp.asarray(x), k=k, method=method)).tolist()
         assert len(set(got)) == k and set(got) == want, method
+
+
+def _magnitude_order_reference(x, k):
+    """The k largest magnitudes' indices by a stable sort of the magnitude bit patterns
+    (NaN and Inf above every finite value; ties to the lower index), ascending."""
+    bits = (x.view(np.int32) & np.int32(0x7FFFFFFF)).astype(np.int64)
+    return np.sort(np.argsort(-bits, kind="stable")[:k]).astype(np.int32)
+
+
+@given(
+    d=st.integers(1, 300_000),
+    ratio=st.floats(1e-5, 1.0),
+    seed=st.integers(0, 2**31 - 1),
+    shape=st.sampled_from(["normal", "ascending", "descending", "periodic", "ties", "nan"]),
+)
+@settings(max_examples=60, deadline=None)
+def test_the_sample_selection_is_exact_whatever_the_data(d, ratio, seed, shape):
+    """The host kernel of ``method="sample"`` against a stable sort, on data chosen to
+    mislead its strided sample: sorted either way, a period that puts every sampled entry
+    on the smallest values, a few distinct magnitudes (ties), and more NaNs than k. A
+    misplaced threshold may only cost time."""
+    from jaxcomm.codecs import _SAMPLE, _sample_select_host
+
+    rng = np.random.default_rng(seed)
+    k = max(1, min(d, math.ceil(ratio * d)))
+    x = rng.normal(size=d).astype(np.float32)
+    if shape == "ascending":
+        x = np.sort(np.abs(x))
+    elif shape == "descending":
+        x = -np.sort(np.abs(x))[::-1]
+    elif shape == "periodic":  # sampled entries (every d // _SAMPLE-th) are the tiny ones
+        stride = max(1, d // _SAMPLE)
+        x = np.where(np.arange(d) % stride == 0, 1e-3 * x, x).astype(np.float32)
+    elif shape == "ties":
+        x = (np.round(x * 2) / 2).astype(np.float32)
+    elif shape == "nan":
+        x[rng.integers(0, d, size=k + 3)] = np.nan
+    got = _sample_select_host(x, k)
+    assert got.dtype == np.int32 and got.shape == (k,)
+    np.testing.assert_array_equal(got, _magnitude_order_reference(x, k))
 
 
 def test_default_selection_recall_at_ratio_0_1_with_one_outlier():
