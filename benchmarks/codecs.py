@@ -186,7 +186,7 @@ def make_cases(n: int) -> list[Case]:
     )
     for ratio in (0.1, 0.01, 0.001):
         k = max(1, math.ceil(ratio * n))
-        for method in ("auto", "exact", "approx", "threshold"):
+        for method in ("auto", "exact", "approx", "threshold", "sample"):
 
             def enc(
                 x: jax.Array, key: jax.Array, ratio: float = ratio, method: str = method

@@ -98,6 +98,22 @@ DEVICES: dict[str, Device] = {
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM): FP32 67, TF32 989, BF16/FP16 "
         "1,979, FP8 3,958 TFLOPS with sparsity, half that dense; HBM3 3.35 TB/s",
     ),
+    "h200": Device(
+        name="h200",
+        description="NVIDIA H200 SXM 141 GB",
+        matrix_flops={
+            "fp32": 67.0 * T,
+            "tf32": 494.5 * T,
+            "bf16": 989.5 * T,
+            "fp16": 989.5 * T,
+            "fp8": 1979.0 * T,
+        },
+        vector_flops=67.0 * T,
+        memory_bandwidth=4.8e12,
+        calibrated_mfu={},
+        source="NVIDIA H200 Tensor Core GPU datasheet (SXM): FP32 67, TF32 989, BF16/FP16 "
+        "1,979, FP8 3,958 TFLOPS with sparsity, half that dense; HBM3e 4.8 TB/s",
+    ),
     "rtx2080ti": Device(
         name="rtx2080ti",
         description="NVIDIA GeForce RTX 2080 Ti (11 GB GDDR6), reference clocks",

@@ -38,7 +38,7 @@ def test_every_device_has_the_figures_and_a_source():
 def test_bad_input_is_named():
     with pytest.raises(
         ValueError,
-        match="unknown device 'tpu'; known devices: v100, a100, h100, rtx2080ti, a6000, t4",
+        match="unknown device 'tpu'; known devices: v100, a100, h100, h200, rtx2080ti, a6000, t4",
     ):
         get_device("tpu")
     with pytest.raises(ValueError, match=r"mfu must be in \(0, 1\], got 1.5"):
