@@ -4,11 +4,13 @@ On 8 devices (simulated CPU devices unless an accelerator is present), for float
 of ``--sizes`` elements per device, times one all-reduce of each kind inside ``shard_map``:
 ``psum`` (XLA's collective; NCCL on a GPU), ``jaxcomm.ring_all_reduce`` (``2 (N - 1)``
 ``ppermute`` hops of ``1/N`` of the vector) and ``jaxcomm.tree_all_reduce`` (binomial reduce
-and broadcast of the whole vector). Each program is compiled ahead of time and called once
-untimed; then ``--repeats`` interleaved rounds time one call of each (wall clock around
-``block_until_ready``), and each figure is the median of its rounds, as a ratio to
-``psum`` in the same round. Every result is checked against ``psum``'s, and the bytes each
-device sends are read from the compiled programs (:func:`jaxcomm.wire_audit`).
+and broadcast of the whole vector), and one hop of the ring alone (a ``ppermute`` of ``1/N``
+of the vector: what one of the ring's ``2 (N - 1)`` hops costs on its own, dispatch
+included). Each program is compiled ahead of time and called once untimed; then
+``--repeats`` interleaved rounds time one call of each (wall clock around
+``block_until_ready``), and each figure is the median of its rounds, as a ratio to ``psum``
+in the same round. Every result is checked against ``psum``'s, and the bytes each device
+sends are read from the compiled programs (:func:`jaxcomm.wire_audit`).
 
     python benchmarks/collectives_speed.py [--sizes 65536,262144,1048576,4194304] [--repeats 7]
 
@@ -59,6 +61,16 @@ def programs(d: int, mesh) -> tuple[jax.Array, dict]:
             lambda v, fn=fn: fn(v[0])[None], mesh=mesh, in_specs=P("data"), out_specs=P("data")
         )
         progs[name] = jax.jit(f).lower(x).compile()
+    # One hop of the ring alone: a ppermute of one segment (d / N elements) to the right.
+    seg = -(-d // N)
+    perm = [(j, (j + 1) % N) for j in range(N)]
+    hop = jax.shard_map(
+        lambda v: jax.lax.ppermute(v[:, :seg], "data", perm),
+        mesh=mesh,
+        in_specs=P("data"),
+        out_specs=P("data"),
+    )
+    progs["hop"] = jax.jit(hop).lower(x).compile()
     return x, progs
 
 
@@ -66,8 +78,9 @@ def measure(d: int, repeats: int, mesh) -> dict:
     """``{elements, bytes, <kind>_ms, <kind>_sent, <kind>_over_psum}`` for ``d`` per device."""
     x, progs = programs(d, mesh)
     want = np.asarray(progs["psum"](x))
-    for name, p in progs.items():
-        np.testing.assert_allclose(np.asarray(p(x)), want, rtol=1e-5, atol=1e-4, err_msg=name)
+    for name in KINDS:
+        got = np.asarray(progs[name](x))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4, err_msg=name)
     times: dict[str, list[float]] = {name: [] for name in progs}
     for _ in range(repeats):
         for name, p in progs.items():
@@ -78,7 +91,7 @@ def measure(d: int, repeats: int, mesh) -> dict:
     for name, p in progs.items():
         row[f"{name}_ms"] = 1e3 * statistics.median(times[name])
         row[f"{name}_sent"] = int(jaxcomm.wire_audit(p).sent_bytes().max())
-    for name in progs:
+    for name in KINDS:
         ratios = [a / b for a, b in zip(times[name], times["psum"], strict=True)]
         row[f"{name}_over_psum"] = statistics.median(ratios)
     return row
@@ -97,14 +110,14 @@ def render(record: dict) -> str:
         "Bytes: the most any device sends, read from the compiled program.",
         "",
         "| elements/device | psum ms | ring ms | ring x psum | tree ms | tree x psum "
-        "| ring bytes sent | tree bytes sent |",
-        "|---|---|---|---|---|---|---|---|",
+        "| one ring hop ms | ring bytes sent | tree bytes sent |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['elements']:,} | {r['psum_ms']:.2f} | {r['ring_ms']:.2f} "
             f"| {r['ring_over_psum']:.2f} | {r['tree_ms']:.2f} | {r['tree_over_psum']:.2f} "
-            f"| {r['ring_sent']:,} | {r['tree_sent']:,} |"
+            f"| {r['hop_ms']:.3f} | {r['ring_sent']:,} | {r['tree_sent']:,} |"
         )
     lines.append("")
     return "\n".join(lines)

@@ -78,19 +78,41 @@ def test_the_launcher_help_says_what_passes_through(capsys):
 
 
 def test_the_launcher_drops_gloos_connection_lines_unless_verbose():
+    """Whole gloo lines, pieces of them left by its interleaving threads, and one inside a
+    progress bar's redraw all go; other lines (and other gloo lines) stay; redraws (``\r``)
+    come through as pieces of their own."""
     text = (
         "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks"
         " is : 1\nstep 1\n[Gloo] something else\nbar 0%[Gloo] Rank 1 is connected to 1 peer"
-        " ranks. Expected number of connected peer ranks is : 1\n"
+        " ranks. Expected number of connected peer ranks is : 1\n[Gloo] Rank [Gloo] Rank 3 is"
+        " connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n"
+        "1 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n"
+        " 10%|#  | 1/10\r 20%|## | 2/10\r"
     )
-    keep = ["step 1\n", "[Gloo] something else\n", "bar 0%\n"]
-    for quiet, want in ((True, keep), (False, None)):
+    keep = ["step 1\n", "[Gloo] something else\n", "bar 0%\n", " 10%|#  | 1/10\r",
+            " 20%|## | 2/10\r"]  # fmt: skip
+    pieces = [
+        "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks"
+        " is : 1\n", "step 1\n", "[Gloo] something else\n",
+        "bar 0%[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer"
+        " ranks is : 1\n", "[Gloo] Rank [Gloo] Rank 3 is connected to 3 peer ranks. Expected"
+        " number of connected peer ranks is : 3\n", "1 is connected to 7 peer ranks. Expected"
+        " number of connected peer ranks is : 7\n", " 10%|#  | 1/10\r", " 20%|## | 2/10\r",
+    ]  # fmt: skip
+    for quiet, want in ((True, keep), (False, pieces)):
         out: queue.Queue = queue.Queue()
-        launch_mod._pump(0, io.StringIO(text), out, quiet)
+        launch_mod._pump(0, io.BytesIO(text.encode()), out, quiet)
         got = []
         while (item := out.get())[1] is not None:
             got.append(item[1])
-        assert got == (want or text.splitlines(keepends=True))
+        assert got == want
+
+
+def test_the_launcher_relays_a_progress_bar_as_redraws(capsys):
+    relay = launch_mod._Relay()
+    for piece in (" 10%\r", " 20%\r", "done\n"):
+        relay.write(0, piece)
+    assert capsys.readouterr().out == "\r[p0]  10%\r[p0]  20%\n[p0] done\n"
 
 
 def test_resuming_a_changed_model_is_one_short_line(tmp_path):
@@ -160,3 +182,20 @@ def test_a_shipped_config_is_found_from_any_folder(tmp_path, monkeypatch):
     assert resolve_config("configs/nope.yaml") == "configs/nope.yaml"  # its error names it
     (tmp_path / "mine.yaml").write_text("steps: 3\n")
     assert resolve_config("mine.yaml") == "mine.yaml"  # a file of the user's comes first
+
+
+def test_terminal_help_is_plain_text_and_hints_come_first(capsys):
+    """No docstring markup in --help or --list-keys; a misspelled config file or sync method
+    (with or without a period) gets its hint; an unknown key's hint comes before the list."""
+    assert main(["--list-keys"]) == 0
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and ":func:" not in out and ":class:" not in out
+    assert main(["--config", "configs/dp_defalt.yaml"]) == 2
+    assert "did you mean 'dp_default.yaml'" in capsys.readouterr().err
+    assert main(["--set", "sync.method=local_sdg"]) == 2
+    assert "did you mean 'local_sgd'" in capsys.readouterr().err
+    assert main(["--set", "lrr=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.index("did you mean 'lr'") < err.index("allowed keys")

@@ -106,6 +106,7 @@ def test_resuming_an_empty_folder_says_there_is_nothing_to_resume(tmp_path, caps
     args += ["--set", f"out_dir={tmp_path / 'cli'}", "--no-progress", "--resume"]
     assert main(args) == 1
     assert "nothing to resume" in capsys.readouterr().err
+    assert not (tmp_path / "cli").exists()  # nothing made: no lock, no checkpoint folder
 
 
 def test_a_second_run_into_a_used_folder_is_told_how_to_choose_another(tmp_path):
@@ -165,6 +166,47 @@ def test_a_signal_saves_every_process_and_resume_ends_as_one_run(tmp_path, targe
     a, b = _rows(two), _rows(one)
     assert [r["step"] for r in a] == list(range(1, 41))
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
+
+
+@pytest.mark.parametrize("target", ["launcher", "one process"])
+def test_a_second_ctrl_c_stops_at_once_without_hanging(tmp_path, target):
+    """Ctrl-C twice, 0.1 s apart, to the launcher or to process 1 alone: everything ends
+    within a minute (a process that skipped the save must not wait in JAX's shutdown
+    barrier for the others), with no traceback and no process left; the launcher says what
+    happened in one line."""
+    sets = ["task=mlp", "dataset=digits", "model.features=[16]", "workers=4",
+            "global_batch=16", "checkpoint_every=100", "eval_every=0", "progress=false",
+            "steps=100000"]  # fmt: skip
+    run = tmp_path / "run"
+    args = ["--processes", "2"]
+    for s in [*sets, f"out_dir={run}"]:
+        args += ["--set", s]
+    proc = _start(args)
+    pid = int(re.search(r"process 1: pid (\d+)", _stderr_so_far(proc)).group(1))
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    for _ in range(2):
+        if target == "launcher":
+            proc.send_signal(signal.SIGINT)
+        else:
+            os.kill(pid, signal.SIGINT)
+        time.sleep(0.1)
+    out, err = proc.communicate(timeout=120)
+    assert time.monotonic() - t0 < 60, err[-2000:]
+    assert "Traceback" not in out + err and "DEADLINE_EXCEEDED" not in out + err, err[-3000:]
+    if target == "launcher":
+        assert proc.returncode == 130
+        assert "[launch] stopped at once" in err
+    else:
+        # Stopped at once (119), or the second Ctrl-C came while the checkpoint was being
+        # written, which it waits for (then the run stops as after one Ctrl-C: 130).
+        assert proc.returncode in (119, 130), err[-2000:]
+        if proc.returncode == 119:
+            assert "stopped at once by a second Ctrl-C" in err
 
 
 def _sharded(rows: np.ndarray):
@@ -231,7 +273,7 @@ def test_the_main_jobs_checkpoint_holds_one_copy_of_the_replicated_state(tmp_pat
     ec = _cfg(tmp_path / "ec", **MLP, steps=2, checkpoint_every=2)
     t = Trainer(ec)
     t.run()
-    once = json.loads((ec.run_dir / "checkpoints" / "2" / "rows" / "metadata").read_text())
+    once = json.loads((ec.run_dir / "checkpoints" / "2" / "rows" / "metadata").read_text())["once"]
     residual = [
         jax.tree_util.keystr(p)
         for p, _ in jax.tree_util.tree_flatten_with_path({"opt_state": t.opt_state})[0]
@@ -302,3 +344,36 @@ def test_keys_complex_and_old_checkpoints_round_trip(tmp_path):
     _, back, _ = old.restore(plain, {"run": 1})
     old.close()
     np.testing.assert_array_equal(np.asarray(back["w"]), np.asarray(plain["w"]))
+
+
+def test_a_signal_before_the_first_step_saves_nothing_and_says_so(tmp_path):
+    """SIGINT while the step compiles: nothing to save yet, so the run ends at once with
+    that said in one line (exit 130) and leaves no checkpoint; a run started afterwards in
+    the same folder starts fresh without being told to resume."""
+    import subprocess
+    import sys
+
+    from tests.test_trainer import ROOT
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "train", "--set", "task=mlp", "--set", "dataset=digits",
+           "--set", "steps=5", "--set", f"out_dir={run}"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    seen = ""
+    while "compiling the training step" not in seen:
+        line = proc.stderr.readline()
+        assert line, seen + proc.communicate()[0]
+        seen += line
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out + err
+    assert "before step 1; nothing new to save" in out + err
+    assert "Traceback" not in out + err
+    assert not (run / "checkpoints").exists() or not any(
+        p.name.isdigit() for p in (run / "checkpoints").iterdir()
+    )
+    assert main(["--set", "task=mlp", "--set", "dataset=digits", "--set", "steps=2",
+                 "--set", f"out_dir={run}", "--no-progress"]) == 0  # fmt: skip

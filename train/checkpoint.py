@@ -92,7 +92,10 @@ def write_atomically(path: Path, text: str) -> None:
     """Replace ``path`` with ``text``: a temporary file beside it, renamed (a crash leaves
     the old file or the new, never half of one)."""
     tmp = path.parent / f".{path.name}.tmp"
-    tmp.write_text(text)
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename makes it the file
     os.replace(tmp, path)
 
 
@@ -256,19 +259,27 @@ def _bits(x: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _rows_once(leaves: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
-    """``(equal, rows)``: per array, whether every row holds the same bits, and the rows'
-    bitwise maximum (row 0 when they are equal). Reductions over the leading axis, not
-    slices of it (it is sharded over workers); one program for the whole state, since
-    several programs with collectives in flight at once can starve the CPU backend's
-    threads."""
-    equal, rows = [], []
+def _rows_equal(leaves: list[jax.Array]) -> list[jax.Array]:
+    """Per array, whether every row (leading axis) holds the same bits. Reductions over
+    the leading axis, not slices of it (it is sharded over workers); one program for the
+    whole state, since several programs with collectives in flight at once can starve the
+    CPU backend's threads."""
+    out = []
     for x in leaves:
         bits = _bits(x)
-        top = bits.max(0)
-        equal.append(jnp.all(top == bits.min(0)))
+        out.append(jnp.all(bits.max(0) == bits.min(0)))
+    return out
+
+
+@jax.jit
+def _first_rows(leaves: list[jax.Array]) -> list[jax.Array]:
+    """Row 0 of each array whose rows are equal: their bitwise maximum over the leading
+    axis (a reduction, so no device needs another's row), one program for all of them."""
+    rows = []
+    for x in leaves:
+        top = _bits(x).max(0)
         rows.append(top if x.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(top, x.dtype))
-    return equal, rows
+    return rows
 
 
 def collapse_rows(state: Any) -> tuple[Any, list[str]]:
@@ -280,11 +291,15 @@ def collapse_rows(state: Any) -> tuple[Any, list[str]]:
     once: list[str] = []
     if not candidates:
         return state, once
-    equal, rows = _rows_once([leaves[i] for i in candidates])
-    for i, same, row in zip(candidates, to_host(equal), rows, strict=True):
-        if bool(same):
-            leaves[i] = jax.device_put(row, _row_sharding(leaves[i]))
-            once.append(jax.tree_util.keystr(flat[i][0]))
+    equal = to_host(_rows_equal([leaves[i] for i in candidates]))
+    # Only the equal arrays' rows are formed: a row of every array would hold a second
+    # (replicated) copy of the whole per-worker state on every device while saving.
+    same = [i for i, eq in zip(candidates, equal, strict=True) if bool(eq)]
+    if not same:
+        return state, once
+    for i, row in zip(same, _first_rows([leaves[i] for i in same]), strict=True):
+        leaves[i] = jax.device_put(row, _row_sharding(leaves[i]))
+        once.append(jax.tree_util.keystr(flat[i][0]))
     return jax.tree_util.tree_unflatten(treedef, leaves), once
 
 
@@ -453,7 +468,7 @@ class Checkpoints:
             )  # fmt: skip
             raise ValueError(
                 f"checkpoint directory {str(self.folder)!r} holds a different run "
-                f"({details}); choose another out_dir or matching settings"
+                f"({details}); resume with its settings, or use --set name=<new name>"
             )
         for key, (old, new) in (changed or {}).items():
             print(f"resuming with aggregator_args.{key} changed: {old!r} -> {new!r}", flush=True)

@@ -53,7 +53,9 @@ def _epilog() -> str:
         f"sync methods (--set sync.method=..., with aggregator=none): {', '.join(SYNC_METHODS)}",
         f"  diloco compress: {', '.join(DILOCO_COMPRESS)}",
         "network (--set network=...): LATENCY,BANDWIDTH such as 1ms,1Gbps or 50ms,100Mbps; a",
-        "  schedule STEP:LATENCY,BANDWIDTH;... such as '0:1ms,10Gbps;100:50ms,1Gbps'; or c1, c2",
+        "  schedule STEP:LATENCY,BANDWIDTH;... such as '0:1ms,10Gbps;100:50ms,1Gbps'; or c1, c2:",
+        "  the AR-Topk paper's two changing networks (1-50 ms, 1-25 Gbps over the run;",
+        "  jaxcomm.NetworkSchedule.preset)",
         "",
         "every config key with its default and meaning: python -m train --list-keys",
         "a second run beside the first: --set name=NEW (writes runs/NEW) or --set out_dir=DIR",
@@ -65,7 +67,7 @@ def _epilog() -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m train",
-        description=__doc__,
+        description=plain(__doc__),
         epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -95,8 +97,14 @@ def list_keys() -> str:
     out = []
     for key, default, text in key_docs():
         out.append(f"{key} (default: {default!r})")
-        out += textwrap.wrap(text, width=92, initial_indent="    ", subsequent_indent="    ")
+        out += textwrap.wrap(plain(text), width=92, initial_indent="    ", subsequent_indent="    ")
     return "\n".join(out)
+
+
+def plain(text: str) -> str:
+    """Docstring markup as a terminal shows it: ````x```` and ``:func:`x``` become ``x``."""
+    text = re.sub(r":\w+:`~?([^`]+)`", r"\1", text)
+    return re.sub(r"``([^`]+)``", r"\1", text)
 
 
 def reference_page() -> str:
@@ -196,6 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         summary = Trainer(cfg).run(resume=args.resume)
     except KeyboardInterrupt:  # before the run's handlers, or a second Ctrl-C
         print("interrupted; nothing was saved beyond the newest checkpoint", file=sys.stderr)
+        if distributed.requested():
+            # The other processes will not reach JAX's shutdown barrier with this one: end
+            # now, without it, under a code the launcher reads as "stop the rest at once".
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(distributed.STOPPED_AT_ONCE)
         return 130
     except Interrupted as e:
         print(str(e), file=sys.stderr)

@@ -291,9 +291,10 @@ class Config:
                 f"known: {list(keys)}{did_you_mean(unknown[0], keys)}"
             )
         out = {"fill_bubbles": True, "reduce": "ring", "fused": False, **self.sync}
+        if "method" in out:
+            _choice("sync.method", out["method"], SYNC_METHODS)
         if "method" not in out or "period" not in out:
             raise ValueError(f"sync={self.sync!r} needs method and period")
-        _choice("sync.method", out["method"], SYNC_METHODS)
         _positive("sync.period", out["period"])
         if out["method"] == "diloco":
             out = _diloco_settings(out, self.sync)
@@ -418,8 +419,8 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 
 
 def _unknown(key: str, allowed: list[str]) -> ValueError:
-    tail = did_you_mean(key, allowed)
-    return ValueError(f"unknown config key {key!r}; allowed keys: {sorted(allowed)}{tail}")
+    hint = did_you_mean(key, allowed)  # first: the list after it is long
+    return ValueError(f"unknown config key {key!r}{hint} (allowed keys: {sorted(allowed)})")
 
 
 # A number as people write it; YAML 1.1 reads 1e-3 and 1e30 (no dot) as strings.
@@ -492,13 +493,22 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     return Config(**data)
 
 
+# The configs shipped beside the package (a source checkout or an editable install).
+_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read a YAML config (or the defaults when ``path`` is None) and apply overrides."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+            shipped = sorted(q.name for q in _CONFIGS.glob("*.yaml")) if _CONFIGS.is_dir() else []
+            raise FileNotFoundError(
+                f"config file {str(path)!r} does not exist"
+                + (did_you_mean(path.name, shipped) or (f"; shipped: {', '.join(shipped)}"
+                                                        if shipped else ""))
+            )  # fmt: skip
         try:
             text = path.read_text()
         except UnicodeDecodeError:

@@ -34,6 +34,10 @@ ENV_COORDINATOR = "JAXCOMM_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXCOMM_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXCOMM_PROCESS_ID"
 ENV_AUTO = "JAXCOMM_DISTRIBUTED"
+# Exit code of a process of a multi-process run stopped at once by a second Ctrl-C: it
+# skips JAX's shutdown barrier (the others are not coming to it), and the launcher stops the
+# others at once on seeing it.
+STOPPED_AT_ONCE = 119  # not a code Python, a signal or the trainer's errors use
 
 
 def requested(environ: dict[str, str] | None = None) -> bool:

@@ -31,7 +31,12 @@ import threading
 import time
 from collections.abc import Sequence
 
-from train.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from train.distributed import (
+    ENV_COORDINATOR,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    STOPPED_AT_ONCE,
+)
 
 __all__ = ["main", "free_port", "launch"]
 
@@ -69,18 +74,55 @@ def _exit_code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-# What gloo prints once per pair of processes as they connect: noise unless --verbose.
-_GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks[^\n]*")
+# What gloo prints once per pair of processes as they connect: noise unless --verbose. Its
+# threads interleave their writes, so a line may hold a piece of one: each piece goes.
+_GLOO_CONNECTED = re.compile(
+    r"(\[Gloo\] )?(Rank )?\d+ is connected to \d+ peer ranks\.?"
+    r"( Expected number of connected peer ranks is : \d+)?"
+)
+_GLOO_LEFTOVER = re.compile(r"^(\s|\[Gloo\]|Rank)*$")
 
 
 def _pump(i: int, stream, out: queue.Queue, quiet: bool = True) -> None:
-    for line in iter(stream.readline, ""):
-        if quiet:  # also where a progress bar's redraw shares the line
-            line = _GLOO_CONNECTED.sub("", line)
-            if not line.strip():
-                continue
-        out.put((i, line))
+    """Relay ``stream`` (bytes) as text pieces, each ending in ``\n`` or in ``\r`` (a
+    progress bar's redraw, relayed as a redraw, not as a line of its own)."""
+    pending = b""
+    while chunk := stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536):
+        pending += chunk
+        while (cut := min((j for j in (pending.find(b"\n"), pending.find(b"\r")) if j >= 0),
+                          default=-1)) >= 0:  # fmt: skip
+            piece, pending = pending[: cut + 1].decode("utf-8", "replace"), pending[cut + 1 :]
+            _put(i, piece, out, quiet)
+    if pending:
+        _put(i, pending.decode("utf-8", "replace"), out, quiet)
     out.put((i, None))
+
+
+def _put(i: int, piece: str, out: queue.Queue, quiet: bool) -> None:
+    if quiet:
+        piece = _GLOO_CONNECTED.sub("", piece)
+        if _GLOO_LEFTOVER.match(piece):
+            return
+    out.put((i, piece))
+
+
+class _Relay:
+    """Writes the processes' pieces with a ``[p<i>]`` prefix; a redraw (a piece ending in
+    ``\r``) overwrites the previous redraw in place, as the process's own bar would."""
+
+    def __init__(self) -> None:
+        self.redrawing = False
+
+    def write(self, i: int, piece: str) -> None:
+        if piece.endswith("\r"):
+            sys.stdout.write(f"\r[p{i}] {piece[:-1]}")
+            self.redrawing = True
+        else:
+            head = "\n" if self.redrawing else ""
+            end = "" if piece.endswith("\n") else "\n"
+            sys.stdout.write(f"{head}[p{i}] {piece}{end}")
+            self.redrawing = False
+        sys.stdout.flush()
 
 
 def launch(
@@ -137,9 +179,7 @@ def launch(
             cmd,
             env=penv,
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",  # a child's stray bytes must not kill the reader
+            stderr=subprocess.STDOUT,  # bytes: a stray byte is replaced, never fatal
             start_new_session=True,
             preexec_fn=die_with_parent,
         )
@@ -149,6 +189,7 @@ def launch(
 
     first_fail: tuple[int, int] | None = None
     open_streams = processes
+    relay = _Relay()
 
     class _Stopped(KeyboardInterrupt):
         def __init__(self, signum: int):
@@ -169,9 +210,7 @@ def launch(
                 if line is None:
                     open_streams -= 1
                 else:
-                    end = "" if line.endswith("\n") else "\n"
-                    sys.stdout.write(f"[p{i}] {line}{end}")
-                    sys.stdout.flush()
+                    relay.write(i, line)
             for i, p in enumerate(procs):
                 rc = p.poll()
                 if rc not in (None, 0) and first_fail is None:
@@ -188,6 +227,8 @@ def launch(
                         _stop_after(procs, grace_s)
                         continue
                     how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
+                    if rc == STOPPED_AT_ONCE:
+                        how = f"stopped at once by a second Ctrl-C: exit code {rc}"
                     print(
                         f"[launch] process {i} failed ({how}); stopping the other processes",
                         file=sys.stderr,
@@ -195,25 +236,32 @@ def launch(
                     )
                     _stop(procs, 0.0)
     except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
         print(
-            f"[launch] interrupted ({e or 'Ctrl-C'}); every process saves a checkpoint and "
-            f"stops (at most {grace_s:g} s)",
+            f"[launch] {signal.Signals(signum).name}: every process saves a checkpoint and "
+            f"stops (at most {grace_s:g} s; Ctrl-C again stops them at once)",
             file=sys.stderr,
             flush=True,
         )
         _signal(procs, signal.SIGTERM)
         end = time.monotonic() + grace_s
-        while time.monotonic() < end and (open_streams or any(p.poll() is None for p in procs)):
-            try:
-                i, line = lines.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if line is None:
-                open_streams -= 1
-            else:
-                sys.stdout.write(f"[p{i}] {line}" + ("" if line.endswith("\n") else "\n"))
-                sys.stdout.flush()
-        return 128 + getattr(e, "signum", signal.SIGINT)  # 130 for Ctrl-C, 143 for SIGTERM
+        try:
+            while time.monotonic() < end and (open_streams or any(p.poll() is None for p in procs)):
+                try:
+                    i, line = lines.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                if line is None:
+                    open_streams -= 1
+                else:
+                    relay.write(i, line)
+        except KeyboardInterrupt:
+            print(
+                "\n[launch] stopped at once; the newest complete checkpoint is kept",
+                file=sys.stderr,
+                flush=True,
+            )
+        return 128 + signum  # 130 for Ctrl-C, 143 for SIGTERM
     finally:
         _stop(procs, 0.0)  # whatever ended the loop, no process outlives the launcher
         for sig, handler in old.items():

@@ -187,8 +187,17 @@ class Trainer:
         return run_fingerprint(self)
 
     def save(self, store: Checkpoints) -> None:
-        """Write a checkpoint of the current step (:func:`train.checkpoint.save_run`)."""
-        save_run(self, store)
+        """Write a checkpoint of the current step (:func:`train.checkpoint.save_run`). A
+        second Ctrl-C while it is written waits for it (a half-written checkpoint would
+        only be thrown away)."""
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.saving = True
+        try:
+            save_run(self, store)
+        finally:
+            if stop is not None:
+                stop.saving = False
 
     def _checkpoint_note(self) -> str:
         """Where a stopped run can continue from, for its error message."""
@@ -339,6 +348,13 @@ class Trainer:
         once). Resuming a finished run returns its summary and changes nothing (raise
         ``steps`` to train further); resuming a folder without checkpoints raises
         :class:`NothingToResume`."""
+        folder = self.cfg.run_dir / "checkpoints"
+        if resume and not (folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())):
+            # Said before anything is made: an empty folder stays as it was.
+            raise NothingToResume(
+                f"nothing to resume in {str(self.cfg.run_dir)!r}: it holds no checkpoint; run "
+                "without --resume to start this run there"
+            )
         self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
         with run_lock(self.cfg.run_dir) if is_primary() else contextlib.nullcontext():
             with _stop_signals() as stop:
@@ -620,6 +636,7 @@ class NothingToResume(ValueError):
 
 class _StopFlag:
     signum: int = 0
+    saving: bool = False  # a checkpoint is being written: a second Ctrl-C waits for it
 
 
 @contextlib.contextmanager
@@ -635,11 +652,15 @@ def _stop_signals():
 
     def handler(signum: int, _frame: Any) -> None:
         if flag.signum and signum == signal.SIGINT:
+            if flag.saving:
+                print("\nstill writing the checkpoint; it ends in a moment", flush=True)
+                return
             raise KeyboardInterrupt
         if not flag.signum:
             print(
                 f"\n{signal.Signals(signum).name}: stopping after the steps under way and "
-                "saving a checkpoint (Ctrl-C again to stop at once)",
+                "saving a checkpoint (Ctrl-C again to stop at once, keeping only the newest "
+                "checkpoint)",
                 flush=True,
             )
         flag.signum = flag.signum or signum
