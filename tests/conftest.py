@@ -11,11 +11,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # test, the processes a launcher starts): JAX's compilation cache, in a folder of this
 # session's own, shared by the pytest workers and the processes they start, compiles each
 # once. The cache keys on the whole program, so a hit is the very executable.
+_OWN_CACHE = None  # the folder this process made (workers and sub-sessions inherit it)
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import tempfile
 
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxcomm-tests-")
-    os.environ["JAXCOMM_TESTS_OWN_CACHE"] = "1"
+    _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxcomm-tests-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
@@ -106,8 +106,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_unconfigure(config):
-    """The session's compilation cache goes when the session ends (in the main process)."""
-    if os.environ.get("JAXCOMM_TESTS_OWN_CACHE") and not hasattr(config, "workerinput"):
+    """The session's compilation cache goes when the session that made it ends (not when a
+    worker, or a pytest run started by a test, ends)."""
+    if _OWN_CACHE is not None and not hasattr(config, "workerinput"):
         import shutil
 
-        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
