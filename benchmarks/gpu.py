@@ -107,7 +107,9 @@ def step_part(device: str | None, steps: int) -> dict:
     from train.config import load_config
     from train.trainer import Trainer
 
-    workers = min(8, jax.device_count())
+    # One worker per device, up to 8, as many as divide the main job's global batch.
+    batch = load_config(str(ROOT / "configs" / "dp_default.yaml")).global_batch
+    workers = max(w for w in range(1, min(8, jax.device_count()) + 1) if batch % w == 0)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="jaxcomm-gpu-step-") as run_dir:
         overrides = [
@@ -135,10 +137,20 @@ def step_part(device: str | None, steps: int) -> dict:
     }
 
 
+def platform_name() -> str:
+    """This backend's name as ``JAX_PLATFORMS`` takes it (``cuda``, not ``gpu``: ``gpu``
+    asks for every GPU platform, and one that is not installed is an error)."""
+    backend = jax.default_backend()
+    if backend == "gpu":
+        version = jax.devices()[0].client.platform_version.lower()
+        return "rocm" if "rocm" in version else "cuda"
+    return backend
+
+
 def tests_part(pytest_args: str) -> dict:
     """``pytest`` on this backend; the counts from its last line."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = jax.default_backend()
+    env["JAX_PLATFORMS"] = platform_name()
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args.split()]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     last = (proc.stdout.strip().splitlines() or [""])[-1]
@@ -185,12 +197,20 @@ def render(meta: dict, parts: dict) -> str:
     if s["fitted_mfu"] is not None:
         lines.append(
             f"; the roofline models {1e3 * s['modelled_step_s']:.2f} ms at MFU "
-            f"{s['assumed_mfu']:.3f}; fitted MFU {s['fitted_mfu']:.3f}."
+            f"{s['assumed_mfu']:.3f}; fitted MFU {s['fitted_mfu']:.3f} (the roofline's MFU "
+            "scaled by modelled / measured time: the device's MFU only where the step's flops "
+            "bound it, which a model this small may not reach)."
         )
     else:
         lines.append("; no roofline for a CPU (name an accelerator with --device to compare).")
     t = parts["tests"]
-    lines += ["", "## Tests on this backend", "", f"`{t['command']}`: {t['summary']}", ""]
+    lines += ["", "## Tests on this backend", "", f"`{t['command']}`: {t['summary']}"]
+    if meta["backend"] != "cpu":
+        lines.append(
+            "(with JAX_PLATFORMS set to this backend alone: tests that need 8 devices fail or "
+            "skip on fewer)"
+        )
+    lines.append("")
     return "\n".join(lines)
 
 

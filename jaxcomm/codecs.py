@@ -561,11 +561,15 @@ def _sample_indices(x: jax.Array, k: int) -> jax.Array:
             from jax.experimental.buffer_callback import buffer_callback
         except ImportError:  # an older JAX: the same kernel on a copy of the array
             fn = functools.partial(_sample_select_host, k=k)
+            v = lax.stop_gradient(v)
             return _varying_like(jax.pure_callback(fn, out, v, vmap_method="sequential"), v)
 
         def fill(_ctx, result, v):
             np.asarray(result)[...] = _sample_select_host(np.asarray(v), k)
 
+        # The indices are integers, but a grad of the code around them differentiates the
+        # callback's input; a callback has no derivative rule, and needs none.
+        v = lax.stop_gradient(v)
         return _varying_like(buffer_callback(fill, out, vmap_method="sequential")(v), v)
 
     def device(v):
@@ -597,7 +601,8 @@ def topk_indices(
         device buffer in about the time of one copy of ``x``, elsewhere the 31-round
         threshold search). NaN and Inf count as larger than every finite magnitude in
         ``"sample"`` and are always selected; ``"threshold"`` puts the first of them in
-        slot 0.
+        slot 0. ``"sample"`` refuses float64 (it orders float32 bit patterns), and
+        ``"auto"`` takes ``"exact"`` for it.
       rounds: bisection rounds of ``"threshold"``.
     Returned indices are a set: ``"exact"``/``"approx"`` list them by magnitude,
     ``"threshold"`` and ``"sample"`` by index.
@@ -606,8 +611,16 @@ def topk_indices(
     x = jnp.ravel(x)
     k = check_int("k", k, lo=1, hi=x.shape[0])
     mag = jnp.abs(x)
+    wide = jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize > 4
     if method == "sample":
+        if wide:
+            raise ValueError(
+                f"method='sample' orders float32 bit patterns; x is {jnp.dtype(x.dtype).name}, "
+                "where values that differ beyond float32 would tie: use method='exact'"
+            )
         return _sample_indices(x, k)
+    if method == "auto" and wide:
+        method = "exact"  # float64: lax.top_k orders the values themselves
     if method == "auto":
         method, rounds = (
             ("threshold", EXACT_ROUNDS) if k > AUTO_THRESHOLD_ABOVE * x.shape[0] else ("exact", 0)

@@ -227,6 +227,28 @@ def test_auto_and_threshold_equal_lax_top_k_with_outliers_and_ties(d, ratio, see
         assert len(set(got)) == k and set(got) == want, method
 
 
+def test_the_sample_selection_under_grad_and_with_float64():
+    """A gradient through code around the selection (its indices are integers; the host
+    kernel has no derivative rule and needs none) is the one-hot of the kept entries; a
+    float64 array, whose values may differ beyond float32, is refused by ``sample`` and
+    taken by ``lax.top_k`` under ``auto``."""
+    d = 1 << 16  # above AUTO_SAMPLE_FROM: auto is the sample selection on the CPU
+    x = jnp.asarray(np.random.default_rng(0).normal(size=d), jnp.float32)
+    for method in ("auto", "sample"):
+        g = jax.grad(
+            lambda v, m=method: jnp.sum(jaxcomm.topk_encode(v, ratio=0.01, method=m).values)
+        )(x)
+        want = np.zeros(d, np.float32)
+        want[np.asarray(lax.top_k(jnp.abs(x), math.ceil(0.01 * d))[1])] = 1.0
+        np.testing.assert_array_equal(np.asarray(g), want)
+    with jax.enable_x64(True):
+        y = np.full(d, 1.0) + np.arange(d) * 1e-12  # equal in float32, ordered in float64
+        with pytest.raises(ValueError, match="method='sample' orders float32 bit patterns"):
+            jaxcomm.topk_indices(jnp.asarray(y), 10, method="sample")
+        got = np.asarray(jaxcomm.topk_indices(jnp.asarray(y), 10, method="auto"))
+        assert sorted(got.tolist()) == list(range(d - 10, d))
+
+
 def _magnitude_order_reference(x, k):
     """The k largest magnitudes' indices by a stable sort of the magnitude bit patterns
     (NaN and Inf above every finite value; ties to the lower index), ascending."""
