@@ -61,6 +61,9 @@ class Device:
 
 
 T = 1e12
+# Dense matrix-unit peaks of the Hopper SXM parts (H100 and H200 share the compute die).
+_HOPPER_SXM = {"fp32": 67.0 * T, "tf32": 494.5 * T, "bf16": 989.5 * T, "fp16": 989.5 * T,
+               "fp8": 1979.0 * T}  # fmt: skip
 DEVICES: dict[str, Device] = {
     "v100": Device(
         name="v100",
@@ -85,13 +88,7 @@ DEVICES: dict[str, Device] = {
     "h100": Device(
         name="h100",
         description="NVIDIA H100 SXM5 80 GB",
-        matrix_flops={
-            "fp32": 67.0 * T,
-            "tf32": 494.5 * T,
-            "bf16": 989.5 * T,
-            "fp16": 989.5 * T,
-            "fp8": 1979.0 * T,
-        },
+        matrix_flops=_HOPPER_SXM,
         vector_flops=67.0 * T,
         memory_bandwidth=3.35e12,
         calibrated_mfu={},
@@ -101,13 +98,7 @@ DEVICES: dict[str, Device] = {
     "h200": Device(
         name="h200",
         description="NVIDIA H200 SXM 141 GB",
-        matrix_flops={
-            "fp32": 67.0 * T,
-            "tf32": 494.5 * T,
-            "bf16": 989.5 * T,
-            "fp16": 989.5 * T,
-            "fp8": 1979.0 * T,
-        },
+        matrix_flops=_HOPPER_SXM,
         vector_flops=67.0 * T,
         memory_bandwidth=4.8e12,
         calibrated_mfu={},
