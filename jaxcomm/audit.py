@@ -705,7 +705,8 @@ def unlogged_traffic(program: Any) -> tuple[CollectiveOp, ...]:
       Blind spot: XLA may combine independent all-reduces into one op that keeps one op's
       metadata, so a user's all-reduce merged into a jaxcomm ``psum`` (``reduce="psum"``)
       is not reported; autodiff's all-reduce of the gradient feeds the aggregator, so it
-      cannot merge into the aggregator's own, and ring/tree collectives are permutes.
+      cannot merge into the aggregator's own; tree collectives are permutes, and the ring
+      all-reduce is a reduce-scatter and an all-gather (or permutes with ``hops=True``).
     """
     from jaxcomm.collectives import WIRE_SCOPE
 

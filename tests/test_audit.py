@@ -119,6 +119,26 @@ def test_broadcast_sends_only_from_holders_and_traced_root_matches():
     np.testing.assert_array_equal(taudit.sent_bytes({"cond": 5}), want.sent)
 
 
+@pytest.mark.parametrize("hops", [False, True])
+def test_ring_all_reduce_sends_what_its_wire_says(hops):
+    """Both paths of the ring all-reduce (XLA's reduce-scatter and all-gather, or 2 (N - 1)
+    ppermute hops) send 2 (N - 1) segments of ceil(d / N) elements in 2 (N - 1) rounds,
+    and nothing outside jaxcomm's wire scope."""
+    d = 1001
+    x = jnp.arange(N * d, dtype=jnp.float32)
+    program = _compile(lambda v: jaxcomm.ring_all_reduce(v, "data", hops=hops), x)
+    audit = jaxcomm.wire_audit(program)
+    t = audit.traffic()
+    seg = -(-d // N)
+    np.testing.assert_array_equal(t.sent, [2 * (N - 1) * 4 * seg] * N)
+    np.testing.assert_array_equal(t.rounds, [2 * (N - 1)] * N)
+    want = jaxcomm.collectives.ring_all_reduce_wire(jax.ShapeDtypeStruct((seg,), jnp.float32), N)
+    np.testing.assert_array_equal(t.sent, want.sent)
+    kinds = {op.kind for op in audit.ops}
+    assert kinds == ({"collective-permute"} if hops else {"reduce-scatter", "all-gather"})
+    assert not jaxcomm.unlogged_traffic(program)
+
+
 def test_results_are_typed_replicated():
     """All-reduce, all-gather and broadcast results leave shard_map through out_specs P()
     with check_vma on; a reduce-scatter's does not (it differs between devices)."""

@@ -25,13 +25,14 @@ def run(mesh, fn, x, out_spec=None):
     return jax.jit(f)(x)
 
 
+@pytest.mark.parametrize("hops", [False, True])
 @pytest.mark.parametrize("shape", [(1000,), (3, 5), (7,), (1,)])
-def test_ring_all_reduce_equals_psum(mesh8, shape):
+def test_ring_all_reduce_equals_psum(mesh8, shape, hops):
     x = jax.random.normal(jax.random.key(0), (N, *shape))
-    ring = run(mesh8, lambda v: jaxcomm.ring_all_reduce(v, "data"), x)
+    ring = run(mesh8, lambda v: jaxcomm.ring_all_reduce(v, "data", hops=hops), x)
     ref = run(mesh8, lambda v: jax.lax.psum(v, "data"), x)
     np.testing.assert_allclose(np.asarray(ring), np.asarray(ref), rtol=1e-5, atol=1e-5)
-    mean = run(mesh8, lambda v: jaxcomm.ring_all_reduce(v, "data", mean=True), x)
+    mean = run(mesh8, lambda v: jaxcomm.ring_all_reduce(v, "data", mean=True, hops=hops), x)
     np.testing.assert_allclose(np.asarray(mean), np.asarray(ref) / N, rtol=1e-5, atol=1e-6)
 
 
@@ -42,11 +43,15 @@ def test_tree_all_reduce_equals_psum(mesh8):
     np.testing.assert_allclose(np.asarray(tree), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("reduce", ["ring", "tree"])
+@pytest.mark.parametrize("reduce", ["ring", "ring_hops", "tree"])
 def test_uint8_all_reduce_exact(mesh8, reduce):
     x = jax.random.randint(jax.random.key(2), (N, 99), 0, 256).astype(jnp.uint8)
-    fn = jaxcomm.ring_all_reduce if reduce == "ring" else jaxcomm.tree_all_reduce
-    out = np.asarray(run(mesh8, lambda v: fn(v, "data"), x))
+    fns = {
+        "ring": jaxcomm.ring_all_reduce,
+        "ring_hops": lambda v, a: jaxcomm.ring_all_reduce(v, a, hops=True),
+        "tree": jaxcomm.tree_all_reduce,
+    }
+    out = np.asarray(run(mesh8, lambda v: fns[reduce](v, "data"), x))
     expect = (np.asarray(x).astype(np.int64).sum(0) % 256).astype(np.uint8)
     for row in out:
         np.testing.assert_array_equal(row, expect)
@@ -176,7 +181,8 @@ def test_rings_on_other_sizes(n):
     mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
     x = jax.random.normal(jax.random.key(n), (n, 13))
     xs = jax.device_put(x, NamedSharding(mesh, P("data")))
-    for fn in (jaxcomm.ring_all_reduce, jaxcomm.tree_all_reduce):
+    hops = lambda v, a: jaxcomm.ring_all_reduce(v, a, hops=True)
+    for fn in (jaxcomm.ring_all_reduce, hops, jaxcomm.tree_all_reduce):
         f = jax.shard_map(
             lambda v, fn=fn: fn(v[0], "data")[None],
             mesh=mesh,
@@ -188,7 +194,7 @@ def test_rings_on_other_sizes(n):
             np.testing.assert_allclose(row, np.asarray(x).sum(0), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("op", ["ring", "tree", "gather", "broadcast"])
+@pytest.mark.parametrize("op", ["ring", "ring_hops", "tree", "gather", "broadcast"])
 def test_gradients_through_replicated_results_match_lax(mesh8, op):
     """Replicated outputs (``out_specs=P()``, ``check_vma=True``) differentiate like the
     XLA collective they replace: a ring/tree all-reduce like ``psum``, the ring all-gather
@@ -198,8 +204,8 @@ def test_gradients_through_replicated_results_match_lax(mesh8, op):
     w = jax.random.normal(jax.random.key(1), (40,))
 
     def ours(v):
-        if op == "ring":
-            return jnp.tile(jaxcomm.ring_all_reduce(v, "data"), 8)
+        if op in ("ring", "ring_hops"):
+            return jnp.tile(jaxcomm.ring_all_reduce(v, "data", hops=op == "ring_hops"), 8)
         if op == "tree":
             return jnp.tile(jaxcomm.tree_all_reduce(v, "data"), 8)
         if op == "gather":
@@ -208,7 +214,7 @@ def test_gradients_through_replicated_results_match_lax(mesh8, op):
 
     def reference(v):
         i = jax.lax.axis_index("data")
-        if op in ("ring", "tree"):
+        if op in ("ring", "ring_hops", "tree"):
             return jnp.tile(jax.lax.psum(v, "data"), 8)
         if op == "gather":
             placed = jnp.zeros((8, *v.shape), v.dtype).at[i].set(v)
