@@ -2,10 +2,11 @@
 
 On 8 devices (simulated CPU devices unless an accelerator is present), for float32 vectors
 of ``--sizes`` elements per device, times one all-reduce of each kind inside ``shard_map``:
-``psum`` (XLA's collective; NCCL on a GPU), ``jaxcomm.ring_all_reduce`` (``2 (N - 1)``
-``ppermute`` hops of ``1/N`` of the vector) and ``jaxcomm.tree_all_reduce`` (binomial reduce
-and broadcast of the whole vector), and one hop of the ring alone (a ``ppermute`` of ``1/N``
-of the vector: what one of the ring's ``2 (N - 1)`` hops costs on its own, dispatch
+``psum`` (XLA's collective; NCCL on a GPU), ``jaxcomm.ring_all_reduce`` (XLA's reduce-
+scatter and all-gather of ``1/N`` segments), the same ring hop by hop (``hops=True``: ``2 (N
+- 1)`` ``ppermute`` hops of ``1/N`` of the vector) and ``jaxcomm.tree_all_reduce`` (binomial
+reduce and broadcast of the whole vector), and one hop of the ring alone (a ``ppermute`` of
+``1/N`` of the vector: what one of the ring's ``2 (N - 1)`` hops costs on its own, dispatch
 included). Each program is compiled ahead of time and called once untimed; then
 ``--repeats`` interleaved rounds time one call of each (wall clock around
 ``block_until_ready``), and each figure is the median of its rounds, as a ratio to ``psum``
@@ -47,6 +48,7 @@ N = 8
 KINDS = {
     "psum": lambda v: jax.lax.psum(v, "data"),
     "ring": lambda v: jaxcomm.ring_all_reduce(v, "data"),
+    "ring_hops": lambda v: jaxcomm.ring_all_reduce(v, "data", hops=True),
     "tree": lambda v: jaxcomm.tree_all_reduce(v, "data"),
 }
 
@@ -109,15 +111,18 @@ def render(record: dict) -> str:
         "Median of interleaved rounds; `x psum` is the median of each round's ratio to psum. "
         "Bytes: the most any device sends, read from the compiled program.",
         "",
-        "| elements/device | psum ms | ring ms | ring x psum | tree ms | tree x psum "
-        "| one ring hop ms | ring bytes sent | tree bytes sent |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| elements/device | psum ms | ring ms | ring x psum | ring hops ms "
+        "| ring hops x psum | tree ms | tree x psum | one ring hop ms | ring bytes sent "
+        "| ring hops bytes sent | tree bytes sent |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['elements']:,} | {r['psum_ms']:.2f} | {r['ring_ms']:.2f} "
-            f"| {r['ring_over_psum']:.2f} | {r['tree_ms']:.2f} | {r['tree_over_psum']:.2f} "
-            f"| {r['hop_ms']:.3f} | {r['ring_sent']:,} | {r['tree_sent']:,} |"
+            f"| {r['ring_over_psum']:.2f} | {r['ring_hops_ms']:.2f} "
+            f"| {r['ring_hops_over_psum']:.2f} | {r['tree_ms']:.2f} | {r['tree_over_psum']:.2f} "
+            f"| {r['hop_ms']:.3f} | {r['ring_sent']:,} | {r['ring_hops_sent']:,} "
+            f"| {r['tree_sent']:,} |"
         )
     lines.append("")
     return "\n".join(lines)

@@ -181,12 +181,12 @@ def render(meta: dict, parts: dict) -> str:
     if parts["collectives"] is None:
         lines.append(f"Skipped: {jax.device_count()} device(s); the ring needs 8.")
     else:
-        lines.append("| elements/device | psum ms | ring x psum | tree x psum |")
-        lines.append("|---|---|---|---|")
+        lines.append("| elements/device | psum ms | ring x psum | ring hops x psum | tree x psum |")
+        lines.append("|---|---|---|---|---|")
         for r in parts["collectives"]:
             lines.append(
                 f"| {r['elements']:,} | {r['psum_ms']:.2f} | {r['ring_over_psum']:.2f} "
-                f"| {r['tree_over_psum']:.2f} |"
+                f"| {r['ring_hops_over_psum']:.2f} | {r['tree_over_psum']:.2f} |"
             )
     s = parts["step"]
     lines += ["", "## The main job's step", ""]
