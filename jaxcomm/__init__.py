@@ -76,12 +76,18 @@ from jaxcomm.sparse import (
 
 __version__ = "0.1.0"
 from jaxcomm.aqsgd import (
+    FirstVisit,
+    RowCodec,
     aqsgd_decode,
     aqsgd_encode,
+    delta_decode,
+    delta_encode,
     directq_decode,
     directq_encode,
     grad_wire_bytes,
     quantize_grad,
+    quantized_rows,
+    topk_rows,
     uniform_seen,
 )
 from jaxcomm.diloco import (
@@ -131,6 +137,7 @@ from jaxcomm.pipeline import (
     GPipeTimeline,
     aqsgd_boundary,
     boundary_message_bytes,
+    delta_boundary,
     directq_boundary,
     fp32_boundary,
     gpipe,

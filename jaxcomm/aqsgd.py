@@ -48,6 +48,7 @@ The seen test is per microbatch, not per sample (above).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -57,9 +58,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm._checks import check_finite_if_concrete, check_int, is_concrete
-from jaxcomm.codecs import Quantized, dequantize, payload_bytes, quantize
+from jaxcomm.codecs import (
+    ChunkTopK,
+    Quantized,
+    chunk_topk_decode,
+    chunk_topk_encode,
+    dequantize,
+    payload_bytes,
+    quantize,
+)
 
 __all__ = [
+    "RowCodec",
+    "quantized_rows",
+    "topk_rows",
+    "FirstVisit",
+    "delta_encode",
+    "delta_decode",
     "uniform_seen",
     "aqsgd_encode",
     "aqsgd_decode",
@@ -158,18 +173,213 @@ def _dequantize_rows(q: Quantized) -> jax.Array:
 
 
 @jax.jit
-def _add_delta(previous: jax.Array, delta: Quantized) -> jax.Array:
+def _add_delta(previous: jax.Array, delta: Any) -> jax.Array:
     # Compiled for the same reason as ``_dequantize_rows``: sender and receiver run the same
     # compiled arithmetic on the same bits.
-    return previous + _dequantize_rows(delta)
+    return previous + _decode_rows(delta)
 
 
-def _check_rows(payload: Quantized) -> None:
-    if payload.codes.ndim != 2:
+def _check_rows(payload: Quantized | ChunkTopK) -> None:
+    lead = payload.codes if isinstance(payload, Quantized) else payload.indices
+    if lead.ndim != 2:
+        name = "codes" if isinstance(payload, Quantized) else "indices"
         raise ValueError(
             "payload must be row-batched (leaves with a leading batch axis, as made by "
-            f"the encoders here), got codes of shape {payload.codes.shape}"
+            f"the encoders here), got {name} of shape {lead.shape}"
         )
+
+
+def _rows(payload: Quantized | ChunkTopK) -> int:
+    _check_rows(payload)
+    return (payload.codes if isinstance(payload, Quantized) else payload.indices).shape[0]
+
+
+# --------------------------------------------------------------------------- row codecs
+
+
+@dataclasses.dataclass(frozen=True)
+class RowCodec:
+    """How every row (sample) of a ``[B, *sample_shape]`` array is compressed for the wire.
+
+    Made by :func:`quantized_rows` (stochastic uniform quantization, unbiased: AQ-SGD's and
+    DirectQ's ``Q``) or :func:`topk_rows` (chunk-wise top-k of each row with packed in-chunk
+    positions and low-bit values: biased, for deltas against a buffer that keeps what was
+    not sent). Each row is compressed on its own, so a payload's leaves carry a leading
+    ``B`` axis and its bytes are ``B`` times one row's.
+
+    Attributes:
+      kind: ``"quantize"`` or ``"topk"``.
+      bits: code width of the values, 1..8 (``None`` for top-k: float32 values).
+      bucket_size: quantize: elements per scale (``None``: the sample's last axis).
+      chunk, k: top-k: entries per chunk and entries kept per chunk.
+    """
+
+    kind: str
+    bits: int | None
+    bucket_size: int | None = None
+    chunk: int | None = None
+    k: int | None = None
+
+    def encode(self, x: jax.Array, key: jax.Array) -> Any:
+        """Row-batched payload of ``x`` (``f32[B, *sample_shape]``); ``key`` is split into
+        one key per row (top-k rounds to nearest and ignores it)."""
+        x = _check_activation("x", x)
+        if self.kind == "quantize":
+            return _quantize_rows(x, key, self.bits, _bucket(self.bucket_size, x.shape))
+        return _topk_rows(x, self.chunk, self.k, self.bits)
+
+    def decode(self, payload: Any) -> jax.Array:
+        """``f32[B, *sample_shape]`` from a row-batched payload of :meth:`encode`."""
+        if self.kind == "quantize":
+            if not isinstance(payload, Quantized):
+                raise TypeError(f"payload must be Quantized, got {type(payload).__name__}")
+            _check_rows(payload)
+            return _dequantize_rows(payload)
+        if not isinstance(payload, ChunkTopK):
+            raise TypeError(f"payload must be ChunkTopK, got {type(payload).__name__}")
+        _check_rows(payload)
+        return _topk_decode_rows(payload)
+
+    def nbytes(self, shape: Sequence[int]) -> int:
+        """Wire bytes of :meth:`encode` of an array of ``shape`` ``[B, *sample_shape]``,
+        read from the payload's leaves (``jax.eval_shape``; nothing is computed)."""
+        struct = jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
+        return payload_bytes(jax.eval_shape(self.encode, struct, jax.random.key(0)))
+
+    @property
+    def label(self) -> str:
+        """Short name, e.g. ``q2/b1024`` or ``top4of256/q4``."""
+        if self.kind == "quantize":
+            return f"q{self.bits}" + (f"/b{self.bucket_size}" if self.bucket_size else "")
+        return f"top{self.k}of{self.chunk}" + (f"/q{self.bits}" if self.bits else "")
+
+
+def quantized_rows(bits: int, bucket_size: int | None = None) -> RowCodec:
+    """Stochastic uniform quantization of each row to ``bits`` bits, one max-abs scale per
+    ``bucket_size`` elements (default the sample's last axis: one per token). Unbiased:
+    ``E[decode(encode(x))] = x``. A row costs ``ceil(n * bits / 8) + 4 * ceil(n / bucket)``
+    bytes for ``n`` elements."""
+    bits = check_int("bits", bits, lo=1, hi=8)
+    if bucket_size is not None:
+        bucket_size = check_int("bucket_size", bucket_size, lo=1)
+    return RowCodec("quantize", bits, bucket_size=bucket_size)
+
+
+def topk_rows(chunk: int, k: int, bits: int | None = None) -> RowCodec:
+    """Chunk-wise top-``k`` of each row: in every ``chunk`` consecutive entries of a
+    flattened sample the ``k`` largest in magnitude (ties to the lower position), sent as
+    ``ceil(log2 chunk)``-bit positions and values rounded to nearest on ``bits`` bits with
+    one float32 scale per chunk (``None``: float32 values), by
+    :func:`jaxcomm.codecs.chunk_topk_encode`. Biased (the rest decodes to zero): use it
+    where what is not sent is kept, as AQ-SGD's buffer keeps the unsent part of a delta.
+    A chunk holding a NaN or Inf decodes to non-finite values. A row of ``n`` elements in
+    ``C = ceil(n / chunk)`` chunks costs ``ceil(C k ceil(log2 chunk) / 8)`` position bytes
+    plus ``ceil(C k bits / 8) + 4 C`` value bytes (``4 C k`` in float32)."""
+    chunk = check_int("chunk", chunk, lo=2)
+    k = check_int("k", k, lo=1, hi=chunk)
+    if bits is not None:
+        bits = check_int("bits", bits, lo=1, hi=8)
+    return RowCodec("topk", bits, chunk=chunk, k=k)
+
+
+def _topk_rows(x: jax.Array, chunk: int, k: int, bits: int | None) -> ChunkTopK:
+    return jax.vmap(lambda r: chunk_topk_encode(r, chunk=chunk, k=k, bits=bits))(x)
+
+
+@jax.jit
+def _topk_decode_rows(p: ChunkTopK) -> jax.Array:
+    # Compiled for the reason ``_dequantize_rows`` is: both sides get the same bits.
+    _check_rows(p)
+    return jax.vmap(chunk_topk_decode)(p).astype(jnp.float32)
+
+
+# --------------------------------------------------------------------------- deltas, any codec
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FirstVisit:
+    """A first visit's payload (the activation itself, compressed by ``first``), marked so
+    the receiver tells it from a delta of the same codec. Only ``payload``'s leaves cross."""
+
+    payload: Any
+
+
+@jax.jit
+def _decode_rows(payload: Any) -> jax.Array:
+    if isinstance(payload, ChunkTopK):
+        return _topk_decode_rows(payload)
+    return _dequantize_rows(payload)
+
+
+def delta_encode(
+    activation: jax.Array,
+    previous: jax.Array,
+    seen: bool | np.ndarray,
+    key: jax.Array,
+    codec: RowCodec,
+    *,
+    first: RowCodec | None = None,
+) -> tuple[Any, jax.Array]:
+    """AQ-SGD's sender with any :class:`RowCodec`: send ``codec(activation - previous)``.
+
+    :func:`aqsgd_encode` is this with :func:`quantized_rows`. With :func:`topk_rows` only a
+    few entries of each delta cross; the buffer (both sides) takes exactly what was sent, so
+    what was not sent stays in the next visit's delta (error feedback by construction).
+
+    Args:
+      activation, previous, seen, key: as :func:`aqsgd_encode`.
+      codec: how a seen microbatch's deltas are compressed.
+      first: how a first visit's activation is sent (``None``: float32, as the paper).
+        Compressing it (e.g. ``quantized_rows(4)``) is a deviation from the paper: the
+        buffer starts from the decoded activation, and later deltas correct it.
+
+    Returns:
+      ``(payload, new_previous)``; ``new_previous`` is bit-identical to what
+      :func:`delta_decode` rebuilds on the receiver, and the payload's bytes
+      (:func:`jaxcomm.payload_bytes`) are the bytes on the wire.
+    """
+    if not isinstance(codec, RowCodec):
+        raise TypeError(f"codec must be a RowCodec, got {type(codec).__name__}")
+    if first is not None and not isinstance(first, RowCodec):
+        raise TypeError(f"first must be a RowCodec or None, got {type(first).__name__}")
+    activation = _check_activation("activation", activation)
+    previous = _check_previous(activation, previous)
+    seen = uniform_seen(seen, activation.shape[0])
+    check_finite_if_concrete("activation", activation)
+    if not seen:
+        if first is None:
+            return activation, activation
+        payload = first.encode(activation, key)
+        return FirstVisit(payload), _decode_rows(payload)
+    check_finite_if_concrete("previous", previous)
+    payload = codec.encode(activation - previous, key)
+    return payload, _add_delta(previous, payload)
+
+
+def delta_decode(payload: Any, previous: jax.Array) -> jax.Array:
+    """Receiver side of :func:`delta_encode`: the new messages ``f32[B, *sample_shape]``.
+
+    A delta payload gives ``previous + decode(payload)`` by the sender's compiled function
+    (both sides bit-identical); a :class:`FirstVisit` gives its decoded activation, and a
+    float32 array (an uncompressed first visit) is the message itself.
+    """
+    previous = jnp.asarray(previous)
+    if isinstance(payload, FirstVisit):
+        out = _decode_rows(payload.payload)
+        _check_previous(out, previous)
+        return out
+    if isinstance(payload, (Quantized, ChunkTopK)):
+        rows = _rows(payload)
+        if (rows, *payload.shape) != previous.shape:
+            raise ValueError(
+                f"payload holds {rows} rows of shape {payload.shape}, previous shape "
+                f"{previous.shape}"
+            )
+        return _add_delta(previous, payload)
+    payload = _check_activation("payload", payload)
+    _check_previous(payload, previous)
+    return payload
 
 
 # --------------------------------------------------------------------------- AQ-SGD
@@ -203,17 +413,8 @@ def aqsgd_encode(
       bit-identical to what :func:`aqsgd_decode` rebuilds on the receiver; the payload's
       bytes (:func:`jaxcomm.payload_bytes`) are the bytes on the wire.
     """
-    bits = check_int("bits", bits, lo=1, hi=8)
-    activation = _check_activation("activation", activation)
-    previous = _check_previous(activation, previous)
-    seen = uniform_seen(seen, activation.shape[0])
-    bucket_size = _bucket(bucket_size, activation.shape)
-    check_finite_if_concrete("activation", activation)
-    if not seen:
-        return activation, activation
-    check_finite_if_concrete("previous", previous)
-    payload = _quantize_rows(activation - previous, key, bits, bucket_size)
-    return payload, _add_delta(previous, payload)
+    codec = quantized_rows(bits, bucket_size)
+    return delta_encode(activation, previous, seen, key, codec)
 
 
 def aqsgd_decode(payload: Quantized | jax.Array, previous: jax.Array) -> jax.Array:
@@ -230,18 +431,9 @@ def aqsgd_decode(payload: Quantized | jax.Array, previous: jax.Array) -> jax.Arr
     Returns:
       ``f32[B, *sample_shape]`` the new messages (also the receiver's next ``previous``).
     """
-    if isinstance(payload, Quantized):
-        _check_rows(payload)
-        previous = jnp.asarray(previous)
-        if (payload.codes.shape[0], *payload.shape) != previous.shape:
-            raise ValueError(
-                f"payload holds {payload.codes.shape[0]} rows of shape {payload.shape}, "
-                f"previous shape {previous.shape}"
-            )
-        return _add_delta(previous, payload)
-    payload = _check_activation("payload", payload)
-    _check_previous(payload, previous)
-    return payload
+    if isinstance(payload, FirstVisit):
+        raise TypeError("payload is a FirstVisit; AQ-SGD sends first visits in float32")
+    return delta_decode(payload, previous)
 
 
 # --------------------------------------------------------------------------- baselines

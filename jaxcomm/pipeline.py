@@ -44,12 +44,16 @@ from jax import lax
 
 from jaxcomm._checks import axis_size, check_int
 from jaxcomm.aqsgd import (
+    RowCodec,
     aqsgd_decode,
     aqsgd_encode,
+    delta_decode,
+    delta_encode,
     directq_decode,
     directq_encode,
     fp32_decode,
     fp32_encode,
+    quantized_rows,
 )
 from jaxcomm.codecs import payload_bytes
 from jaxcomm.collectives import psum, psum_wire, send
@@ -58,6 +62,7 @@ from jaxcomm.network import CommLog, empty_log, log_collective, log_wire, words_
 __all__ = [
     "Boundary",
     "BoundaryState",
+    "delta_boundary",
     "aqsgd_boundary",
     "directq_boundary",
     "fp32_boundary",
@@ -94,11 +99,14 @@ class Boundary:
         crossed before). The payload's arrays are exactly the bytes sent.
       decode: ``(payload, prev) -> new_prev`` on the receiver; ``new_prev`` is what the next
         stage consumes and must equal the sender's ``new_prev``.
-      bw_bits: bits of the activation gradient sent back (``None``: float32).
+      bw_bits: bits of the activation gradient sent back (``None``: float32), quantized
+        stochastically (:func:`jaxcomm.quantized_rows`).
       bw_bucket: bucket size of the backward quantizer (``None``: the activation's last
         axis, one scale per token).
       uses_buffer: whether ``encode``/``decode`` read the previous messages (AQ-SGD), so the
         caller must keep a message buffer.
+      backward: the activation gradient's codec, any :class:`jaxcomm.RowCodec` (e.g.
+        :func:`jaxcomm.topk_rows`); when given, ``bw_bits`` and ``bw_bucket`` are unused.
     """
 
     encode: Callable
@@ -106,6 +114,14 @@ class Boundary:
     bw_bits: int | None = None
     bw_bucket: int | None = None
     uses_buffer: bool = False
+    backward: RowCodec | None = None
+
+    @property
+    def bw_codec(self) -> RowCodec | None:
+        """The codec of the activation gradient sent back (``None``: float32)."""
+        if self.backward is not None:
+            return self.backward
+        return None if self.bw_bits is None else quantized_rows(self.bw_bits, self.bw_bucket)
 
 
 def _bw(bw_bits: int | None) -> int | None:
@@ -147,6 +163,36 @@ def aqsgd_boundary(fw_bits: int, bw_bits: int | None) -> Boundary:
         decode=aqsgd_decode,
         bw_bits=_bw(bw_bits),
         uses_buffer=True,
+    )
+
+
+def delta_boundary(
+    forward: RowCodec, backward: RowCodec | None = None, *, first: RowCodec | None = None
+) -> Boundary:
+    """AQ-SGD's delta scheme with any codec each way.
+
+    Forward: a microbatch's first visit crosses in float32 (or compressed by ``first``, a
+    deviation from the paper); later visits send ``forward(activation - previous)`` and both
+    sides add exactly what was sent to their previous messages
+    (:func:`jaxcomm.delta_encode`), so with a biased codec such as
+    :func:`jaxcomm.topk_rows` what was not sent stays in the buffer for the next visit.
+    Backward: the activation gradient by ``backward`` (``None``: float32); there is no
+    buffer on that side, so a biased codec's loss is not fed back.
+    ``aqsgd_boundary(f, b)`` is ``delta_boundary(quantized_rows(f), quantized_rows(b))``.
+
+    AQ-SGD's guarantee (convergence at the rate of uncompressed SGD when the activations'
+    changes shrink) is proved for an unbiased forward quantizer and an unbiased backward
+    one: it covers :func:`jaxcomm.quantized_rows` each way at any bucket size, not top-k
+    (biased either way) nor a compressed first visit.
+    """
+    for name, codec in (("forward", forward), ("backward", backward), ("first", first)):
+        if not isinstance(codec, RowCodec) and (codec is not None or name == "forward"):
+            raise TypeError(f"{name} must be a RowCodec, got {type(codec).__name__}")
+    return Boundary(
+        encode=lambda a, prev, key, seen: delta_encode(a, prev, seen, key, forward, first=first),
+        decode=delta_decode,
+        uses_buffer=True,
+        backward=backward,
     )
 
 
@@ -205,14 +251,15 @@ def _make_transfer(boundary: Boundary, axis_name: Any, senders: tuple[int, ...],
     def fwd(y, prev_out, prev_in, key):
         return transfer(y, prev_out, prev_in, key), key
 
+    codec = boundary.bw_codec
+
     def bwd(key, cotangents):
         g_in = cotangents[0]  # gradient w.r.t. what the receiver consumed
-        if boundary.bw_bits is None:
+        if codec is None:
             back = send(g_in, axis_name, bwd_perm)
         else:
             _, k_bw = jax.random.split(key)
-            q = directq_encode(g_in, k_bw, bits=boundary.bw_bits, bucket_size=boundary.bw_bucket)
-            back = directq_decode(send(q, axis_name, bwd_perm))
+            back = codec.decode(send(codec.encode(g_in, k_bw), axis_name, bwd_perm))
         # Straight-through: d(received)/d(sent activation) is the identity; the previous
         # messages are state, not differentiated.
         return (back, None, None, None)
@@ -229,13 +276,10 @@ def boundary_message_bytes(
     ``seen`` is the boundary mode (AQ-SGD sends deltas once every sample was seen)."""
     key = jax.random.key(0)
     fw = jax.eval_shape(lambda a: boundary.encode(a, a, key, seen)[0], act)
-    if boundary.bw_bits is None:
+    codec = boundary.bw_codec
+    if codec is None:
         return payload_bytes(fw), payload_bytes(act)
-    bw = jax.eval_shape(
-        lambda g: directq_encode(g, key, bits=boundary.bw_bits, bucket_size=boundary.bw_bucket),
-        act,
-    )
-    return payload_bytes(fw), payload_bytes(bw)
+    return payload_bytes(fw), codec.nbytes(act.shape)
 
 
 def _p2p_log(log: CommLog, runs, message: int, sent: list[int], index: Any, m: int) -> CommLog:

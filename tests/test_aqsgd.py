@@ -270,3 +270,120 @@ def test_other_bad_inputs():
         aqsgd.directq_encode(jnp.ones((4,)), jax.random.key(0), bits=4)
     with pytest.raises(TypeError, match="Quantized"):
         aqsgd.directq_decode(a)
+
+
+# --------------------------------------------------------------------------- any row codec
+
+TOPK = aqsgd.topk_rows(8, 2, bits=4)
+
+
+def _chunk_topk_reference(row, chunk, k):
+    """Dense numpy reference: in each chunk of a flat row keep the k largest |x| (ties to
+    the lower position), the rest zero."""
+    flat = np.asarray(row, np.float64).ravel()
+    out = np.zeros_like(flat)
+    for start in range(0, flat.size, chunk):
+        part = flat[start : start + chunk]
+        order = np.argsort(-np.abs(part), kind="stable")[:k]
+        out[start + order] = part[order]
+    return out.reshape(np.shape(row))
+
+
+@pytest.mark.parametrize("shape,chunk,k", [((B, T, H), 8, 2), ((2, 5, 7), 16, 3), ((3, 40), 64, 1)])
+def test_topk_rows_keep_each_chunks_largest_and_cost_the_documented_bytes(shape, chunk, k):
+    x = jax.random.normal(jax.random.key(3), shape)
+    codec = aqsgd.topk_rows(chunk, k)  # float32 values: decode is exactly the kept entries
+    payload = codec.encode(x, jax.random.key(0))
+    got = np.asarray(codec.decode(payload))
+    for r in range(shape[0]):
+        np.testing.assert_array_equal(got[r], _chunk_topk_reference(x[r], chunk, k))
+    n = math.prod(shape[1:])
+    chunks = -(-n // chunk)
+    index_bytes = -(-chunks * k * math.ceil(math.log2(chunk)) // 8)
+    assert payload_bytes(payload) == shape[0] * (index_bytes + 4 * chunks * k)
+    assert codec.nbytes(shape) == payload_bytes(payload)
+    q = aqsgd.topk_rows(chunk, k, bits=2)
+    assert q.nbytes(shape) == shape[0] * (index_bytes + -(-chunks * k * 2 // 8) + 4 * chunks)
+
+
+def test_sparse_deltas_keep_what_was_not_sent_in_the_buffer():
+    """Top-k deltas against a buffer: both sides agree bit for bit at every visit, and the
+    buffer closes in on a fixed activation (what a visit leaves out, the next one sends)."""
+    a = jax.random.normal(jax.random.key(5), (B, T, H))
+    send_prev = recv_prev = jnp.zeros_like(a)
+    payload, send_prev = aqsgd.delta_encode(a, send_prev, False, jax.random.key(0), TOPK)
+    recv_prev = aqsgd.delta_decode(payload, recv_prev)
+    np.testing.assert_array_equal(np.asarray(recv_prev), np.asarray(a))  # float32 first visit
+    target = a * 1.5 + 0.3  # the activation has moved since
+    errors = []
+    for visit in range(12):
+        payload, send_prev = aqsgd.delta_encode(
+            target, send_prev, True, jax.random.key(visit), TOPK
+        )
+        recv_prev = aqsgd.delta_decode(payload, recv_prev)
+        np.testing.assert_array_equal(np.asarray(send_prev), np.asarray(recv_prev))
+        errors.append(float(jnp.linalg.norm(target - send_prev) / jnp.linalg.norm(target)))
+    assert isinstance(payload, aqsgd.ChunkTopK)
+    assert errors[0] > 0.2  # one visit sends a quarter of each chunk
+    assert errors[-1] < 0.05 * errors[0]
+
+
+def test_quantized_deltas_in_large_buckets_are_unbiased():
+    """A seen microbatch's new messages average to the activation over rounding keys, for
+    one-bit codes in buckets spanning several tokens (AQ-SGD's unbiased ``Q``)."""
+    a, prev = _arrays(seed=7)
+    codec = aqsgd.quantized_rows(1, bucket_size=T * H)
+    keys = jax.random.split(jax.random.key(11), 4000)
+    news = jax.jit(jax.vmap(lambda k: aqsgd.delta_encode(a, prev, True, k, codec)[1]))(keys)
+    mean, sd = np.asarray(news.mean(0)), np.asarray(news.std(0))
+    assert np.median(sd) > 0.05  # one bit a value: most entries are rounded at random
+    # Each bucket's largest change is sent exactly (sd ~ 0): a floor of float32 rounding.
+    z = (mean - np.asarray(a)) / np.maximum(sd / np.sqrt(len(keys)), 1e-5)
+    assert np.abs(z).max() < 5.0  # 192 entries: |z| > 5 has probability ~1e-4 in total
+    assert payload_bytes(codec.encode(a, keys[0])) == B * (-(-T * H // 8) + 4)
+
+
+def test_compressed_first_visit_starts_both_buffers_at_the_decoded_activation():
+    a, prev = _arrays(seed=2)
+    first = aqsgd.quantized_rows(4)
+    payload, new_prev = aqsgd.delta_encode(a, prev, False, jax.random.key(1), TOPK, first=first)
+    assert isinstance(payload, aqsgd.FirstVisit)
+    assert payload_bytes(payload) == B * T * (H * 4 // 8 + 4)
+    received = aqsgd.delta_decode(payload, prev)
+    np.testing.assert_array_equal(np.asarray(received), np.asarray(new_prev))
+    assert 0 < np.abs(np.asarray(new_prev) - np.asarray(a)).max() <= _step(a).max() / 15 * 1.001
+    with pytest.raises(TypeError, match="FirstVisit; AQ-SGD sends first visits in float32"):
+        aqsgd.aqsgd_decode(payload, prev)
+
+
+@pytest.mark.parametrize("codec", [TOPK, aqsgd.quantized_rows(2, bucket_size=32)])
+def test_a_nan_anywhere_in_a_delta_reaches_the_receiver(codec):
+    """A NaN in an entry top-k would not select (or in any bucket) poisons what the receiver
+    rebuilds, under jit, instead of vanishing from the payload."""
+    a, prev = _arrays(seed=4)
+    small = jnp.abs(a - prev).argmin()  # the smallest change: never among the top-k
+    bad = a.reshape(-1).at[small].set(jnp.nan).reshape(a.shape)
+
+    @jax.jit
+    def roundtrip(x):
+        payload, _ = aqsgd.delta_encode(x, prev, True, jax.random.key(0), codec)
+        return aqsgd.delta_decode(payload, prev)
+
+    assert np.all(np.isfinite(np.asarray(roundtrip(a))))
+    assert not np.all(np.isfinite(np.asarray(roundtrip(bad))))
+    g = codec.decode(jax.jit(codec.encode)(bad, jax.random.key(1)))  # a backward message
+    assert not np.all(np.isfinite(np.asarray(g)))
+
+
+def test_row_codec_errors_name_the_argument():
+    with pytest.raises(ValueError, match=r"chunk must be an integer in \[2, inf\], got 1"):
+        aqsgd.topk_rows(1, 1)
+    with pytest.raises(ValueError, match=r"k must be an integer in \[1, 8\], got 9"):
+        aqsgd.topk_rows(8, 9)
+    with pytest.raises(ValueError, match=r"bits must be an integer in \[1, 8\], got 0"):
+        aqsgd.quantized_rows(0)
+    a, prev = _arrays()
+    with pytest.raises(TypeError, match="codec must be a RowCodec, got int"):
+        aqsgd.delta_encode(a, prev, True, jax.random.key(0), 4)
+    with pytest.raises(TypeError, match="payload must be ChunkTopK, got Quantized"):
+        TOPK.decode(aqsgd.quantized_rows(2).encode(a, jax.random.key(0)))

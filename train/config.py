@@ -42,6 +42,8 @@ DILOCO_KEYS = (
     "compress",
 )
 DILOCO_COMPRESS = ("none", "int8", "int4", "sparseloco", "ar_topk")
+# ``boundary_args`` of ``boundary: aqsgd``: the codec of each direction and of first visits.
+BOUNDARY_KEYS = ("fw_chunk", "fw_k", "fw_bucket", "bw_chunk", "bw_k", "bw_bucket", "first_bits")
 # Aggregators that are the whole optimizer (they apply their own step sizes).
 OPTIMIZING_AGGREGATORS = ("marsit", "signsgd_mv", "ef_signsgd", "ssdm", "cascading_sign")
 AGGREGATORS = GRADIENT_AGGREGATORS + OPTIMIZING_AGGREGATORS
@@ -108,6 +110,15 @@ class Config:
       boundary: what crosses a stage boundary: ``fp32``, ``directq`` or ``aqsgd``;
         ``fw_bits``/``bw_bits`` the forward (activation or delta) and backward (activation
         gradient) bits; ``bw_bits: 0`` sends gradients in float32.
+      boundary_args: ``boundary: aqsgd`` only, the codec of each direction (``{}``: the
+        paper's, per-token stochastic quantization): ``fw_chunk`` and ``fw_k`` send each
+        delta as chunk-wise top-``fw_k`` of ``fw_chunk`` entries with ``fw_bits``-bit values
+        (:func:`jaxcomm.topk_rows`; the buffer keeps what is not sent), ``fw_bucket``
+        quantizes it in buckets of that many elements instead of one per token;
+        ``bw_chunk``/``bw_k``/``bw_bucket`` the same for the activation gradient (values
+        at ``bw_bits``, float32 when 0; no buffer feeds back what top-k drops);
+        ``first_bits`` sends first visits quantized to that many bits instead of float32
+        (a deviation from the paper).
       buffer_bits: AQ-SGD message buffer storage bits (0 = float32).
       buffer_dir: keep the message buffers as zarr under this folder ("" = in memory).
       sync: a sync wrapper around the optimizer (local SGD, needs ``aggregator: none``):
@@ -167,6 +178,7 @@ class Config:
     boundary: str = "fp32"
     fw_bits: int = 4
     bw_bits: int = 8
+    boundary_args: dict = dataclasses.field(default_factory=dict)
     buffer_bits: int = 0
     buffer_dir: str = ""
     init_params: str = ""
@@ -229,6 +241,7 @@ class Config:
             value = getattr(self, name)
             if not lo <= value <= 8:
                 raise ValueError(f"{name} must be an integer in [{lo}, 8], got {value}")
+        self.boundary_codecs()  # a clear error for bad boundary_args
         if self.stages > 1:
             if self.task != "gpt":
                 raise ValueError(f"stages={self.stages} needs task='gpt', got {self.task!r}")
@@ -261,6 +274,64 @@ class Config:
         if self.network.strip().lower() in ("c1", "c2"):
             return NetworkSchedule.preset(self.network.strip(), self.steps)
         return NetworkSchedule.parse(self.network)
+
+    def boundary_codecs(self) -> tuple[Any, Any, Any] | None:
+        """``(forward, backward, first)`` :class:`jaxcomm.RowCodec` s of ``boundary_args``
+        (``backward``/``first`` None: float32), or None when ``boundary_args`` is empty."""
+        args = self.boundary_args
+        if not args:
+            return None
+        if not isinstance(args, dict):
+            raise ValueError(f"boundary_args must be a mapping, got {args!r}")
+        if self.boundary != "aqsgd":
+            raise ValueError(
+                f"boundary_args={args!r} chooses the codecs of AQ-SGD's deltas and needs "
+                f"boundary='aqsgd'; got boundary={self.boundary!r}"
+            )
+        unknown = sorted(set(args) - set(BOUNDARY_KEYS))
+        if unknown:
+            raise ValueError(
+                f"boundary_args: unknown keys {unknown}{did_you_mean(unknown[0], BOUNDARY_KEYS)}; "
+                f"known: {list(BOUNDARY_KEYS)}"
+            )
+        for key, value in args.items():
+            _positive(f"boundary_args.{key}", value)
+        import jaxcomm
+
+        def side(prefix: str, bits: int) -> Any:
+            chunk, k, bucket = (args.get(f"{prefix}_{n}") for n in ("chunk", "k", "bucket"))
+            if (chunk is None) != (k is None):
+                raise ValueError(
+                    f"boundary_args: {prefix}_chunk and {prefix}_k go together (chunk-wise "
+                    f"top-k), got {prefix}_chunk={chunk!r} and {prefix}_k={k!r}"
+                )
+            if chunk is not None and bucket is not None:
+                raise ValueError(
+                    f"boundary_args: {prefix}_bucket quantizes every element and "
+                    f"{prefix}_chunk/{prefix}_k sends a top-k; choose one"
+                )
+            if chunk is not None:
+                if not 2 <= chunk or not k <= chunk:
+                    raise ValueError(
+                        f"boundary_args: need 2 <= {prefix}_chunk and {prefix}_k <= "
+                        f"{prefix}_chunk, got {prefix}_chunk={chunk} and {prefix}_k={k}"
+                    )
+                return jaxcomm.topk_rows(chunk, k, bits or None)
+            if not bits:
+                if bucket is not None:
+                    raise ValueError(
+                        f"boundary_args.{prefix}_bucket={bucket} quantizes, but {prefix}_bits "
+                        "is 0 (float32)"
+                    )
+                return None
+            return jaxcomm.quantized_rows(bits, bucket)
+
+        forward = side("fw", self.fw_bits)
+        backward = side("bw", self.bw_bits)
+        first = args.get("first_bits")
+        if first is not None and first > 8:
+            raise ValueError(f"boundary_args.first_bits must be in [1, 8], got {first}")
+        return forward, backward, (jaxcomm.quantized_rows(first) if first else None)
 
     def adaptive_model(self):
         """The :class:`jaxcomm.adaptive.AdaptiveRatio` of ``adaptive`` (None when empty)."""

@@ -77,6 +77,10 @@ def make_boundary(cfg: Config) -> jaxcomm.Boundary:
         return jaxcomm.fp32_boundary(bw)
     if cfg.boundary == "directq":
         return jaxcomm.directq_boundary(cfg.fw_bits, bw)
+    codecs = cfg.boundary_codecs()
+    if codecs is not None:
+        forward, backward, first = codecs
+        return jaxcomm.delta_boundary(forward, backward, first=first)
     return jaxcomm.aqsgd_boundary(cfg.fw_bits, bw)
 
 
@@ -393,6 +397,12 @@ class Pipeline(Layout):
             "boundary": cfg.boundary,
             "fw_bits": cfg.fw_bits,
             "bw_bits": cfg.bw_bits,
+            # Only when set, so checkpoints of runs without it still resume.
+            **(
+                {"boundary_args": dict(sorted(cfg.boundary_args.items()))}
+                if cfg.boundary_args
+                else {}
+            ),
             # Optimizer state per group: blocks on every stage, embed and head on their own.
             "state_layout": "blocks+embed+head, saved [D, S] (owner stage)",
         }
