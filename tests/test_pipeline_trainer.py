@@ -223,11 +223,27 @@ def test_fine_tune_from_pretrained_params(tmp_path):
         _cfg(tmp_path / "none", init_params=str(tmp_path / "missing.msgpack"))
 
 
-def test_aqsgd_pipeline_resume_bit_exact(tmp_path):
+SPARSE = {"fw_chunk": 64, "fw_k": 2, "bw_chunk": 32, "bw_k": 2, "first_bits": 4}
+
+
+@pytest.mark.parametrize("args", [{}, SPARSE], ids=["aqsgd", "sparse"])
+def test_aqsgd_pipeline_resume_bit_exact(tmp_path, args):
     # 16 samples, 8 per step: the resumed steps 3-4 send deltas against restored buffers.
     kw = dict(stages=2, boundary="aqsgd", fw_bits=3, checkpoint_every=2, train_samples=16)
+    kw["boundary_args"] = args
     full = Trainer(_cfg(tmp_path / "a", **kw))
-    full.run()
+    traffic = []
+    full.run(metrics_cb=lambda row: traffic.append(full.last_traffic))
+    for step, seen in ((0, False), (3, True)):  # what each program logs is what it sends
+        audit = _audited(full, seen)
+        np.testing.assert_array_equal(traffic[step].sent, audit.sent)
+        np.testing.assert_array_equal(traffic[step].path_bytes.sum(-1), audit.path_bytes)
+    p2p = jaxcomm.KINDS.index("p2p")
+    fp32_fw = 4 * 4 * 16 * 32  # a microbatch of 4 samples, 16 tokens x 32 wide, forward
+    drop = traffic[0].path_bytes[0, p2p] / traffic[3].path_bytes[0, p2p]
+    assert drop > 1.5, drop  # deltas replace the first visits
+    if args:  # sparse both ways: far below float32 in the steady state
+        assert traffic[3].path_bytes[0, p2p] < 2 * 2 * fp32_fw / 20
     Trainer(_cfg(tmp_path / "b", steps=2, buffer_dir=str(tmp_path / "bufs"), **kw)).run()
     resumed = Trainer(_cfg(tmp_path / "b", buffer_dir=str(tmp_path / "bufs"), **kw))
     replaced = list(resumed.layout.feed.buffers)
@@ -256,6 +272,18 @@ def test_pipeline_config_errors():
         Config(stages=2, workers=8, microbatches=4, global_batch=40)
     with pytest.raises(ValueError, match=r"fw_bits must be an integer in \[1, 8\], got 9"):
         Config(stages=2, fw_bits=9)
+    with pytest.raises(ValueError, match="boundary_args=.* needs boundary='aqsgd'"):
+        Config(stages=2, boundary="fp32", boundary_args={"fw_chunk": 64, "fw_k": 2})
+    with pytest.raises(ValueError, match=r"unknown keys \['fw_chunks'\].*did you mean 'fw_chunk'"):
+        Config(stages=2, boundary="aqsgd", boundary_args={"fw_chunks": 64})
+    with pytest.raises(ValueError, match="fw_chunk and fw_k go together"):
+        Config(stages=2, boundary="aqsgd", boundary_args={"fw_chunk": 64})
+    with pytest.raises(ValueError, match="need 2 <= bw_chunk and bw_k <= bw_chunk, got bw_chunk=4"):
+        Config(stages=2, boundary="aqsgd", boundary_args={"bw_chunk": 4, "bw_k": 8})
+    with pytest.raises(ValueError, match="boundary_args.first_bits must be a positive integer"):
+        Config(stages=2, boundary="aqsgd", boundary_args={"first_bits": 0})
+    with pytest.raises(ValueError, match="bw_bucket=64 quantizes, but bw_bits is 0"):
+        Config(stages=2, boundary="aqsgd", bw_bits=0, boundary_args={"bw_bucket": 64})
 
 
 def test_param_count_is_the_models(tmp_path):
