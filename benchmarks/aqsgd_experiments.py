@@ -74,6 +74,30 @@ E2E = [
 ]
 
 
+# The frontier (``--frontier``): (label, boundary, fw_bits, bw_bits, boundary_args). A
+# top-k codec "topK/C" keeps K of every C entries of a sample's delta (forward) or gradient
+# (backward), values at 4 bits with one scale per chunk; "q1/b1024" is one-bit stochastic
+# quantization with one scale per 1,024 elements. "first q4": first visits at 4 bits.
+_SPARSE = {"first_bits": 4}
+FRONTIER = [
+    ("FP32", "fp32", 4, 0, {}),
+    ("AQ-SGD fw2/bw4", "aqsgd", 2, 4, {}),
+    ("q1/b1024 fw, q2/b1024 bw, first q4", "aqsgd", 1, 2,
+     {"fw_bucket": 1024, "bw_bucket": 1024, **_SPARSE}),
+    ("top32/1024 fw, top32/1024 bw, first q4", "aqsgd", 4, 4,
+     {"fw_chunk": 1024, "fw_k": 32, "bw_chunk": 1024, "bw_k": 32, **_SPARSE}),
+    ("top16/1024 fw, top32/1024 bw, first q4", "aqsgd", 4, 4,
+     {"fw_chunk": 1024, "fw_k": 16, "bw_chunk": 1024, "bw_k": 32, **_SPARSE}),
+    ("top16/1024 fw, top16/1024 bw, first q4", "aqsgd", 4, 4,
+     {"fw_chunk": 1024, "fw_k": 16, "bw_chunk": 1024, "bw_k": 16, **_SPARSE}),
+    ("top8/1024 fw, top16/1024 bw, first q4", "aqsgd", 4, 4,
+     {"fw_chunk": 1024, "fw_k": 8, "bw_chunk": 1024, "bw_k": 16, **_SPARSE}),
+    ("top16/1024 fw, top16/1024 bw, first fp32", "aqsgd", 4, 4,
+     {"fw_chunk": 1024, "fw_k": 16, "bw_chunk": 1024, "bw_k": 16}),
+]  # fmt: skip
+GAP_GOAL = 0.02  # final loss within 2% of FP32's
+
+
 def _slug(text: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in text)
 
@@ -101,9 +125,24 @@ def pretrain(args, out: Path) -> str:
     return str(run_dir / "params.msgpack")
 
 
-def run_one(label, boundary, fw, bw, stages, workers, aggregator, args, out, init) -> dict:
+def run_one(
+    label,
+    boundary,
+    fw,
+    bw,
+    stages,
+    workers,
+    aggregator,
+    args,
+    out,
+    init,
+    boundary_args=None,
+    seed=None,
+    folder=None,
+) -> dict:
     """Fine-tune one setting; returns its metric rows, summary and buffer I/O probe."""
-    run_dir = out / "runs" / f"{_slug(label)}_d{workers}_s{stages}"
+    folder = folder or f"{_slug(label)}_d{workers}_s{stages}"
+    run_dir = out / "runs" / folder
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = Config(
         name=f"{label} {workers}x{stages}",
@@ -115,13 +154,14 @@ def run_one(label, boundary, fw, bw, stages, workers, aggregator, args, out, ini
         global_batch=BATCH,
         train_samples=args.samples,
         steps=args.steps,
-        seed=args.seed,
+        seed=args.seed if seed is None else seed,
         optimizer="adam",
         lr=args.lr,
         aggregator=aggregator,
         boundary=boundary,
         fw_bits=fw,
         bw_bits=bw,
+        boundary_args=boundary_args or {},
         init_params=init,
         eval_every=0,
         checkpoint_every=0,
@@ -131,12 +171,12 @@ def run_one(label, boundary, fw, bw, stages, workers, aggregator, args, out, ini
     trainer = Trainer(cfg)
     trainer.run()
     (run_dir / "sync_io.json").write_text(json.dumps({"sync_io_s": _sync_io(trainer)}))
-    return load_run(label, stages, workers, out)
+    return load_run(label, stages, workers, out, folder)
 
 
-def load_run(label: str, stages: int, workers: int, out: Path) -> dict:
+def load_run(label: str, stages: int, workers: int, out: Path, folder: str | None = None) -> dict:
     """A finished run's metric rows, summary and synchronous buffer I/O time, from disk."""
-    run_dir = out / "runs" / f"{_slug(label)}_d{workers}_s{stages}"
+    run_dir = out / "runs" / (folder or f"{_slug(label)}_d{workers}_s{stages}")
     return {
         "label": label,
         "stages": stages,
@@ -198,6 +238,159 @@ def analyse(res: dict) -> dict:
     return out
 
 
+def frontier(args, out: Path) -> int:
+    """Every :data:`FRONTIER` setting at each of ``--stages`` and ``--seeds`` (fine-tuning
+    seeds, one pre-trained model): loss gap to FP32 against the traffic ratio."""
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    stages = [int(x) for x in args.stages.split(",")]
+    seeds = [int(x) for x in args.seeds.split(",")]
+    kept = out / "runs" / "pretrain" / "params.msgpack"
+    init = ""
+    if args.pretrain_steps:
+        init = str(kept) if kept.exists() and not args.fresh else pretrain(args, out)
+    todo = [(f, st, sd) for st in stages for sd in seeds for f in FRONTIER]
+    runs, reused = [], []
+    for (label, boundary, fw, bw, bargs), st, sd in tqdm(todo, desc="frontier", unit="run"):
+        folder = f"{_slug(label)}_s{st}_seed{sd}"
+        if (out / "runs" / folder / "summary.json").exists() and not args.fresh:
+            reused.append(folder)
+            res = load_run(label, st, 1, out, folder)
+        else:
+            res = run_one(
+                label, boundary, fw, bw, st, 1, "ring", args, out, init, bargs, sd, folder
+            )
+        runs.append({**res, "seed": sd, "boundary_args": bargs, "fw": fw, "bw": bw})
+    meta = run_meta(
+        None, t0, steps=args.steps, samples=args.samples,
+        pretrain_steps=args.pretrain_steps, lr=args.lr, seeds=seeds, stages=stages,
+    )  # fmt: skip
+    meta["reused_runs"] = reused
+    rows = _frontier_rows(runs)
+    (out / "frontier.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    (out / "frontier.md").write_text(_frontier_table(rows, meta))
+    _frontier_plot(rows, out / "frontier.png")
+    print((out / "frontier.md").read_text())
+    return 0
+
+
+def _frontier_rows(runs: list[dict]) -> list[dict]:
+    """Per setting and stage count: traffic ratios to FP32 and the loss gap per seed."""
+
+    def figures(r):
+        rows = r["rows"]
+        tail = rows[-max(1, len(rows) // 10) :]
+        later = rows[len(rows) // 2 :]
+        return (
+            sum(x["loss"] for x in tail) / len(tail),
+            statistics.median(x["sent_bytes"] for x in later),
+            sum(x["sent_bytes"] for x in rows),
+        )
+
+    base = {(r["stages"], r["seed"]): figures(r) for r in runs if r["label"] == "FP32"}
+    out: dict[tuple, dict] = {}
+    for r in runs:
+        loss, steady, total = figures(r)
+        ref_loss, ref_steady, ref_total = base[(r["stages"], r["seed"])]
+        row = out.setdefault(
+            (r["label"], r["stages"]),
+            {
+                "method": r["label"],
+                "stages": r["stages"],
+                "boundary_args": r["boundary_args"],
+                "fw_bits": r["fw"],
+                "bw_bits": r["bw"],
+                "steady_bytes": steady,
+                "total_bytes": total,
+                "steady_ratio": ref_steady / steady,
+                "total_ratio": ref_total / total,
+                "final_loss": {},
+                "gap": {},
+            },
+        )
+        row["final_loss"][r["seed"]] = loss
+        row["gap"][r["seed"]] = (loss - ref_loss) / ref_loss
+    rows = list(out.values())
+    for row in rows:
+        row["mean_gap"] = statistics.mean(row["gap"].values())
+        row["worst_gap"] = max(row["gap"].values())
+    for st in {r["stages"] for r in rows}:
+        inside = [r for r in rows if r["stages"] == st and r["worst_gap"] <= GAP_GOAL]
+        best = max(inside, key=lambda r: r["steady_ratio"], default=None)
+        for r in rows:
+            if r["stages"] == st:
+                r["cheapest_within_goal"] = r is best
+    return rows
+
+
+def _frontier_table(rows: list[dict], meta: dict) -> str:
+    seeds = meta["seeds"]
+    lines = [
+        "# Pipeline traffic against the loss gap to FP32",
+        "",
+        f"Command: `{meta['command']}`  ",
+        f"Machine: {meta['machine']}, JAX {meta['jax']} ({meta['backend']}), {meta['date']}; "
+        f"wall {meta['wall_s']} s"
+        + (
+            f" ({len(meta['reused_runs'])} runs reused from an earlier run)"
+            if meta["reused_runs"]
+            else ""
+        )
+        + f". GPT 8 layers x 128 wide, seq 64, batch {BATCH} in 4 microbatches, Adam "
+        f"{meta['lr']}, {meta['steps']} fine-tuning steps over {meta['samples']} samples "
+        f"({meta['steps'] * BATCH / meta['samples']:.1f} epochs) from a model pre-trained for "
+        f"{meta['pretrain_steps']} steps; fine-tuning seeds {seeds}.  ",
+        "Traffic: the bytes the busiest stage sends a step (forward payloads + backward "
+        "payloads). *Steady*: FP32's median over the second half (every sample seen) over "
+        "the codec's; *whole run*: the same ratio of the totals over all steps, first epoch "
+        "included. Gap: (final loss - FP32's) / FP32's, final loss the mean of the last 10% "
+        f"of steps, per seed; **bold**: the cheapest setting whose worst gap is within "
+        f"{GAP_GOAL:.0%}.",
+        "",
+        "| method | stages | steady ratio | whole-run ratio | bytes/step | "
+        + " | ".join(f"gap seed {s}" for s in seeds)
+        + " | mean gap |",
+        "|---|---|---|---|---|" + "---|" * len(seeds) + "---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r["stages"], r["steady_ratio"])):
+        name = f"**{r['method']}**" if r["cheapest_within_goal"] else r["method"]
+        gaps = " | ".join(f"{100 * r['gap'][s]:+.2f}%" for s in seeds)
+        lines.append(
+            f"| {name} | {r['stages']} | {r['steady_ratio']:.1f}x | {r['total_ratio']:.1f}x "
+            f"| {r['steady_bytes']:,.0f} | {gaps} | {100 * r['mean_gap']:+.2f}% |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _frontier_plot(rows: list[dict], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for st, marker in ((4, "o"), (8, "s")):
+        sel = sorted((r for r in rows if r["stages"] == st), key=lambda r: r["steady_ratio"])
+        if not sel:
+            continue
+        xs = [r["steady_ratio"] for r in sel]
+        ys = [100 * r["mean_gap"] for r in sel]
+        lo = [100 * (r["mean_gap"] - min(r["gap"].values())) for r in sel]
+        hi = [100 * (max(r["gap"].values()) - r["mean_gap"]) for r in sel]
+        ax.errorbar(xs, ys, yerr=[lo, hi], fmt=marker + "-", capsize=3, label=f"{st} stages")
+        for r in sel:
+            if r["cheapest_within_goal"]:
+                ax.annotate(
+                    f"{r['steady_ratio']:.0f}x", (r["steady_ratio"], 100 * r["mean_gap"]),
+                    textcoords="offset points", xytext=(4, 6), fontsize=8,
+                )  # fmt: skip
+    ax.axhline(100 * GAP_GOAL, color="grey", ls="--", lw=1, label=f"{GAP_GOAL:.0%} gap")
+    ax.axvline(100, color="grey", ls=":", lw=1, label="100x")
+    ax.set_xscale("log")
+    ax.set_xlabel("traffic ratio fp32 / codec (steady state, forward + backward)")
+    ax.set_ylabel("final loss gap to FP32 (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=100, help="fine-tuning steps per run")
@@ -206,7 +399,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-3, help="fine-tuning Adam step size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end compression runs")
-    p.add_argument("--out", default="benchmarks/results/aqsgd")
+    p.add_argument(
+        "--frontier",
+        action="store_true",
+        help="run the codec frontier (loss gap against traffic ratio) instead; writes "
+        "frontier.md/.json/.png under --out (default benchmarks/results/aqsgd_frontier)",
+    )
+    p.add_argument("--stages", default="4,8", help="--frontier: stage counts")
+    p.add_argument("--seeds", default="0,1", help="--frontier: fine-tuning seeds")
+    p.add_argument(
+        "--fresh", action="store_true", help="--frontier: re-run runs found under --out/runs"
+    )
+    p.add_argument("--out", default="")
     p.add_argument(
         "--from-runs",
         action="store_true",
@@ -224,7 +428,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.pretrain_steps < 0:
         p.error(f"--pretrain-steps must be >= 0, got {args.pretrain_steps}")
-    out = Path(args.out)
+    if args.frontier:
+        return frontier(args, Path(args.out or "benchmarks/results/aqsgd_frontier"))
+    out = Path(args.out or "benchmarks/results/aqsgd")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     todo = [(*s, stages, 1, "ring") for stages in (4, 8) for s in SETTINGS]

@@ -71,9 +71,20 @@ def device_name(requested: str | None) -> str | None:
         return requested.lower()
     if jax.default_backend() == "cpu":
         return None
-    kind = jax.devices()[0].device_kind.lower()
+    return match_device(jax.devices()[0].device_kind)
+
+
+def match_device(kind: str) -> str | None:
+    """The :data:`jaxcomm.DEVICES` key of a JAX ``device_kind`` (e.g. ``NVIDIA H100 80GB
+    HBM3`` -> ``h100``, ``NVIDIA GeForce RTX 2080 Ti`` -> ``rtx2080ti``); None for one not
+    in the table. The table's H100 and H200 are SXM parts: a PCIe or NVL card, or a MIG
+    slice, has other peaks and bandwidth, so it is not matched (name it with --device)."""
+    kind = kind.lower()
+    if re.search(r"pcie|nvl|mig", kind):
+        return None
+    squeezed = re.sub(r"[\s_-]", "", kind)
     for name in jaxcomm.DEVICES:
-        if re.search(rf"\b{name}\b", kind):
+        if re.search(rf"\b{name}\b", kind) or name in squeezed:
             return name
     return None
 
@@ -147,12 +158,21 @@ def platform_name() -> str:
     return backend
 
 
-def tests_part(pytest_args: str) -> dict:
+def tests_part(pytest_args: str, timeout_s: int = 300) -> dict:
     """``pytest`` on this backend; the counts from its last line."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = platform_name()
+    # This process holds the accelerator already: without this, JAX in the tests (and the
+    # processes they start) would each try to take 75% of its memory.
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args.split()]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        return {"command": " ".join(["pytest", "-q", *pytest_args.split()]), "rc": None,
+                "summary": f"stopped after {timeout_s} s (--tests-timeout)"}  # fmt: skip
     last = (proc.stdout.strip().splitlines() or [""])[-1]
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", last)}
     return {"command": " ".join(["pytest", "-q", *pytest_args.split()]), "rc": proc.returncode,
@@ -222,6 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--small", action="store_true", help="CPU-sized inputs")
     ap.add_argument("--steps", type=int, default=30, help="steps of the main job")
     ap.add_argument("--pytest-args", default="-m quick")
+    ap.add_argument("--tests-timeout", type=int, default=300, help="seconds for the tests part")
     args = ap.parse_args(argv)
     t0 = time.time()
     device = device_name(args.device)
@@ -234,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
         coll = _load("collectives_speed").main(["--sizes", coll_sizes, "--out", str(args.out)])
         parts["collectives"] = coll["rows"]
     parts["step"] = step_part(device, args.steps)
-    parts["tests"] = tests_part(args.pytest_args)
+    parts["tests"] = tests_part(args.pytest_args, args.tests_timeout)
     meta = run_meta(argv, t0, device=jax.devices()[0].device_kind, devices=jax.device_count())
     record = {"meta": meta, **parts}
     (args.out / "gpu.json").write_text(json.dumps(record, indent=2))

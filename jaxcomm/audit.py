@@ -705,8 +705,11 @@ def unlogged_traffic(program: Any) -> tuple[CollectiveOp, ...]:
       Blind spot: XLA may combine independent all-reduces into one op that keeps one op's
       metadata, so a user's all-reduce merged into a jaxcomm ``psum`` (``reduce="psum"``)
       is not reported; autodiff's all-reduce of the gradient feeds the aggregator, so it
-      cannot merge into the aggregator's own; tree collectives are permutes, and the ring
-      all-reduce is a reduce-scatter and an all-gather (or permutes with ``hops=True``).
+      cannot merge into the aggregator's own; tree collectives are permutes. The ring
+      all-reduce is a reduce-scatter and an all-gather (permutes with ``hops=True``): on a
+      GPU, XLA's combiners may merge a user's reduce-scatter or all-gather with those and
+      keep the first op's metadata, hiding the user's bytes or flagging jaxcomm's (on the
+      CPU nothing merges; ``hops=True`` avoids it).
     """
     from jaxcomm.collectives import WIRE_SCOPE
 

@@ -427,34 +427,31 @@ EXACT_ROUNDS = 31  # bisection rounds over float32 bit patterns that always end 
 def _threshold_indices(mag: jax.Array, k: int, rounds: int) -> jax.Array:
     """``k`` indices of large ``mag`` entries from a bisection on the threshold.
 
-    The search runs on the magnitudes' float32 bit patterns, which order non-negative
-    floats as their values do: it keeps ``lo`` with ``count(bits >= lo) >= k`` and ``hi``
-    with ``count(bits >= hi) < k``; after ``rounds`` halvings every entry ``>= hi`` is
-    taken, and the rest of the ``k`` are the first entries (by index) in ``[lo, hi)``. The
-    bit patterns of finite magnitudes lie in ``[0, 2**31)``, so after
-    :data:`EXACT_ROUNDS` (31) rounds ``hi = lo + 1``, ``lo`` is the k-th largest magnitude
-    itself, and the result is exactly ``lax.top_k``'s set, ties going to the lower index,
-    whatever the spread of the values (a search on the values themselves stops within
-    ``max|x| / 2**rounds`` of the threshold, which one large outlier makes coarse).
-
-    Non-finite magnitudes (NaN, Inf) are searched as 0, and then the first of them takes
-    slot 0, so a non-finite input always reaches the payload (never a finite wrong one).
+    The search runs on the magnitudes' float32 bit patterns (as unsigned integers), which
+    order non-negative floats as their values do and put Inf and NaN above every finite
+    value: it keeps ``lo`` with ``count(bits >= lo) >= k`` and ``hi`` with
+    ``count(bits >= hi) < k``; after ``rounds`` halvings every entry ``>= hi`` is taken,
+    and the rest of the ``k`` are the first entries (by index) in ``[lo, hi)``. The bit
+    patterns lie in ``[0, 2**31)``, so after :data:`EXACT_ROUNDS` (31) rounds
+    ``hi = lo + 1``, ``lo`` is the k-th largest pattern itself, and the result is exactly
+    the ``k`` largest patterns, ties going to the lower index (``lax.top_k``'s set for
+    finite input), whatever the spread of the values (a search on the values themselves
+    stops within ``max|x| / 2**rounds`` of the threshold, which one large outlier makes
+    coarse). A non-finite input therefore always reaches the payload, as in ``"sample"``.
     """
-    raw_mag = mag
-    mag = jnp.where(jnp.isfinite(mag), mag, 0.0).astype(jnp.float32)
-    bits = lax.bitcast_convert_type(mag, jnp.int32)  # >= 0, ordered as the magnitudes
-    hi0 = jnp.max(bits) + 1
+    mag = jnp.abs(mag).astype(jnp.float32)
+    bits = lax.bitcast_convert_type(mag, jnp.uint32) & jnp.uint32(_SIGNLESS)
+    hi0 = jnp.max(bits) + jnp.uint32(1)  # <= 2**31: no overflow in uint32
 
     def halve(_, bracket):
         lo, hi = bracket
-        mid = lo + (hi - lo) // 2
+        mid = lo + (hi - lo) // jnp.uint32(2)
         enough = jnp.sum(bits >= mid, dtype=jnp.int32) >= k
         return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
 
     lo, hi = lax.fori_loop(0, rounds, halve, (jnp.zeros_like(hi0), hi0))
-    mag = bits
-    above = mag >= hi  # fewer than k entries: all taken
-    between = (mag >= lo) & ~above  # the rest of the k, lowest indices first
+    above = bits >= hi  # fewer than k entries: all taken
+    between = (bits >= lo) & ~above  # the rest of the k, lowest indices first
     c_above = jnp.cumsum(above, dtype=jnp.int32)
     c_between = jnp.cumsum(between, dtype=jnp.int32)
     # Slot j holds the (j+1)-th entry of `above`, then of `between`: k binary searches on
@@ -463,14 +460,7 @@ def _threshold_indices(mag: jax.Array, k: int, rounds: int) -> jax.Array:
     n_above = c_above[-1]
     first = jnp.searchsorted(c_above, j + 1, side="left", method="scan_unrolled")
     rest = jnp.searchsorted(c_between, j + 1 - n_above, side="left", method="scan_unrolled")
-    idx = jnp.where(j < n_above, first, rest).astype(jnp.int32)
-    # One more pass over the magnitudes, small beside the search's rounds (a lax.cond
-    # would skip it, but inside shard_map its branches' varying types differ).
-    # Not from a max over the magnitudes: XLA's CPU max reduction can drop a NaN.
-    nonfinite = ~jnp.isfinite(raw_mag)
-    first_bad = jnp.argmax(nonfinite).astype(jnp.int32)
-    bad = jnp.where(jnp.any(nonfinite), first_bad, jnp.int32(-1))
-    return jnp.where((j == 0) & (bad >= 0), bad, idx)
+    return jnp.where(j < n_above, first, rest).astype(jnp.int32)
 
 
 # The named scope around the sample selection's host call: the audit costs it by this name.
@@ -598,11 +588,15 @@ def topk_indices(
         patterns) or ``"sample"`` (exact, ties to the lower index: thresholds placed by a
         strided sample, one pass that keeps the entries above the lower one, an exact
         selection among the few between the two; on the CPU a host kernel run on the
-        device buffer in about the time of one copy of ``x``, elsewhere the 31-round
-        threshold search). NaN and Inf count as larger than every finite magnitude in
-        ``"sample"`` and are always selected; ``"threshold"`` puts the first of them in
-        slot 0. ``"sample"`` refuses float64 (it orders float32 bit patterns), and
-        ``"auto"`` takes ``"exact"`` for it.
+        device buffer in one pass over ``x``, elsewhere the 31-round threshold search). A
+        host kernel has limits: a program holding it is not written to JAX's persistent
+        compilation cache, cannot be serialized by ``jax.export``, and cannot be vmapped
+        over an axis sharded on an explicit mesh axis; use ``"exact"`` or ``"threshold"``
+        there (``"auto"`` takes ``"sample"`` on the CPU from :data:`AUTO_SAMPLE_FROM`
+        entries). NaN and Inf count as larger than every finite magnitude in
+        ``"threshold"`` and ``"sample"`` (their bit patterns are) and are always selected.
+        ``"sample"`` refuses float64 (it orders float32 bit patterns), and ``"auto"``
+        takes ``"exact"`` for it and for integer input.
       rounds: bisection rounds of ``"threshold"``.
     Returned indices are a set: ``"exact"``/``"approx"`` list them by magnitude,
     ``"threshold"`` and ``"sample"`` by index.
@@ -619,8 +613,8 @@ def topk_indices(
                 "where values that differ beyond float32 would tie: use method='exact'"
             )
         return _sample_indices(x, k)
-    if method == "auto" and wide:
-        method = "exact"  # float64: lax.top_k orders the values themselves
+    if method == "auto" and (wide or not jnp.issubdtype(x.dtype, jnp.floating)):
+        method = "exact"  # float64 or integers: lax.top_k orders the values themselves
     if method == "auto":
         method, rounds = (
             ("threshold", EXACT_ROUNDS) if k > AUTO_THRESHOLD_ABOVE * x.shape[0] else ("exact", 0)

@@ -74,6 +74,29 @@ Combine = Callable[[Any, jax.Array, jax.Array], Any]
 WIRE_SCOPE = "jaxcomm_wire"
 
 
+def _in_mesh_order(axis_name: Any) -> Any:
+    """A tuple of mesh axes sorted into the mesh's own order (other names unchanged)."""
+    if not isinstance(axis_name, tuple):
+        return axis_name
+    order = tuple(jax.sharding.get_abstract_mesh().axis_names)
+    if not set(axis_name) <= set(order):
+        return axis_name
+    return tuple(sorted(axis_name, key=order.index))
+
+
+def _permute_size(axis_name: Any) -> int:
+    """``axis_size`` for the ``ppermute`` collectives, which number the devices of a tuple of
+    axes in the mesh's order while ``lax.axis_index`` follows the tuple's: a tuple out of
+    the mesh's order would pair the wrong devices, so it is refused."""
+    n = axis_size(axis_name)
+    if isinstance(axis_name, tuple) and _in_mesh_order(axis_name) != axis_name:
+        raise ValueError(
+            f"axis_name={axis_name!r} lists mesh axes out of the mesh's order; the ppermute "
+            f"collectives number devices in mesh order: pass {_in_mesh_order(axis_name)!r}"
+        )
+    return n
+
+
 def _ring_perm(n: int) -> list[tuple[int, int]]:
     return [(j, (j + 1) % n) for j in range(n)]
 
@@ -295,7 +318,7 @@ def ring_reduce_scatter(
     Returns:
       The message for segment ``axis_index``, a pytree shaped like ``init``'s output.
     """
-    n = axis_size(axis_name)
+    n = _permute_size(axis_name)
     x = jnp.asarray(x)
     if x.ndim == 0 or x.shape[0] != n:
         raise ValueError(
@@ -328,7 +351,7 @@ def ring_all_gather(x: Any, axis_name: Any) -> Any:
       The same pytree with a new leading axis ``[N, ...]``; entry ``j`` is device ``j``'s
       ``x``, identical on every device (typed as replicated over the axis).
     """
-    n = axis_size(axis_name)
+    n = _permute_size(axis_name)
     i = lax.axis_index(axis_name)
     perm = _ring_perm(n)
 
@@ -369,7 +392,7 @@ def all_gather(x: Any, axis_name: Any) -> Any:
       The pytree with a leading axis ``[N, ...]`` (entry ``j`` from device ``j``), identical
       on every device and typed as replicated.
     """
-    n = axis_size(axis_name)
+    n = _permute_size(axis_name)
     if n & (n - 1):
         return ring_all_gather(x, axis_name)
     i = lax.axis_index(axis_name)
@@ -405,8 +428,10 @@ def ring_all_reduce(
     ``2 (N - 1)`` ``ppermute`` messages (:func:`ring_reduce_scatter` then
     :func:`ring_all_gather`, the path algorithms with per-hop work take); on 8 simulated CPU
     devices it is 3-5x slower than ``psum``. Both send the same bytes in the same number of
-    rounds (checked by the wire audit), and sum in different orders.
+    rounds as a ring (the wire audit costs XLA's reduce-scatter and all-gather as rings; the
+    backend may schedule them otherwise), and sum in different orders.
     """
+    axis_name = _in_mesh_order(axis_name)  # a sum does not depend on the devices' order
     n = axis_size(axis_name)
     x = jnp.asarray(x)
     segments = split_segments(x, n)
@@ -451,7 +476,7 @@ def tree_all_reduce(
     high-latency links. In every round only the devices holding data send. ``x`` may be any
     pytree; ``combine(a, b)`` defaults to ``a + b``. The result is typed as replicated.
     """
-    n = axis_size(axis_name)
+    n = _permute_size(axis_name)
     combine = combine or (lambda a, b: jax.tree_util.tree_map(jnp.add, a, b))
     i = lax.axis_index(axis_name)
     acc = x
@@ -484,7 +509,7 @@ def broadcast(x: Any, root: int | jax.Array, axis_name: Any) -> Any:
     concrete ``root`` must lie in range. ``x`` may be any pytree of arrays; the result is
     typed as replicated.
     """
-    n = axis_size(axis_name)
+    n = _permute_size(axis_name)
     if is_concrete(root) and not isinstance(root, jax.Array):
         root = check_int("root", root, lo=0, hi=n - 1)
         return _broadcast_static(x, root, axis_name, n)

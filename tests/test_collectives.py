@@ -232,3 +232,30 @@ def test_gradients_through_replicated_results_match_lax(mesh8, op):
     want = grad_of(reference)
     assert np.abs(want).max() > 0.1
     np.testing.assert_allclose(grad_of(ours), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_tuple_of_axes_in_either_order():
+    """``ppermute`` numbers the devices of a tuple of axes in the mesh's order and
+    ``axis_index`` in the tuple's: the ring all-reduce sums right either way, and the other
+    ppermute collectives refuse a tuple out of the mesh's order rather than pair the wrong
+    devices."""
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    x = jnp.arange(8 * 6, dtype=jnp.float32).reshape(8, 6)
+    xs = jax.device_put(x, NamedSharding(mesh, P(("a", "b"))))
+
+    def run2(fn):
+        spec = P(("a", "b"))
+        g = jax.shard_map(lambda v: fn(v[0])[None], mesh=mesh, in_specs=spec, out_specs=spec)
+        return np.asarray(jax.jit(g)(xs))
+
+    for axes in (("a", "b"), ("b", "a")):
+        for hops in (False, True):
+            out = run2(lambda v, a=axes, h=hops: jaxcomm.ring_all_reduce(v, a, hops=h))
+            np.testing.assert_array_equal(out, np.broadcast_to(np.asarray(x).sum(0), (8, 6)))
+    np.testing.assert_array_equal(
+        run2(lambda v: jaxcomm.tree_all_reduce(v, ("a", "b"))),
+        np.broadcast_to(np.asarray(x).sum(0), (8, 6)),
+    )
+    for fn in (jaxcomm.tree_all_reduce, jaxcomm.ring_all_gather, jaxcomm.all_gather):
+        with pytest.raises(ValueError, match=r"out of the mesh's order.*pass \('a', 'b'\)"):
+            run2(lambda v, fn=fn: fn(v, ("b", "a")))

@@ -494,3 +494,39 @@ def test_allgather_sum_is_added_in_rank_order_and_bit_identical(make):
     got = _flat(u)
     for w in range(N):
         np.testing.assert_array_equal(got[w], total / np.float32(N))
+
+
+@pytest.mark.parametrize("shape", ["normal", "ties", "nan", "inf_and_nan"])
+@pytest.mark.parametrize("ratio", [0.001, 0.1, 0.75])
+def test_the_off_cpu_branch_selects_the_same_set_as_the_host_kernel(shape, ratio):
+    """``"sample"`` and ``"auto"`` run the 31-round threshold search off the CPU: it must
+    pick the same set (the largest magnitude bit patterns, NaN and Inf above every finite
+    value, ties to the lower index), with no index twice."""
+    from jaxcomm.codecs import EXACT_ROUNDS, _threshold_indices
+
+    rng = np.random.default_rng(7)
+    d = 5000
+    k = max(1, int(ratio * d))
+    x = rng.normal(size=d).astype(np.float32)
+    if shape == "ties":
+        x = (np.round(x * 2) / 2).astype(np.float32)
+    elif shape == "nan":
+        x[rng.integers(0, d, size=k + 3)] = np.nan
+    elif shape == "inf_and_nan":
+        x[[5, 900]], x[[17, 4000]] = np.nan, -np.inf
+    got = np.asarray(jax.jit(lambda v: _threshold_indices(jnp.abs(v), k, EXACT_ROUNDS))(x))
+    assert len(set(got.tolist())) == k
+    np.testing.assert_array_equal(np.sort(got), _magnitude_order_reference(x, k))
+    small = np.array([0.0, 0.0, np.nan, 1.0], np.float32)  # the largest finite is kept
+    for kk, want in ((3, [0, 2, 3]), (4, [0, 1, 2, 3])):
+        out = np.asarray(_threshold_indices(jnp.abs(jnp.asarray(small)), kk, EXACT_ROUNDS))
+        assert sorted(out.tolist()) == want
+
+
+def test_auto_takes_the_exact_sort_for_integers():
+    """Integers above 2**24 that float32 cannot tell apart: ``auto`` must not round them."""
+    x = jnp.arange(70_000, dtype=jnp.int32) * 97 % 65_536
+    x = x.at[69_996:69_999].set(2**25).at[69_999].set(2**25 + 1)  # the largest, last
+    got = sorted(np.asarray(jaxcomm.topk_indices(x, 3, method="auto")).tolist())
+    want = sorted(np.asarray(lax.top_k(jnp.abs(x), 3)[1]).tolist())
+    assert got == want

@@ -119,6 +119,10 @@ class Config:
         at ``bw_bits``, float32 when 0; no buffer feeds back what top-k drops);
         ``first_bits`` sends first visits quantized to that many bits instead of float32
         (a deviation from the paper).
+      estimate: what ``python -m train.estimate`` reports beside the step at ``network``
+        (training ignores it): ``networks``, more networks to estimate the same step on,
+        and ``baseline``, config keys that make a second config estimated beside them (e.g.
+        ``{boundary: fp32, network: "1ms,10Gbps"}``), with each one's speed relative to it.
       buffer_bits: AQ-SGD message buffer storage bits (0 = float32).
       buffer_dir: keep the message buffers as zarr under this folder ("" = in memory).
       sync: a sync wrapper around the optimizer (local SGD, needs ``aggregator: none``):
@@ -179,6 +183,7 @@ class Config:
     fw_bits: int = 4
     bw_bits: int = 8
     boundary_args: dict = dataclasses.field(default_factory=dict)
+    estimate: dict = dataclasses.field(default_factory=dict)
     buffer_bits: int = 0
     buffer_dir: str = ""
     init_params: str = ""
@@ -242,6 +247,7 @@ class Config:
             if not lo <= value <= 8:
                 raise ValueError(f"{name} must be an integer in [{lo}, 8], got {value}")
         self.boundary_codecs()  # a clear error for bad boundary_args
+        self.estimate_baseline()  # and for a bad estimate
         if self.stages > 1:
             if self.task != "gpt":
                 raise ValueError(f"stages={self.stages} needs task='gpt', got {self.task!r}")
@@ -274,6 +280,34 @@ class Config:
         if self.network.strip().lower() in ("c1", "c2"):
             return NetworkSchedule.preset(self.network.strip(), self.steps)
         return NetworkSchedule.parse(self.network)
+
+    def estimate_baseline(self) -> Config | None:
+        """The config ``estimate.baseline`` makes (None without one); checks ``estimate``."""
+        est = self.estimate
+        if not isinstance(est, dict):
+            raise ValueError(f"estimate must be a mapping, got {est!r}")
+        known = ["networks", "baseline"]
+        unknown = sorted(set(est) - set(known))
+        if unknown:
+            raise ValueError(
+                f"estimate: unknown keys {unknown}{did_you_mean(unknown[0], known)}; known: {known}"
+            )
+        nets = est.get("networks", [])
+        if not isinstance(nets, list) or not all(isinstance(n, str) for n in nets):
+            raise ValueError(f"estimate.networks must be a list of network strings, got {nets!r}")
+        from jaxcomm.network import NetworkSchedule
+
+        for n in nets:
+            NetworkSchedule.parse(n)
+        base = est.get("baseline")
+        if base is None:
+            return None
+        if not isinstance(base, dict) or not base:
+            raise ValueError(f"estimate.baseline must be a mapping of config keys, got {base!r}")
+        bad = sorted(set(base) - set(_FIELDS) | ({"estimate"} & set(base)))
+        if bad:
+            raise _unknown(bad[0], [k for k in _FIELDS if k != "estimate"])
+        return dataclasses.replace(self, **base, estimate={})
 
     def boundary_codecs(self) -> tuple[Any, Any, Any] | None:
         """``(forward, backward, first)`` :class:`jaxcomm.RowCodec` s of ``boundary_args``

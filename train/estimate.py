@@ -230,6 +230,30 @@ def _format(est: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _changes(cfg: Any, other: Any) -> str:
+    """The keys ``estimate.baseline`` sets, as ``key=value`` text."""
+    return ", ".join(f"{k}={v}" for k, v in cfg.estimate["baseline"].items())
+
+
+def _compare(rows: list[tuple[str, dict[str, Any]]], base: dict[str, Any] | None) -> str:
+    """A table of the config at each network beside the baseline: bytes, step time,
+    throughput (and as a multiple of the baseline's)."""
+    lines = ["", "== compared =="]
+    head = "| config | network | sent bytes/device | first epoch | step s | samples/s |"
+    lines += [head + (" x baseline |" if base else ""), "|---" * (6 + bool(base)) + "|"]
+    for name, e in rows:
+        first = e.get("first_epoch", {}).get("sent_bytes_per_device")
+        line = (
+            f"| {name} | {e['network']} | {e['sent_bytes_per_device']:,} | "
+            f"{'' if first is None else f'{first:,}'} | {e['step_s']:.4g} | "
+            f"{e['samples_per_s']:.4g} |"
+        )
+        if base:
+            line += f" {e['samples_per_s'] / base['samples_per_s']:.3f} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, estimate one step, print (and optionally write) the figures."""
     args = _parser().parse_args(argv)
@@ -257,11 +281,24 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     try:
-        est = estimate(cfg, branches or None)
+        nets = cfg.estimate.get("networks", [])
+        own = estimates(cfg, [cfg.network, *nets], branches=branches or None)
+        est = own[0]
+        baseline = cfg.estimate_baseline()
+        if baseline is not None:
+            print(f"estimating the baseline {_changes(cfg, baseline)}...", file=sys.stderr)
+            base = estimate(baseline, branches or None)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(_format(est))
+    if nets or baseline is not None:
+        rows = [(cfg.name, e) for e in own]
+        if baseline is not None:
+            rows.append((f"baseline: {_changes(cfg, baseline)}", base))
+            est["baseline"] = base
+        est["networks"] = own[1:]
+        print(_compare(rows, base if baseline is not None else None))
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(est, f, indent=2)
