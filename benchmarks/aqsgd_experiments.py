@@ -77,7 +77,8 @@ E2E = [
 # The frontier (``--frontier``): (label, boundary, fw_bits, bw_bits, boundary_args). A
 # top-k codec "topK/C" keeps K of every C entries of a sample's delta (forward) or gradient
 # (backward), values at 4 bits with one scale per chunk; "q1/b1024" is one-bit stochastic
-# quantization with one scale per 1,024 elements. "first q4": first visits at 4 bits.
+# quantization with one scale per 1,024 elements; "rankR" a rank-R factorization of each
+# sample's [T, W] with 8-bit factors. "first q4": first visits at 4 bits.
 _SPARSE = {"first_bits": 4}
 FRONTIER = [
     ("FP32", "fp32", 4, 0, {}),
@@ -94,6 +95,12 @@ FRONTIER = [
      {"fw_chunk": 1024, "fw_k": 8, "bw_chunk": 1024, "bw_k": 16, **_SPARSE}),
     ("top16/1024 fw, top16/1024 bw, first fp32", "aqsgd", 4, 4,
      {"fw_chunk": 1024, "fw_k": 16, "bw_chunk": 1024, "bw_k": 16}),
+    # Low rank (benchmarks/delta_lowrank.py: below sparsity's error at equal bytes on these
+    # deltas): each sample's [64, 128] delta or gradient as rank r, 8-bit factors.
+    ("rank2 fw, rank2 bw, first q4", "aqsgd", 8, 8, {"fw_rank": 2, "bw_rank": 2, **_SPARSE}),
+    ("rank1 fw, rank2 bw, first q4", "aqsgd", 8, 8, {"fw_rank": 1, "bw_rank": 2, **_SPARSE}),
+    ("rank1 fw, top16/1024 bw, first q4", "aqsgd", 8, 4,
+     {"fw_rank": 1, "bw_chunk": 1024, "bw_k": 16, **_SPARSE}),
 ]  # fmt: skip
 GAP_GOAL = 0.02  # final loss within 2% of FP32's
 

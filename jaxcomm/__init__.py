@@ -85,6 +85,7 @@ from jaxcomm.aqsgd import (
     directq_decode,
     directq_encode,
     grad_wire_bytes,
+    lowrank_rows,
     quantize_grad,
     quantized_rows,
     topk_rows,

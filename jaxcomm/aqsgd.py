@@ -56,14 +56,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxcomm._checks import check_finite_if_concrete, check_int, is_concrete
 from jaxcomm.codecs import (
     ChunkTopK,
+    LowRank,
     Quantized,
     chunk_topk_decode,
     chunk_topk_encode,
     dequantize,
+    lowrank_decode,
+    lowrank_encode,
     payload_bytes,
     quantize,
 )
@@ -72,6 +76,7 @@ __all__ = [
     "RowCodec",
     "quantized_rows",
     "topk_rows",
+    "lowrank_rows",
     "FirstVisit",
     "delta_encode",
     "delta_decode",
@@ -176,22 +181,32 @@ def _dequantize_rows(q: Quantized) -> jax.Array:
 def _add_delta(previous: jax.Array, delta: Any) -> jax.Array:
     # Compiled for the same reason as ``_dequantize_rows``: sender and receiver run the same
     # compiled arithmetic on the same bits.
-    return previous + _decode_rows(delta)
+    # The barrier keeps the decoded delta a finished array: fused with the addition, XLA
+    # may contract a product of the decode and this sum into one fused multiply-add on one
+    # side of a boundary and not on the other (both sit in one pipeline program).
+    return previous + lax.optimization_barrier(_decode_rows(delta))
 
 
-def _check_rows(payload: Quantized | ChunkTopK) -> None:
-    lead = payload.codes if isinstance(payload, Quantized) else payload.indices
+def _lead(payload: Quantized | ChunkTopK | LowRank) -> tuple[str, jax.Array]:
+    if isinstance(payload, Quantized):
+        return "codes", payload.codes
+    if isinstance(payload, LowRank):
+        return "left codes", payload.left.codes
+    return "indices", payload.indices
+
+
+def _check_rows(payload: Quantized | ChunkTopK | LowRank) -> None:
+    name, lead = _lead(payload)
     if lead.ndim != 2:
-        name = "codes" if isinstance(payload, Quantized) else "indices"
         raise ValueError(
             "payload must be row-batched (leaves with a leading batch axis, as made by "
             f"the encoders here), got {name} of shape {lead.shape}"
         )
 
 
-def _rows(payload: Quantized | ChunkTopK) -> int:
+def _rows(payload: Quantized | ChunkTopK | LowRank) -> int:
     _check_rows(payload)
-    return (payload.codes if isinstance(payload, Quantized) else payload.indices).shape[0]
+    return _lead(payload)[1].shape[0]
 
 
 # --------------------------------------------------------------------------- row codecs
@@ -202,16 +217,18 @@ class RowCodec:
     """How every row (sample) of a ``[B, *sample_shape]`` array is compressed for the wire.
 
     Made by :func:`quantized_rows` (stochastic uniform quantization, unbiased: AQ-SGD's and
-    DirectQ's ``Q``) or :func:`topk_rows` (chunk-wise top-k of each row with packed in-chunk
-    positions and low-bit values: biased, for deltas against a buffer that keeps what was
-    not sent). Each row is compressed on its own, so a payload's leaves carry a leading
-    ``B`` axis and its bytes are ``B`` times one row's.
+    DirectQ's ``Q``), :func:`topk_rows` (chunk-wise top-k of each row with packed in-chunk
+    positions and low-bit values) or :func:`lowrank_rows` (a rank-``r`` factorization of each
+    sample's ``[T, W]`` matrix with low-bit factors); the last two are biased, for deltas
+    against a buffer that keeps what was not sent. Each row is compressed on its own, so a
+    payload's leaves carry a leading ``B`` axis and its bytes are ``B`` times one row's.
 
     Attributes:
-      kind: ``"quantize"`` or ``"topk"``.
-      bits: code width of the values, 1..8 (``None`` for top-k: float32 values).
+      kind: ``"quantize"``, ``"topk"`` or ``"lowrank"``.
+      bits: code width of the values (factors), 1..8 (``None`` for top-k: float32 values).
       bucket_size: quantize: elements per scale (``None``: the sample's last axis).
       chunk, k: top-k: entries per chunk and entries kept per chunk.
+      rank: low rank: the rank ``r``.
     """
 
     kind: str
@@ -219,6 +236,7 @@ class RowCodec:
     bucket_size: int | None = None
     chunk: int | None = None
     k: int | None = None
+    rank: int | None = None
 
     def encode(self, x: jax.Array, key: jax.Array) -> Any:
         """Row-batched payload of ``x`` (``f32[B, *sample_shape]``); ``key`` is split into
@@ -226,6 +244,16 @@ class RowCodec:
         x = _check_activation("x", x)
         if self.kind == "quantize":
             return _quantize_rows(x, key, self.bits, _bucket(self.bucket_size, x.shape))
+        if self.kind == "lowrank":
+            if x.ndim < 3:
+                raise ValueError(
+                    f"a low-rank code factors each sample as a matrix: x must be "
+                    f"[B, ..., W] with samples of at least 2 axes, got shape {x.shape}"
+                )
+            keys = jax.random.split(key, x.shape[0])
+            return jax.vmap(lambda r, k: lowrank_encode(r, k, rank=self.rank, bits=self.bits))(
+                x, keys
+            )
         return _topk_rows(x, self.chunk, self.k, self.bits)
 
     def decode(self, payload: Any) -> jax.Array:
@@ -235,6 +263,11 @@ class RowCodec:
                 raise TypeError(f"payload must be Quantized, got {type(payload).__name__}")
             _check_rows(payload)
             return _dequantize_rows(payload)
+        if self.kind == "lowrank":
+            if not isinstance(payload, LowRank):
+                raise TypeError(f"payload must be LowRank, got {type(payload).__name__}")
+            _check_rows(payload)
+            return _decode_rows(payload)
         if not isinstance(payload, ChunkTopK):
             raise TypeError(f"payload must be ChunkTopK, got {type(payload).__name__}")
         _check_rows(payload)
@@ -251,6 +284,8 @@ class RowCodec:
         """Short name, e.g. ``q2/b1024`` or ``top4of256/q4``."""
         if self.kind == "quantize":
             return f"q{self.bits}" + (f"/b{self.bucket_size}" if self.bucket_size else "")
+        if self.kind == "lowrank":
+            return f"rank{self.rank}/q{self.bits}"
         return f"top{self.k}of{self.chunk}" + (f"/q{self.bits}" if self.bits else "")
 
 
@@ -282,6 +317,18 @@ def topk_rows(chunk: int, k: int, bits: int | None = None) -> RowCodec:
     return RowCodec("topk", bits, chunk=chunk, k=k)
 
 
+def lowrank_rows(rank: int, bits: int = 8) -> RowCodec:
+    """Each sample ``[..., W]`` as a rank-``rank`` matrix ``P R`` (``P``: ``[T, r]`` with
+    ``T`` the product of the other axes, ``R``: ``[r, W]``), found by a randomized range
+    finder with two power iterations and sent as ``bits``-bit factors rounded to nearest,
+    one float32 scale per factor column and row (:func:`jaxcomm.codecs.lowrank_encode`).
+    Biased: what lies beyond the rank is not sent, so use it where a buffer keeps it. A row
+    costs ``ceil(r T bits / 8) + ceil(r W bits / 8) + 8 r`` bytes."""
+    rank = check_int("rank", rank, lo=1)
+    bits = check_int("bits", bits, lo=1, hi=8)
+    return RowCodec("lowrank", bits, rank=rank)
+
+
 def _topk_rows(x: jax.Array, chunk: int, k: int, bits: int | None) -> ChunkTopK:
     return jax.vmap(lambda r: chunk_topk_encode(r, chunk=chunk, k=k, bits=bits))(x)
 
@@ -305,10 +352,21 @@ class FirstVisit:
     payload: Any
 
 
+def _as_received(payload: Any) -> Any:
+    """The payload behind an optimization barrier: the sender then decodes it as the
+    receiver does, from finished arrays. Inside one compiled program (a pipeline step holds
+    both sides of a boundary) XLA would otherwise fuse the sender's decode into its encode
+    and may reorder its float arithmetic there (a rank's factors, a scale's division), one
+    ulp away from the receiver's."""
+    return lax.optimization_barrier(payload)
+
+
 @jax.jit
 def _decode_rows(payload: Any) -> jax.Array:
     if isinstance(payload, ChunkTopK):
         return _topk_decode_rows(payload)
+    if isinstance(payload, LowRank):
+        return jax.vmap(lowrank_decode)(payload).astype(jnp.float32)
     return _dequantize_rows(payload)
 
 
@@ -350,10 +408,10 @@ def delta_encode(
     if not seen:
         if first is None:
             return activation, activation
-        payload = first.encode(activation, key)
+        payload = _as_received(first.encode(activation, key))
         return FirstVisit(payload), _decode_rows(payload)
     check_finite_if_concrete("previous", previous)
-    payload = codec.encode(activation - previous, key)
+    payload = _as_received(codec.encode(activation - previous, key))
     return payload, _add_delta(previous, payload)
 
 
@@ -369,7 +427,7 @@ def delta_decode(payload: Any, previous: jax.Array) -> jax.Array:
         out = _decode_rows(payload.payload)
         _check_previous(out, previous)
         return out
-    if isinstance(payload, (Quantized, ChunkTopK)):
+    if isinstance(payload, (Quantized, ChunkTopK, LowRank)):
         rows = _rows(payload)
         if (rows, *payload.shape) != previous.shape:
             raise ValueError(

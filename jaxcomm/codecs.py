@@ -55,6 +55,9 @@ __all__ = [
     "chunk_topk_decode",
     "pack_uints",
     "unpack_uints",
+    "LowRank",
+    "lowrank_encode",
+    "lowrank_decode",
     "payload_bytes",
     "payload_is_finite",
     "quantized_nbytes",
@@ -367,12 +370,15 @@ def dequantize(q: Quantized) -> jax.Array:
     levels = float((1 << q.bits) - 1)
     codes = unpack_codes(q.codes, q.bits, n).astype(jnp.float32)
     codes = jnp.pad(codes, (0, nb * q.bucket_size - n)).reshape(nb, q.bucket_size)
-    t = codes / levels
     if q.offset is None:
-        out = (2.0 * t - 1.0) * q.scale[:, None]
-    else:
-        # A convex combination never overflows, even when max - min would.
-        out = q.offset[:, None] * (1.0 - t) + q.scale[:, None] * t
+        # (2 c - L) is an exact integer and each product one rounding: the same bits
+        # whichever loop XLA fuses the decode into (a division, or a product followed by a
+        # sum, may be rounded differently in a vectorized loop and its scalar remainder).
+        step = q.scale[:, None] * (1.0 / levels)
+        return ((2.0 * codes - levels) * step).reshape(-1)[:n].reshape(q.shape).astype(q.dtype)
+    t = codes / levels
+    # A convex combination never overflows, even when max - min would.
+    out = q.offset[:, None] * (1.0 - t) + q.scale[:, None] * t
     return out.reshape(-1)[:n].reshape(q.shape).astype(q.dtype)
 
 
@@ -805,3 +811,93 @@ def chunk_topk_decode(p: ChunkTopK) -> jax.Array:
         rows, idx.reshape(chunks, p.k), vals
     )
     return rows.reshape(-1)[:d].reshape(p.shape).astype(p.dtype)
+
+
+# --------------------------------------------------------------------------- low rank
+
+
+@_payload
+@dataclasses.dataclass(frozen=True)
+class LowRank:
+    """Rank-``r`` payload of a matrix ``[m, n]``: ``left @ right`` with both factors
+    quantized (:class:`Quantized`, one scale per factor column or row).
+
+    Attributes:
+      left: the ``[m, r]`` factor, stored transposed (``r`` buckets of ``m``).
+      right: the ``[r, n]`` factor (``r`` buckets of ``n``).
+      shape, dtype: the original array's (static); its last axis is ``n``.
+      rank: ``r`` (static).
+    """
+
+    left: Quantized
+    right: Quantized
+    shape: tuple[int, ...] = _static()
+    dtype: str = _static()
+    rank: int = _static()
+
+
+def lowrank_encode(
+    x: jax.Array, key: jax.Array, *, rank: int, bits: int = 8, iters: int = 2
+) -> LowRank:
+    """Rank-``rank`` approximation of ``x`` seen as a matrix ``[prod(shape[:-1]), shape[-1]]``.
+
+    A randomized range finder: ``Y = X @ G`` for a Gaussian ``G`` drawn from ``key``, then
+    ``iters`` power iterations ``Y = X (X^T Y)`` (each re-orthonormalized), ``P = qr(Y)`` and
+    ``R = P^T X``, so ``P R`` is close to the best rank-``rank`` approximation (the
+    truncated SVD). Both factors are rounded to nearest on ``bits`` bits, one max-abs scale
+    per column of ``P`` and per row of ``R``. Biased (what is beyond the rank is dropped):
+    for deltas against a buffer that keeps what is not sent. A NaN or Inf in ``x`` makes the
+    factors non-finite, so it reaches the decoded array.
+
+    Args:
+      x: float array with at least 2 axes, ``[..., m', n]``.
+      key: PRNG key of the test matrix.
+      rank: ``1 <= rank <= min(m, n)``.
+      bits: factor code width, 1..8.
+      iters: power iterations, >= 0.
+
+    Returns:
+      :class:`LowRank` of ``ceil(r m bits / 8) + ceil(r n bits / 8) + 8 r`` bytes.
+    """
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"x must be a floating array, got dtype {x.dtype}")
+    if x.ndim < 2:
+        raise ValueError(f"x must have at least 2 axes (a matrix), got shape {x.shape}")
+    n = x.shape[-1]
+    m = x.size // n
+    rank = check_int("rank", rank, lo=1, hi=min(m, n))
+    bits = check_int("bits", bits, lo=1, hi=8)
+    iters = check_int("iters", iters, lo=0)
+    a = x.reshape(m, n).astype(jnp.float32)
+    y = a @ jax.random.normal(key, (n, rank), jnp.float32)
+    for _ in range(iters):
+        y = a @ (a.T @ jnp.linalg.qr(y)[0])
+    p = jnp.linalg.qr(y)[0]  # [m, r], orthonormal columns
+    r = p.T @ a  # [r, n]
+    poisoned = jnp.where(jnp.all(jnp.isfinite(a)), 0.0, jnp.nan)  # QR may hide a NaN
+    left = quantize(p.T + poisoned, None, bits=bits, bucket_size=m, stochastic=False)
+    right = quantize(r + poisoned, None, bits=bits, bucket_size=n, stochastic=False)
+    return LowRank(left, right, tuple(x.shape), jnp.dtype(x.dtype).name, rank)
+
+
+def lowrank_decode(p: LowRank) -> jax.Array:
+    """``left @ right`` of a :class:`LowRank` payload, in the original shape and dtype."""
+    if not isinstance(p, LowRank):
+        raise TypeError(f"p must be a LowRank payload, got {type(p).__name__}")
+    n = p.shape[-1]
+    m = math.prod(p.shape) // n
+    # Both sides of a pipeline boundary decode inside one compiled program, where XLA may
+    # fuse a decode into different loops (vectorized or not, a product and a sum contracted
+    # to one fused multiply-add or not) and round differently by an ulp. Finished factors,
+    # then each rank's product and the running sum materialized on their own, come out
+    # bit-identical wherever the decode runs.
+    left, right = lax.optimization_barrier(
+        (dequantize(p.left).reshape(p.rank, m), dequantize(p.right).reshape(p.rank, n))
+    )
+    out = lax.optimization_barrier(left[0][:, None] * right[0][None, :])
+    for j in range(1, p.rank):
+        out = lax.optimization_barrier(
+            out + lax.optimization_barrier(left[j][:, None] * right[j][None, :])
+        )
+    return out.reshape(p.shape).astype(p.dtype)

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm import aqsgd
-from jaxcomm.codecs import Quantized, dequantize, payload_bytes
+from jaxcomm.codecs import Quantized, dequantize, lowrank_decode, lowrank_encode, payload_bytes
 from jaxcomm.collectives import send
 
 B, T, H = 4, 3, 16
@@ -306,25 +306,27 @@ def test_topk_rows_keep_each_chunks_largest_and_cost_the_documented_bytes(shape,
     assert q.nbytes(shape) == shape[0] * (index_bytes + -(-chunks * k * 2 // 8) + 4 * chunks)
 
 
-def test_sparse_deltas_keep_what_was_not_sent_in_the_buffer():
-    """Top-k deltas against a buffer: both sides agree bit for bit at every visit, and the
-    buffer closes in on a fixed activation (what a visit leaves out, the next one sends)."""
+@pytest.mark.parametrize("codec", [TOPK, aqsgd.lowrank_rows(1)], ids=["topk", "rank1"])
+def test_sparse_deltas_keep_what_was_not_sent_in_the_buffer(codec):
+    """Top-k or rank-1 deltas against a buffer: both sides agree bit for bit at every
+    visit, and the buffer closes in on a fixed activation (what a visit leaves out, the next
+    one sends)."""
     a = jax.random.normal(jax.random.key(5), (B, T, H))
     send_prev = recv_prev = jnp.zeros_like(a)
-    payload, send_prev = aqsgd.delta_encode(a, send_prev, False, jax.random.key(0), TOPK)
+    payload, send_prev = aqsgd.delta_encode(a, send_prev, False, jax.random.key(0), codec)
     recv_prev = aqsgd.delta_decode(payload, recv_prev)
     np.testing.assert_array_equal(np.asarray(recv_prev), np.asarray(a))  # float32 first visit
     target = a * 1.5 + 0.3  # the activation has moved since
     errors = []
     for visit in range(12):
         payload, send_prev = aqsgd.delta_encode(
-            target, send_prev, True, jax.random.key(visit), TOPK
+            target, send_prev, True, jax.random.key(visit), codec
         )
         recv_prev = aqsgd.delta_decode(payload, recv_prev)
         np.testing.assert_array_equal(np.asarray(send_prev), np.asarray(recv_prev))
         errors.append(float(jnp.linalg.norm(target - send_prev) / jnp.linalg.norm(target)))
-    assert isinstance(payload, aqsgd.ChunkTopK)
-    assert errors[0] > 0.2  # one visit sends a quarter of each chunk
+    assert isinstance(payload, aqsgd.ChunkTopK if codec is TOPK else aqsgd.LowRank)
+    assert errors[0] > 0.2  # one visit sends a quarter of each chunk, or one direction
     assert errors[-1] < 0.05 * errors[0]
 
 
@@ -356,7 +358,9 @@ def test_compressed_first_visit_starts_both_buffers_at_the_decoded_activation():
         aqsgd.aqsgd_decode(payload, prev)
 
 
-@pytest.mark.parametrize("codec", [TOPK, aqsgd.quantized_rows(2, bucket_size=32)])
+@pytest.mark.parametrize(
+    "codec", [TOPK, aqsgd.quantized_rows(2, bucket_size=32), aqsgd.lowrank_rows(2)]
+)
 def test_a_nan_anywhere_in_a_delta_reaches_the_receiver(codec):
     """A NaN in an entry top-k would not select (or in any bucket) poisons what the receiver
     rebuilds, under jit, instead of vanishing from the payload."""
@@ -387,3 +391,27 @@ def test_row_codec_errors_name_the_argument():
         aqsgd.delta_encode(a, prev, True, jax.random.key(0), 4)
     with pytest.raises(TypeError, match="payload must be ChunkTopK, got Quantized"):
         TOPK.decode(aqsgd.quantized_rows(2).encode(a, jax.random.key(0)))
+
+
+@pytest.mark.parametrize("shape,rank", [((16, 32), 3), ((2, 8, 24), 1), ((40, 12), 5)])
+def test_lowrank_code_recovers_a_low_rank_matrix_at_the_documented_bytes(shape, rank):
+    """A matrix of rank ``r`` comes back within the factors' 8-bit rounding; one of higher
+    rank loses at most what the truncated SVD loses, plus that rounding."""
+    n = shape[-1]
+    m = math.prod(shape) // n
+    k1, k2, k3 = jax.random.split(jax.random.key(len(shape) + rank), 3)
+    low = (jax.random.normal(k1, (m, rank)) @ jax.random.normal(k2, (rank, n))).reshape(shape)
+    p = lowrank_encode(low, jax.random.key(0), rank=rank)
+    assert payload_bytes(p) == -(-rank * m * 8 // 8) + -(-rank * n * 8 // 8) + 8 * rank
+    rel = float(jnp.linalg.norm(lowrank_decode(p) - low) / jnp.linalg.norm(low))
+    assert rel < 0.02
+    full = low + jax.random.normal(k3, shape)
+    p = lowrank_encode(full, jax.random.key(0), rank=rank)
+    s = np.linalg.svd(np.asarray(full).reshape(m, n), compute_uv=False)
+    best = np.sqrt((s[rank:] ** 2).sum() / (s**2).sum())
+    got = float(jnp.linalg.norm(lowrank_decode(p) - full) / jnp.linalg.norm(full))
+    assert best <= got < best + 0.05
+    with pytest.raises(ValueError, match=r"rank must be an integer in \[1, "):
+        lowrank_encode(full, jax.random.key(0), rank=min(m, n) + 1)
+    with pytest.raises(ValueError, match="at least 2 axes"):
+        lowrank_encode(jnp.ones(5), jax.random.key(0), rank=1)

@@ -308,3 +308,23 @@ def test_training_with_sparse_deltas_tracks_fp32():
     )
     assert sparse == pytest.approx(fp32, rel=0.1)
     assert _regression(direct) > 10 * fp32
+
+
+def test_lowrank_delta_boundary_sends_its_factors_both_ways():
+    """Rank-2 deltas forward, rank-1 gradients back, 8-bit factors: audited = logged (in
+    ``_run``), the documented bytes, both sides agree."""
+    _, tokens, params = _setup()
+    low = jaxcomm.delta_boundary(jaxcomm.lowrank_rows(2), jaxcomm.lowrank_rows(1))
+
+    def row(r):  # 8-bit factors [T, r] and [r, W], a float32 scale per factor column/row
+        return r * T + r * W + 8 * r
+
+    _, _, st_1, log_1 = _run(4, params, tokens, boundary=low)
+    assert _p2p_sent(log_1, 4) == _expect(4, FP32_MSG, MB * row(1))
+    moved = jax.tree_util.tree_map(lambda a: a * 1.01, params)
+    loss_ref, _, _, _ = _run(4, moved, tokens)
+    loss_2, _, st_2, log_2 = _run(4, moved, tokens, boundary=low, state=st_1, seen=True)
+    assert _p2p_sent(log_2, 4) == _expect(4, MB * row(2), MB * row(1))
+    for s in range(3):
+        np.testing.assert_array_equal(st_2.prev_out[s], st_2.prev_in[s + 1])
+    assert loss_2 == pytest.approx(loss_ref, rel=0.05)

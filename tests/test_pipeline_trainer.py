@@ -280,6 +280,8 @@ def test_pipeline_config_errors():
         Config(stages=2, boundary="aqsgd", boundary_args={"fw_chunk": 64})
     with pytest.raises(ValueError, match="need 2 <= bw_chunk and bw_k <= bw_chunk, got bw_chunk=4"):
         Config(stages=2, boundary="aqsgd", boundary_args={"bw_chunk": 4, "bw_k": 8})
+    with pytest.raises(ValueError, match="fw_rank sends a low-rank code; it excludes fw_chunk"):
+        Config(stages=2, boundary="aqsgd", boundary_args={"fw_rank": 2, "fw_chunk": 64, "fw_k": 2})
     with pytest.raises(ValueError, match="boundary_args.first_bits must be a positive integer"):
         Config(stages=2, boundary="aqsgd", boundary_args={"first_bits": 0})
     with pytest.raises(ValueError, match="bw_bucket=64 quantizes, but bw_bits is 0"):

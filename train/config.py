@@ -43,7 +43,11 @@ DILOCO_KEYS = (
 )
 DILOCO_COMPRESS = ("none", "int8", "int4", "sparseloco", "ar_topk")
 # ``boundary_args`` of ``boundary: aqsgd``: the codec of each direction and of first visits.
-BOUNDARY_KEYS = ("fw_chunk", "fw_k", "fw_bucket", "bw_chunk", "bw_k", "bw_bucket", "first_bits")
+BOUNDARY_KEYS = (
+    "fw_chunk", "fw_k", "fw_bucket", "fw_rank",
+    "bw_chunk", "bw_k", "bw_bucket", "bw_rank",
+    "first_bits",
+)  # fmt: skip
 # Aggregators that are the whole optimizer (they apply their own step sizes).
 OPTIMIZING_AGGREGATORS = ("marsit", "signsgd_mv", "ef_signsgd", "ssdm", "cascading_sign")
 AGGREGATORS = GRADIENT_AGGREGATORS + OPTIMIZING_AGGREGATORS
@@ -113,10 +117,12 @@ class Config:
       boundary_args: ``boundary: aqsgd`` only, the codec of each direction (``{}``: the
         paper's, per-token stochastic quantization): ``fw_chunk`` and ``fw_k`` send each
         delta as chunk-wise top-``fw_k`` of ``fw_chunk`` entries with ``fw_bits``-bit values
-        (:func:`jaxcomm.topk_rows`; the buffer keeps what is not sent), ``fw_bucket``
-        quantizes it in buckets of that many elements instead of one per token;
-        ``bw_chunk``/``bw_k``/``bw_bucket`` the same for the activation gradient (values
-        at ``bw_bits``, float32 when 0; no buffer feeds back what top-k drops);
+        (:func:`jaxcomm.topk_rows`; the buffer keeps what is not sent), ``fw_rank`` as a
+        rank-``fw_rank`` matrix with ``fw_bits``-bit factors (:func:`jaxcomm.lowrank_rows`),
+        ``fw_bucket`` quantizes it in buckets of that many elements instead of one per
+        token; ``bw_chunk``/``bw_k``/``bw_rank``/``bw_bucket`` the same for the activation
+        gradient (values at ``bw_bits``, float32 when 0 for top-k; no buffer feeds back
+        what top-k or a rank drops);
         ``first_bits`` sends first visits quantized to that many bits instead of float32
         (a deviation from the paper).
       estimate: what ``python -m train.estimate`` reports beside the step at ``network``
@@ -334,6 +340,19 @@ class Config:
 
         def side(prefix: str, bits: int) -> Any:
             chunk, k, bucket = (args.get(f"{prefix}_{n}") for n in ("chunk", "k", "bucket"))
+            rank = args.get(f"{prefix}_rank")
+            if rank is not None:
+                if chunk is not None or k is not None or bucket is not None:
+                    raise ValueError(
+                        f"boundary_args: {prefix}_rank sends a low-rank code; it excludes "
+                        f"{prefix}_chunk, {prefix}_k and {prefix}_bucket"
+                    )
+                if not bits:
+                    raise ValueError(
+                        f"boundary_args.{prefix}_rank={rank} needs {prefix}_bits >= 1 (the "
+                        "factors' bits), got 0"
+                    )
+                return jaxcomm.lowrank_rows(rank, bits)
             if (chunk is None) != (k is None):
                 raise ValueError(
                     f"boundary_args: {prefix}_chunk and {prefix}_k go together (chunk-wise "
