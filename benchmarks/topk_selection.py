@@ -2,20 +2,20 @@
 
 For float32 arrays of 1M to 64M elements (standard normal, numpy seed 0) and ratios 0.1,
 0.01 and 0.001, times ``jax.jit`` of ``x -> jaxcomm.topk_indices(x, k, method=...)`` for
-``exact`` (``lax.top_k``), ``approx`` (``lax.approx_max_k``), ``threshold`` (bisection on
-the magnitudes' bit patterns: 31 rounds, exact, and 25 rounds as MSTopk), ``sample``
-(thresholds from a strided sample, one candidate pass, an exact selection between them) and
-``auto`` (the default), against a copy of the same array: on the CPU a ``memcpy`` into a
-buffer that already exists (``np.copyto``), the machine's own copy speed; elsewhere
+``exact`` (``lax.top_k``; ``lax.approx_max_k`` is the same sort on the CPU), ``threshold``
+(bisection on the magnitudes' bit patterns: 31 rounds, exact, and 25 rounds as MSTopk),
+``sample`` (thresholds from a strided sample, one candidate pass, an exact selection between
+them) and ``auto`` (the default), against a copy of the same array: on the CPU a ``memcpy``
+into a buffer that already exists (``np.copyto``), the machine's own copy speed; elsewhere
 ``jax.jit(jnp.copy)``. ``jax.jit(jnp.copy)`` on the CPU writes a fresh buffer each call,
 whose pages fault in one by one from about 16M floats on, which makes it 3-6x slower than
 the ``memcpy`` there: it is timed too (the ``jax copy`` column), and the goal is judged
-against the ``memcpy``. Each program is compiled ahead of time and called once untimed;
-then ``--repeats`` rounds time one call of each, in a new random order every round (the
-program timed after another can pay for its caches), with a copy before each (wall clock
-around ``block_until_ready``); each figure is the median of its rounds, so copy and
-selection see the same machine load. Each selection's result is also checked against the
-exact top-k set (``recall``: the share of the exact indices it returns).
+against the ``memcpy``. Each program is compiled ahead of time and called once untimed; then
+``--repeats`` rounds time one call of each, in a new random order every round (the program
+timed after another can pay for its caches), with a copy before each (wall clock around
+``block_until_ready``); each figure is the median of its rounds, so copy and selection see
+the same machine load. Each selection's result is also checked against the exact top-k set
+(``recall``: the share of the exact indices it returns).
 
     python benchmarks/topk_selection.py [--sizes 1,4,16,64] [--repeats 5]
 
@@ -49,7 +49,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 METHODS = {
     "exact": dict(method="exact"),
-    "approx": dict(method="approx"),
     "threshold-31": dict(method="threshold", rounds=31),
     "threshold-25": dict(method="threshold", rounds=25),
     "sample": dict(method="sample"),

@@ -182,8 +182,13 @@ def delta_boundary(
 
     AQ-SGD's guarantee (convergence at the rate of uncompressed SGD when the activations'
     changes shrink) is proved for an unbiased forward quantizer and an unbiased backward
-    one: it covers :func:`jaxcomm.quantized_rows` each way at any bucket size, not top-k
-    (biased either way) nor a compressed first visit.
+    one: it covers :func:`jaxcomm.quantized_rows` each way at any bucket size. It does not
+    cover :func:`jaxcomm.topk_rows` or :func:`jaxcomm.lowrank_rows` (biased): forward, the
+    buffer keeps what they leave out and sends it at later visits (error feedback, whose
+    own analyses bound the error for contractive codes like these); backward there is no
+    buffer, and what they drop of the activation gradient is lost (as in meProp's top-k
+    backpropagation). A compressed first visit starts the buffer off the activation, which
+    later deltas correct.
     """
     for name, codec in (("forward", forward), ("backward", backward), ("first", first)):
         if not isinstance(codec, RowCodec) and (codec is not None or name == "forward"):
