@@ -148,3 +148,17 @@ def test_an_aqsgd_pipeline_with_marsit_estimates_both_epochs_by_branch(tmp_path)
     # activations) more than the steady state (deltas) in either round.
     assert sent[1][0] > sent[0][0] and sent[1][1] > sent[0][1]
     assert sent[0][1] > sent[0][0] and sent[1][1] > sent[1][0]
+
+
+def test_the_estimate_key_is_checked_and_makes_its_baseline():
+    from train.config import Config
+
+    cfg = Config(estimate={"networks": ["1ms,80Mbps"], "baseline": {"network": "1ms,10Gbps"}})
+    base = cfg.estimate_baseline()
+    assert base.network == "1ms,10Gbps" and base.estimate == {} and cfg.network != base.network
+    with pytest.raises(ValueError, match=r"estimate: unknown keys \['network'\].*networks"):
+        Config(estimate={"network": ["1ms,1Gbps"]})
+    with pytest.raises(ValueError, match="estimate.networks must be a list of network strings"):
+        Config(estimate={"networks": "1ms,1Gbps"})
+    with pytest.raises(ValueError, match="unknown config key 'netwrok'"):
+        Config(estimate={"baseline": {"netwrok": "1ms,1Gbps"}})
