@@ -258,20 +258,11 @@ class RowCodec:
 
     def decode(self, payload: Any) -> jax.Array:
         """``f32[B, *sample_shape]`` from a row-batched payload of :meth:`encode`."""
-        if self.kind == "quantize":
-            if not isinstance(payload, Quantized):
-                raise TypeError(f"payload must be Quantized, got {type(payload).__name__}")
-            _check_rows(payload)
-            return _dequantize_rows(payload)
-        if self.kind == "lowrank":
-            if not isinstance(payload, LowRank):
-                raise TypeError(f"payload must be LowRank, got {type(payload).__name__}")
-            _check_rows(payload)
-            return _decode_rows(payload)
-        if not isinstance(payload, ChunkTopK):
-            raise TypeError(f"payload must be ChunkTopK, got {type(payload).__name__}")
+        want = {"quantize": Quantized, "lowrank": LowRank, "topk": ChunkTopK}[self.kind]
+        if not isinstance(payload, want):
+            raise TypeError(f"payload must be {want.__name__}, got {type(payload).__name__}")
         _check_rows(payload)
-        return _topk_decode_rows(payload)
+        return _decode_rows(payload)
 
     def nbytes(self, shape: Sequence[int]) -> int:
         """Wire bytes of :meth:`encode` of an array of ``shape`` ``[B, *sample_shape]``,
