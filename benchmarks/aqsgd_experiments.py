@@ -98,6 +98,24 @@ FRONTIER = [
     # Low rank (benchmarks/delta_lowrank.py: below sparsity's error at equal bytes on these
     # deltas): each sample's [64, 128] delta or gradient as rank r, 8-bit factors.
     ("rank2 fw, rank2 bw, first q4", "aqsgd", 8, 8, {"fw_rank": 2, "bw_rank": 2, **_SPARSE}),
+    ("rank2 fw, bw4, first q4", "aqsgd", 8, 4, {"fw_rank": 2, **_SPARSE}),
+    ("fw2, rank2 bw", "aqsgd", 2, 8, {"bw_rank": 2}),
+    ("rank2/6-bit fw, rank2/6-bit bw, first q4", "aqsgd", 6, 6,
+     {"fw_rank": 2, "bw_rank": 2, **_SPARSE}),
+    ("rank3/4-bit fw, rank3/4-bit bw, first q4", "aqsgd", 4, 4,
+     {"fw_rank": 3, "bw_rank": 3, **_SPARSE}),
+    ("rank2 fw, rank1 bw, first q4", "aqsgd", 8, 8, {"fw_rank": 2, "bw_rank": 1, **_SPARSE}),
+    ("rank1 fw, rank2 bw, first q4", "aqsgd", 8, 8, {"fw_rank": 1, "bw_rank": 2, **_SPARSE}),
+    # The gradient memory (bw_memory): what the backward codec drops is sent at later visits.
+    ("rank2 fw, rank2 bw + memory, first q4", "aqsgd", 8, 8,
+     {"fw_rank": 2, "bw_rank": 2, "bw_memory": True, **_SPARSE}),
+    ("rank3/4-bit fw, rank3/4-bit bw + memory, first q4", "aqsgd", 4, 4,
+     {"fw_rank": 3, "bw_rank": 3, "bw_memory": True, **_SPARSE}),
+    ("rank2 fw, rank1 bw + memory, first q4", "aqsgd", 8, 8,
+     {"fw_rank": 2, "bw_rank": 1, "bw_memory": True, **_SPARSE}),
+    ("top16/1024 fw, top16/1024 bw + memory, first q4", "aqsgd", 4, 4,
+     {"fw_chunk": 1024, "fw_k": 16, "bw_chunk": 1024, "bw_k": 16, "bw_memory": True,
+      **_SPARSE}),
     # One direction compressed hard at a time: where the loss goes.
     ("top16/1024 fw, bw4, first q4", "aqsgd", 4, 4, {"fw_chunk": 1024, "fw_k": 16, **_SPARSE}),
     ("fw2, top32/1024 bw", "aqsgd", 2, 4, {"bw_chunk": 1024, "bw_k": 32}),
@@ -196,14 +214,16 @@ def load_run(label: str, stages: int, workers: int, out: Path, folder: str | Non
 
 def _sync_io(trainer: Trainer, repeats: int = 5) -> float:
     """Median seconds of one step's buffer reads and writes done synchronously (no overlap)."""
-    if not trainer.layout.feed.buffers:
+    feed = trainer.layout.feed
+    buffers = feed.buffers + feed.memories
+    if not buffers:
         return 0.0
     ids = trainer.loader.batch_ids(0)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        values = [buf.read(ids) for buf in trainer.layout.feed.buffers]
-        for buf, v in zip(trainer.layout.feed.buffers, values, strict=True):
+        values = [buf.read(ids) for buf in buffers]
+        for buf, v in zip(buffers, values, strict=True):
             buf.write(ids, np.asarray(v))
             buf.flush()
         times.append(time.perf_counter() - t0)

@@ -143,6 +143,7 @@ from jaxcomm.pipeline import (
     fp32_boundary,
     gpipe,
     gpipe_timeline,
+    gpipe_value_and_grad,
     pipeline_ticks,
 )
 from jaxcomm.profiler import LayerProfile, profile_layers

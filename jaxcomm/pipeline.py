@@ -70,6 +70,7 @@ __all__ = [
     "boundary_message_bytes",
     "gpipe",
     "gpipe_timeline",
+    "gpipe_value_and_grad",
     "pipeline_ticks",
     "TICK_SCOPE",
     "FIRST_SCOPE",
@@ -107,6 +108,9 @@ class Boundary:
         caller must keep a message buffer.
       backward: the activation gradient's codec, any :class:`jaxcomm.RowCodec` (e.g.
         :func:`jaxcomm.topk_rows`); when given, ``bw_bits`` and ``bw_bucket`` are unused.
+      bw_memory: the activation gradient crosses as a delta against a per-sample gradient
+        memory (``BoundaryState.grad_in``/``grad_out``), as the forward does against the
+        previous messages; differentiate with :func:`gpipe_value_and_grad` to get it back.
     """
 
     encode: Callable
@@ -115,6 +119,7 @@ class Boundary:
     bw_bucket: int | None = None
     uses_buffer: bool = False
     backward: RowCodec | None = None
+    bw_memory: bool = False
 
     @property
     def bw_codec(self) -> RowCodec | None:
@@ -167,7 +172,11 @@ def aqsgd_boundary(fw_bits: int, bw_bits: int | None) -> Boundary:
 
 
 def delta_boundary(
-    forward: RowCodec, backward: RowCodec | None = None, *, first: RowCodec | None = None
+    forward: RowCodec,
+    backward: RowCodec | None = None,
+    *,
+    first: RowCodec | None = None,
+    backward_memory: bool = False,
 ) -> Boundary:
     """AQ-SGD's delta scheme with any codec each way.
 
@@ -189,15 +198,32 @@ def delta_boundary(
     buffer, and what they drop of the activation gradient is lost (as in meProp's top-k
     backpropagation). A compressed first visit starts the buffer off the activation, which
     later deltas correct.
+
+    ``backward_memory=True`` (not in the AQ-SGD paper) gives the backward direction the
+    forward's scheme: each sample's activation gradient crosses as
+    ``backward(gradient - memory)`` and both sides add what was sent to a per-sample
+    gradient memory, which the receiver backpropagates. What a biased ``backward`` leaves
+    out is then sent at the sample's later visits instead of being lost (error feedback
+    per sample); the price is that the gradient used lags the true one by that residual.
+    The memory is ``BoundaryState.grad_in``/``grad_out`` (as large as the message buffer),
+    returned by :func:`gpipe_value_and_grad`.
     """
     for name, codec in (("forward", forward), ("backward", backward), ("first", first)):
         if not isinstance(codec, RowCodec) and (codec is not None or name == "forward"):
             raise TypeError(f"{name} must be a RowCodec, got {type(codec).__name__}")
+    if not isinstance(backward_memory, bool):
+        raise TypeError(f"backward_memory must be a bool, got {backward_memory!r}")
+    if backward_memory and backward is None:
+        raise ValueError(
+            "backward_memory=True needs a backward codec: a float32 gradient loses nothing "
+            "that a memory could keep"
+        )
     return Boundary(
         encode=lambda a, prev, key, seen: delta_encode(a, prev, seen, key, forward, first=first),
         decode=delta_decode,
         uses_buffer=True,
         backward=backward,
+        bw_memory=backward_memory,
     )
 
 
@@ -207,10 +233,16 @@ class BoundaryState(NamedTuple):
     Attributes:
       prev_in: ``f32[M, mb, *act]`` previous messages of the incoming boundary (receiver).
       prev_out: ``f32[M, mb, *act]`` previous messages of the outgoing boundary (sender).
+      grad_in: ``f32[M, mb, *act]`` gradient memory of the incoming boundary (this device
+        sends its gradients), only with a boundary's ``bw_memory``; else ``None``.
+      grad_out: ``f32[M, mb, *act]`` gradient memory of the outgoing boundary (this device
+        receives the gradients), only with ``bw_memory``; else ``None``.
     """
 
     prev_in: jax.Array
     prev_out: jax.Array
+    grad_in: jax.Array | None = None
+    grad_out: jax.Array | None = None
 
 
 def pipeline_ticks(microbatches: int, stages: int) -> list[tuple[int, int, tuple[int, ...]]]:
@@ -246,28 +278,44 @@ def _make_transfer(boundary: Boundary, axis_name: Any, senders: tuple[int, ...],
     fwd_perm = [(j, j + 1) for j in senders]
     bwd_perm = [(j + 1, j) for j in senders]
 
+    # ``mem_in``/``mem_out``: this tick's rows of the gradient memory (``None`` without
+    # ``bw_memory``); ``ok_in``/``ok_out``: whether the tick receives / sends a microbatch.
     @jax.custom_vjp
-    def transfer(y, prev_out, prev_in, key):
+    def transfer(y, prev_out, prev_in, key, mem_in, mem_out, ok_in, ok_out):
         k_fw, _ = jax.random.split(key)
         payload, new_out = boundary.encode(y, prev_out, k_fw, seen)
         new_in = boundary.decode(send(payload, axis_name, fwd_perm), prev_in)
         return new_in, new_out
 
-    def fwd(y, prev_out, prev_in, key):
-        return transfer(y, prev_out, prev_in, key), key
+    def fwd(y, prev_out, prev_in, key, mem_in, mem_out, ok_in, ok_out):
+        out = transfer(y, prev_out, prev_in, key, mem_in, mem_out, ok_in, ok_out)
+        return out, (key, mem_in, mem_out, ok_in, ok_out)
 
     codec = boundary.bw_codec
 
-    def bwd(key, cotangents):
+    def bwd(res, cotangents):
+        key, mem_in, mem_out, ok_in, ok_out = res
         g_in = cotangents[0]  # gradient w.r.t. what the receiver consumed
+        d_in = d_out = None
         if codec is None:
             back = send(g_in, axis_name, bwd_perm)
-        else:
+        elif mem_in is None:
             _, k_bw = jax.random.split(key)
             back = codec.decode(send(codec.encode(g_in, k_bw), axis_name, bwd_perm))
+        else:
+            # A delta against the gradient memory, the first visit sent by the same codec.
+            # The memories' cotangents carry their new rows (zero where the tick sends or
+            # receives no microbatch), bit-identical on both sides.
+            _, k_bw = jax.random.split(key)
+            payload, mine = delta_encode(g_in, mem_in, seen, k_bw, codec, first=codec)
+            # A tick that sent no microbatch forward receives nothing; its memory row
+            # must not leak into the bubble's gradient.
+            back = jnp.where(ok_out, delta_decode(send(payload, axis_name, bwd_perm), mem_out), 0.0)
+            d_in = jnp.where(ok_in, mine, 0.0)
+            d_out = back
         # Straight-through: d(received)/d(sent activation) is the identity; the previous
         # messages are state, not differentiated.
-        return (back, None, None, None)
+        return (back, None, None, None, d_in, d_out, None, None)
 
     transfer.defvjp(fwd, bwd)
     return transfer
@@ -332,7 +380,9 @@ def gpipe(
       gradients, one round per tick that carries any) and the 4-byte ``allreduce`` that
       shares the loss. The backward messages are logged unless ``backward=False`` (a
       forward-only call, e.g. evaluation, sends none). Differentiate ``loss`` w.r.t.
-      ``params`` with ``jax.grad`` or ``value_and_grad`` (``has_aux=True``).
+      ``params`` with ``jax.grad`` or ``value_and_grad`` (``has_aux=True``); with a
+      boundary that keeps a gradient memory (``bw_memory``), use
+      :func:`gpipe_value_and_grad`, which also returns the memory's new rows.
     """
     boundary = boundary or fp32_boundary()
 
@@ -360,8 +410,17 @@ def gpipe(
             )
         act = jax.eval_shape(first_fn, params, _take(inputs, 0))
         want = (m_total, *act.shape)
-        for name in ("prev_in", "prev_out"):
-            got = tuple(getattr(state, name).shape)
+        memory = boundary.bw_memory
+        for name in ("prev_in", "prev_out", "grad_in", "grad_out"):
+            value = getattr(state, name)
+            if name.startswith("grad") and not memory:
+                continue
+            if value is None:
+                raise ValueError(
+                    f"state.{name} is None; a boundary with bw_memory needs the gradient "
+                    f"memory as well, shape [M, *activation] = {want}"
+                )
+            got = tuple(jnp.shape(value))
             if got != want:
                 raise ValueError(
                     f"state.{name} must have shape [M, *activation] = {want}, got {got}"
@@ -399,14 +458,21 @@ def gpipe(
                 lax.stop_gradient(_take(st.prev_out, mi)),
                 lax.stop_gradient(_take(st.prev_in, mr)),
                 k,
+                _take(st.grad_in, mr) if memory else None,
+                _take(st.grad_out, mi) if memory else None,
+                ok_in,
+                ok_out,
             )
-            st = BoundaryState(
+            st = st._replace(
                 prev_in=_put(st.prev_in, lax.stop_gradient(new_in), mr, ok_in),
                 prev_out=_put(st.prev_out, lax.stop_gradient(new_out), mi, ok_out),
             )
             return (new_in, st, total + loss), None
 
         runs = pipeline_ticks(m_total, n)
+        given = state
+        if not memory:
+            state = state._replace(grad_in=None, grad_out=None)
         carry = (zero_act, state, jnp.zeros((), jnp.float32))
         for start, stop, senders in runs:
             body = lambda c, t, senders=senders: tick(c, t, senders)  # noqa: E731
@@ -415,6 +481,9 @@ def gpipe(
             else:
                 carry, _ = lax.scan(body, carry, jnp.arange(start, stop, dtype=jnp.int32))
         _, new_state, total = carry
+        # The gradient memory's new rows come back as its cotangent
+        # (:func:`gpipe_value_and_grad`); the value returned here is the one passed in.
+        new_state = new_state._replace(grad_in=given.grad_in, grad_out=given.grad_out)
         # The value is the loss summed over stages (only the last one has it); the gradient
         # is this stage's own, since the backward pipeline already reaches the earlier
         # stages through the transposed transfers (a psum here would scale it by N).
@@ -430,6 +499,37 @@ def gpipe(
         return loss, (new_state, log)
 
     return loss_fn
+
+
+def gpipe_value_and_grad(loss_fn: Callable) -> Callable:
+    """``jax.value_and_grad`` of a :func:`gpipe` loss w.r.t. ``params`` that also updates
+    the boundaries' gradient memory (``bw_memory``, see :func:`jaxcomm.delta_boundary`).
+
+    The memory's new rows are its cotangent: the backward pass writes, at each boundary,
+    exactly what was sent (both sides bit-identical), and zero where nothing crossed (the
+    first stage's ``grad_in``, the last stage's ``grad_out``). Without a memory this is
+    ``jax.value_and_grad(loss_fn, has_aux=True)``.
+
+    Returns:
+      ``f(params, inputs, state, key, seen=False) -> ((loss, (new_state, log)), grads)``
+      with ``new_state`` carrying the new gradient memory.
+    """
+
+    def value_and_grad(params, inputs, state: BoundaryState, key, seen: bool = False):
+        if state.grad_in is None and state.grad_out is None:
+            return jax.value_and_grad(loss_fn, has_aux=True)(params, inputs, state, key, seen)
+        memory = (state.grad_in, state.grad_out)
+
+        def with_memory(params, memory):
+            st = state._replace(grad_in=memory[0], grad_out=memory[1])
+            return loss_fn(params, inputs, st, key, seen)
+
+        f = jax.value_and_grad(with_memory, argnums=(0, 1), has_aux=True)
+        (loss, (new_state, log)), (grads, new_memory) = f(params, memory)
+        new_state = new_state._replace(grad_in=new_memory[0], grad_out=new_memory[1])
+        return (loss, (new_state, log)), grads
+
+    return value_and_grad
 
 
 @dataclasses.dataclass(frozen=True)

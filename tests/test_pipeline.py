@@ -32,11 +32,12 @@ def _run(num_stages, params, tokens, boundary=None, state=None, seen=False):
     loss_fn = gpt_pipeline_loss(CFG, boundary=boundary)
     if state is None:
         zeros = np.zeros((num_stages, M, MB, T, W), np.float32)
-        state = BoundaryState(zeros, zeros)
+        memory = boundary is not None and boundary.bw_memory
+        state = BoundaryState(zeros, zeros, *((zeros, zeros) if memory else ()))
 
     def per_device(p, inputs, st):
         p, st = jax.tree_util.tree_map(lambda a: a[0], (p, st))
-        (loss, (st, log)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        (loss, (st, log)), grads = jaxcomm.gpipe_value_and_grad(loss_fn)(
             p, inputs, st, jax.random.key(2), seen
         )
         return loss, jax.tree_util.tree_map(lambda a: a[None], (grads, st, log))
@@ -328,3 +329,57 @@ def test_lowrank_delta_boundary_sends_its_factors_both_ways():
     for s in range(3):
         np.testing.assert_array_equal(st_2.prev_out[s], st_2.prev_in[s + 1])
     assert loss_2 == pytest.approx(loss_ref, rel=0.05)
+
+
+def _relative_error(grads, ref, stage):
+    a, b = jax.tree_util.tree_leaves(grads["blocks"]), jax.tree_util.tree_leaves(ref["blocks"])
+    num = sum(float(((x[stage] - y[stage]) ** 2).sum()) for x, y in zip(a, b, strict=True))
+    return np.sqrt(num / sum(float((y[stage] ** 2).sum()) for y in b))
+
+
+def test_backward_memory_sends_what_the_gradient_codec_dropped_at_later_visits():
+    """Top-k gradients with a per-sample gradient memory, at fixed parameters: the first
+    visit is the plain top-k backward (same gradients, bit for bit); each later visit sends
+    the top-k of what the memory lacks, so the gradients close in on FP32's, where without
+    the memory they stay as far as at the first visit. Both sides' memories are equal, the
+    wire carries only the top-k payloads (``_run`` audits), and a NaN reaches the update."""
+    _, tokens, params = _setup()
+    fw, bw = jaxcomm.quantized_rows(8), jaxcomm.topk_rows(32, 4, bits=8)
+    plain = jaxcomm.delta_boundary(fw, bw)
+    memory = jaxcomm.delta_boundary(fw, bw, backward_memory=True)
+    _, ref, _, _ = _run(4, params, tokens)
+    _, g_plain, st_plain, _ = _run(4, params, tokens, boundary=plain)
+    _, g, st, log = _run(4, params, tokens, boundary=memory)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, g, g_plain)
+    n = T * W
+    bw_row = -(-(n // 32) * 4 * 5 // 8) + (n // 32) * 4 + 4 * (n // 32)
+    assert _p2p_sent(log, 4) == _expect(4, FP32_MSG, MB * bw_row)
+    first = [_relative_error(g, ref, s) for s in range(3)]
+    for _ in range(4):
+        _, g, st, log = _run(4, params, tokens, boundary=memory, state=st, seen=True)
+        for s in range(3):
+            np.testing.assert_array_equal(st.grad_out[s], st.grad_in[s + 1])
+        assert not st.grad_in[0].any() and not st.grad_out[3].any()
+    assert _p2p_sent(log, 4) == _expect(4, MB * (n + 4 * T), MB * bw_row)  # 8-bit deltas
+    later = [_relative_error(g, ref, s) for s in range(3)]
+    _, g_plain, _, _ = _run(4, params, tokens, boundary=plain, state=st_plain, seen=True)
+    stays = [_relative_error(g_plain, ref, s) for s in range(3)]
+    assert all(b < 0.6 * a for a, b in zip(first, later, strict=True)), (first, later)
+    assert all(c > 0.9 * a for a, c in zip(first, stays, strict=True)), (first, stays)
+    poisoned = np.array(st.grad_out)
+    poisoned[1, 0, 0, 0, 0] = np.nan  # a NaN in stage 1's memory of boundary 1
+    bad = st._replace(grad_out=poisoned)
+    _, g_bad, _, _ = _run(4, params, tokens, boundary=memory, state=bad, seen=True)
+    assert np.isnan(jax.tree_util.tree_leaves(g_bad["blocks"])[0][1]).any()
+
+
+def test_backward_memory_needs_a_codec_and_a_state():
+    with pytest.raises(ValueError, match="needs a backward codec"):
+        jaxcomm.delta_boundary(jaxcomm.quantized_rows(2), backward_memory=True)
+    memory = jaxcomm.delta_boundary(
+        jaxcomm.quantized_rows(2), jaxcomm.quantized_rows(4), backward_memory=True
+    )
+    _, tokens, params = _setup()
+    zeros = np.zeros((2, M, MB, T, W), np.float32)
+    with pytest.raises(ValueError, match="state.grad_in is None"):
+        _run(2, params, tokens, boundary=memory, state=BoundaryState(zeros, zeros))

@@ -223,7 +223,15 @@ def test_fine_tune_from_pretrained_params(tmp_path):
         _cfg(tmp_path / "none", init_params=str(tmp_path / "missing.msgpack"))
 
 
-SPARSE = {"fw_chunk": 64, "fw_k": 2, "bw_chunk": 32, "bw_k": 2, "first_bits": 4}
+# Top-k both ways, first visits at 4 bits, the gradients' memory kept (and restored).
+SPARSE = {
+    "fw_chunk": 64,
+    "fw_k": 2,
+    "bw_chunk": 32,
+    "bw_k": 2,
+    "first_bits": 4,
+    "bw_memory": True,
+}
 
 
 @pytest.mark.parametrize("args", [{}, SPARSE], ids=["aqsgd", "sparse"])
@@ -246,13 +254,17 @@ def test_aqsgd_pipeline_resume_bit_exact(tmp_path, args):
         assert traffic[3].path_bytes[0, p2p] < 2 * 2 * fp32_fw / 20
     Trainer(_cfg(tmp_path / "b", steps=2, buffer_dir=str(tmp_path / "bufs"), **kw)).run()
     resumed = Trainer(_cfg(tmp_path / "b", buffer_dir=str(tmp_path / "bufs"), **kw))
-    replaced = list(resumed.layout.feed.buffers)
+    replaced = list(resumed.layout.feed.buffers + resumed.layout.feed.memories)
     assert resumed.run(resume=True)["resumed"]
     assert sorted(resumed.layout._compiled) == [True]  # every resumed step revisited
     # The restored buffers live in buffer_dir again, and the ones they replaced are closed.
-    assert [str(b.path) for b in resumed.layout.feed.buffers] == [
-        str(tmp_path / "bufs" / "boundary0")
+    feed = resumed.layout.feed
+    assert [str(b.path) for b in feed.buffers + feed.memories] == [
+        str(tmp_path / "bufs" / name) for name in ["boundary0"] + ["gradient0"] * bool(args)
     ]
+    if args:  # the memory was written: both sides' rows of every sample, not zeros
+        assert feed.memories[0].seen(np.arange(16)).all()
+        assert np.abs(feed.memories[0].read(np.arange(16))).sum() > 0
     assert all(b.closed for b in replaced)
     # A new run must not pick up the buffers another run left in buffer_dir.
     with pytest.raises(ValueError, match="already holds message buffers"):
@@ -286,6 +298,10 @@ def test_pipeline_config_errors():
         Config(stages=2, boundary="aqsgd", boundary_args={"first_bits": 0})
     with pytest.raises(ValueError, match="bw_bucket=64 quantizes, but bw_bits is 0"):
         Config(stages=2, boundary="aqsgd", bw_bits=0, boundary_args={"bw_bucket": 64})
+    with pytest.raises(ValueError, match="bw_memory must be true or false, got 'yes'"):
+        Config(stages=2, boundary="aqsgd", boundary_args={"bw_memory": "yes"})
+    with pytest.raises(ValueError, match="bw_memory needs a compressed backward"):
+        Config(stages=2, boundary="aqsgd", bw_bits=0, boundary_args={"bw_memory": True})
 
 
 def test_param_count_is_the_models(tmp_path):

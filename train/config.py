@@ -46,7 +46,7 @@ DILOCO_COMPRESS = ("none", "int8", "int4", "sparseloco", "ar_topk")
 BOUNDARY_KEYS = (
     "fw_chunk", "fw_k", "fw_bucket", "fw_rank",
     "bw_chunk", "bw_k", "bw_bucket", "bw_rank",
-    "first_bits",
+    "first_bits", "bw_memory",
 )  # fmt: skip
 # Aggregators that are the whole optimizer (they apply their own step sizes).
 OPTIMIZING_AGGREGATORS = ("marsit", "signsgd_mv", "ef_signsgd", "ssdm", "cascading_sign")
@@ -121,8 +121,11 @@ class Config:
         rank-``fw_rank`` matrix with ``fw_bits``-bit factors (:func:`jaxcomm.lowrank_rows`),
         ``fw_bucket`` quantizes it in buckets of that many elements instead of one per
         token; ``bw_chunk``/``bw_k``/``bw_rank``/``bw_bucket`` the same for the activation
-        gradient (values at ``bw_bits``, float32 when 0 for top-k; no buffer feeds back
-        what top-k or a rank drops);
+        gradient (values at ``bw_bits``, float32 when 0 for top-k; without ``bw_memory``
+        nothing feeds back what top-k or a rank drops); ``bw_memory: true`` sends each
+        gradient as a delta against a per-sample gradient memory (kept beside the message
+        buffer, as large), so what the backward codec drops is sent at later visits (not
+        in the paper);
         ``first_bits`` sends first visits quantized to that many bits instead of float32
         (a deviation from the paper).
       estimate: what ``python -m train.estimate`` reports beside the step at ``network``
@@ -334,8 +337,12 @@ class Config:
                 f"boundary_args: unknown keys {unknown}{did_you_mean(unknown[0], BOUNDARY_KEYS)}; "
                 f"known: {list(BOUNDARY_KEYS)}"
             )
+        memory = args.get("bw_memory", False)
+        if not isinstance(memory, bool):
+            raise ValueError(f"boundary_args.bw_memory must be true or false, got {memory!r}")
         for key, value in args.items():
-            _positive(f"boundary_args.{key}", value)
+            if key != "bw_memory":
+                _positive(f"boundary_args.{key}", value)
         import jaxcomm
 
         def side(prefix: str, bits: int) -> Any:
@@ -381,6 +388,11 @@ class Config:
 
         forward = side("fw", self.fw_bits)
         backward = side("bw", self.bw_bits)
+        if memory and backward is None:
+            raise ValueError(
+                "boundary_args.bw_memory needs a compressed backward (bw_bits >= 1): a "
+                "float32 gradient loses nothing that a memory could keep"
+            )
         first = args.get("first_bits")
         if first is not None and first > 8:
             raise ValueError(f"boundary_args.first_bits must be in [1, 8], got {first}")

@@ -1,5 +1,6 @@
 """What a pipeline step is fed: its batch in microbatches, and at every AQ-SGD boundary
-the previous messages of its samples from a :class:`jaxcomm.MessageBuffer`.
+the previous messages of its samples from a :class:`jaxcomm.MessageBuffer` (and, with
+``boundary_args.bw_memory``, their gradient memory from a second one).
 
 A step's inputs are prepared while the step before it runs (batch read, buffer reads
 waited on, host-to-device copies issued); its new messages are written back after it
@@ -58,13 +59,23 @@ class Feed:
         count = p.stages - 1 if cfg.boundary == "aqsgd" and not p.abstract else 0
         paths = [self.path(b) for b in range(count)] if cfg.buffer_dir else []
         # Buffers found on disk belong to an earlier run: only a resume may keep them.
+        # The gradient memory of a boundary keeping one (``bw_memory``): a second buffer
+        # of the same rows, written and saved with the messages.
+        self.memory = bool(count) and p.boundary.bw_memory
+        if self.memory and cfg.buffer_dir:
+            paths += [self.path(b, "gradient") for b in range(count)]
         self.stale = [q for q in paths if Path(q).exists() and any(Path(q).iterdir())]
-        self.buffers = [
-            jaxcomm.MessageBuffer(
-                len(t.train_data), act, storage_bits=cfg.buffer_bits or None, path=self.path(b)
+
+        def buffer(b: int, kind: str) -> jaxcomm.MessageBuffer:
+            return jaxcomm.MessageBuffer(
+                len(t.train_data),
+                act,
+                storage_bits=cfg.buffer_bits or None,
+                path=self.path(b, kind),
             )
-            for b in range(count)
-        ]
+
+        self.buffers = [buffer(b, "boundary") for b in range(count)]
+        self.memories = [buffer(b, "gradient") for b in range(count)] if self.memory else []
         self._zero_state: BoundaryState | None = None
         if self.buffers and jax.process_count() > 1:
             devices = p.mesh.devices
@@ -82,13 +93,21 @@ class Feed:
                     flush=True,
                 )
 
-    def path(self, b: int) -> str | None:
-        """Where boundary ``b``'s buffer lives on disk (None: in memory); each process of
-        a multi-process run keeps its own, for the replicas whose stages it holds."""
+    def path(self, b: int, kind: str = "boundary") -> str | None:
+        """Where boundary ``b``'s buffer (``kind``: ``boundary`` for the messages,
+        ``gradient`` for the gradient memory) lives on disk (None: in memory); each process
+        of a multi-process run keeps its own, for the replicas whose stages it holds."""
         if not self.p.cfg.buffer_dir:
             return None
         sub = f"/process{jax.process_index()}" if jax.process_count() > 1 else ""
-        return f"{self.p.cfg.buffer_dir}{sub}/boundary{b}"
+        return f"{self.p.cfg.buffer_dir}{sub}/{kind}{b}"
+
+    def _named(self) -> list[tuple[str, int, jaxcomm.MessageBuffer]]:
+        """Every open buffer as ``(kind, boundary, buffer)``, ``kind`` ``boundary`` (the
+        messages) or ``gradient`` (the gradient memory); ``kind + str(boundary)`` names it."""
+        return [("boundary", b, buf) for b, buf in enumerate(self.buffers)] + [
+            ("gradient", b, buf) for b, buf in enumerate(self.memories)
+        ]
 
     def check_stale(self) -> None:
         """Refuse buffers on disk that no resumed checkpoint owns."""
@@ -136,9 +155,8 @@ class Feed:
     def zeros_state(self) -> BoundaryState:
         """A boundary state of zeros (no previous messages), made once."""
         if self._zero_state is None:
-            zeros = np.zeros(self._shape(), np.float32)
-            sharded = self.p.sharded
-            self._zero_state = BoundaryState(as_global(zeros, sharded), as_global(zeros, sharded))
+            zeros = as_global(np.zeros(self._shape(), np.float32), self.p.sharded)
+            self._zero_state = BoundaryState(zeros, zeros, *(zeros, zeros) * self.memory)
         return self._zero_state
 
     def prepare(self, position: int) -> Prepared:
@@ -154,30 +172,34 @@ class Feed:
         if not self.buffers:
             return Prepared(position, ids, batch, self.zeros_state(), False, 0.0)
         d, _, m, mb, t, w = self._shape()
-        prev = np.zeros(self._shape(), np.float32)
-        prev_in = np.zeros_like(prev)
+        # [outgoing, incoming] sides of the messages and (with bw_memory) of the memory.
+        sides = [[np.zeros(self._shape(), np.float32) for _ in range(2)] for _ in range(2)]
         seen = True
         # Each process reads boundary b's messages of the replicas d where it holds the
         # sender (d, b) or the receiver (d, b + 1): those it wrote after earlier steps.
         cells = set(self.p.local_cells)
         reads = []
-        for b, buf in enumerate(self.buffers):
-            mine = [r for r in range(d) if (r, b) in cells or (r, b + 1) in cells]
-            if mine:
-                rows = self.replica_ids(ids)[mine].reshape(-1)
-                reads.append((b, mine, buf.read_async(rows)))
-        for b, mine, handle in reads:
+        for kind, bufs in enumerate((self.buffers, self.memories)):
+            for b, buf in enumerate(bufs):
+                mine = [r for r in range(d) if (r, b) in cells or (r, b + 1) in cells]
+                if mine:
+                    rows = self.replica_ids(ids)[mine].reshape(-1)
+                    reads.append((kind, b, mine, buf.read_async(rows)))
+        for kind, b, mine, handle in reads:
             v = handle.result().reshape(len(mine), m, mb, t, w)
             seen = seen and bool(handle.seen().all())
-            prev[mine, b], prev_in[mine, b + 1] = v, v
+            sides[kind][0][mine, b], sides[kind][1][mine, b + 1] = v, v
         if jax.process_count() > 1:  # every process must run the same program
             from jax.experimental import multihost_utils
 
             seen = bool(np.all(multihost_utils.process_allgather(np.array([seen]))))
-        if not seen:  # first visits (or a mix): everything crosses in float32
-            prev[:], prev_in[:] = 0.0, 0.0
+        if not seen:  # first visits (or a mix): no deltas, nothing remembered
+            for side in sides:
+                side[0][:], side[1][:] = 0.0, 0.0
         sharded = self.p.sharded
-        state = BoundaryState(as_global(prev_in, sharded), as_global(prev, sharded))
+        (prev, prev_in), (grad_out, grad_in) = sides
+        memory = (as_global(grad_in, sharded), as_global(grad_out, sharded)) * self.memory
+        state = BoundaryState(as_global(prev_in, sharded), as_global(prev, sharded), *memory)
         return Prepared(position, ids, batch, state, seen, time.perf_counter() - t0)
 
     def prepare_abstract(self, seen: bool) -> Prepared:
@@ -187,7 +209,8 @@ class Feed:
         tokens = jax.ShapeDtypeStruct((d, 1, m, mb, t + 1), jnp.int32, sharding=p.by_data)
         prev = jax.ShapeDtypeStruct(self._shape(), jnp.float32, sharding=p.sharded)
         ids = np.arange(d * m * mb)
-        return Prepared(0, ids, {"tokens": tokens}, BoundaryState(prev, prev), seen, 0.0)
+        state = BoundaryState(prev, prev, *(prev, prev) * self.memory)
+        return Prepared(0, ids, {"tokens": tokens}, state, seen, 0.0)
 
     # ------------------------------------------------------------------ write-back
 
@@ -201,23 +224,27 @@ class Feed:
         rows = self.replica_ids(ids)
         # Boundary b's new messages of replica d sit on the sender, device (d, b), as
         # prev_out and on the receiver, device (d, b + 1), as prev_in (equal bit for
-        # bit). A process writes every (b, d) it holds either side of; with both sides
-        # local, once.
-        cells: dict[tuple[int, int], np.ndarray] = {}
-        for side, shift in ((state.prev_out, 0), (state.prev_in, 1)):
-            for shard in side.addressable_shards:
-                d, st = shard.index[0].start or 0, shard.index[1].start or 0
-                key = (st - shift, d)
-                # Copied to the host only when the other side has not given it already.
-                if 0 <= key[0] < len(self.buffers) and key not in cells:
-                    cells[key] = np.asarray(shard.data)
-        for b in range(len(self.buffers)):
-            parts = sorted((d, v) for (bb, d), v in cells.items() if bb == b)
-            if not parts:
-                continue
-            row_ids = np.concatenate([rows[d] for d, _ in parts])
-            data = np.concatenate([v.reshape(-1, t, w) for _, v in parts])
-            self.buffers[b].write_async(row_ids, data)
+        # bit); its gradient memory likewise as grad_out and grad_in. A process writes
+        # every (b, d) it holds either side of; with both sides local, once.
+        kinds = [(self.buffers, state.prev_out, state.prev_in)]
+        if self.memory:
+            kinds.append((self.memories, state.grad_out, state.grad_in))
+        for bufs, out_side, in_side in kinds:
+            cells: dict[tuple[int, int], np.ndarray] = {}
+            for side, shift in ((out_side, 0), (in_side, 1)):
+                for shard in side.addressable_shards:
+                    d, st = shard.index[0].start or 0, shard.index[1].start or 0
+                    key = (st - shift, d)
+                    # Copied to the host only when the other side has not given it already.
+                    if 0 <= key[0] < len(bufs) and key not in cells:
+                        cells[key] = np.asarray(shard.data)
+            for b, buf in enumerate(bufs):
+                parts = sorted((d, v) for (bb, d), v in cells.items() if bb == b)
+                if not parts:
+                    continue
+                row_ids = np.concatenate([rows[d] for d, _ in parts])
+                data = np.concatenate([v.reshape(-1, t, w) for _, v in parts])
+                buf.write_async(row_ids, data)
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ snapshots
@@ -232,11 +259,12 @@ class Feed:
         which is what makes the step a checkpoint, so a crash in between leaves the
         previous checkpoint the newest (and a snapshot without a checkpoint, removed by
         the next :meth:`prune`)."""
-        for buf in self.buffers:
+        named = self._named()
+        for *_, buf in named:
             buf.flush()
         root = self._snapshot_root(step)
-        for b, buf in enumerate(self.buffers):
-            buf.save(root / f"boundary{b}", overwrite=True)
+        for kind, b, buf in named:
+            buf.save(root / f"{kind}{b}", overwrite=True)
 
     def prune(self, kept_steps: list[int]) -> None:
         """Keep the snapshots of the checkpoints Orbax keeps, and only those."""
@@ -249,8 +277,8 @@ class Feed:
     def restore(self, step: int) -> None:
         """Replace the open buffers by the snapshots of checkpoint ``step``."""
         root = self._snapshot_root(step)
-        for b in range(len(self.buffers)):
-            snapshot = root / f"boundary{b}"
+        for kind, b, _ in self._named():
+            snapshot = root / f"{kind}{b}"
             if not snapshot.is_dir():
                 step_dir = self.p.cfg.run_dir / "buffers" / str(step)
                 saved = sorted(q.name for q in step_dir.glob("process*"))
@@ -268,13 +296,17 @@ class Feed:
                 )
         # The open buffers are closed only once every snapshot is known to exist.
         restored = []
-        for b, old in enumerate(self.buffers):
+        for kind, b, old in self._named():
             old.close()
-            restored.append(jaxcomm.MessageBuffer.restore(root / f"boundary{b}", self.path(b)))
-        self.buffers = restored
+            restored.append(jaxcomm.MessageBuffer.restore(root / f"{kind}{b}", self.path(b, kind)))
+        count = len(self.buffers)
+        self.buffers, self.memories = restored[:count], restored[count:]
         self.stale = []
 
     def summary(self) -> dict[str, Any]:
         """Message-buffer footprint: bytes per boundary and in all."""
         per = [buf.nbytes for buf in self.buffers]
-        return {"buffer_bytes_per_boundary": per[0] if per else 0, "buffer_bytes": sum(per)}
+        out = {"buffer_bytes_per_boundary": per[0] if per else 0, "buffer_bytes": sum(per)}
+        if self.memory:
+            out["gradient_memory_bytes"] = sum(buf.nbytes for buf in self.memories)
+        return out

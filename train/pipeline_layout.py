@@ -80,7 +80,8 @@ def make_boundary(cfg: Config) -> jaxcomm.Boundary:
     codecs = cfg.boundary_codecs()
     if codecs is not None:
         forward, backward, first = codecs
-        return jaxcomm.delta_boundary(forward, backward, first=first)
+        memory = cfg.boundary_args.get("bw_memory", False)
+        return jaxcomm.delta_boundary(forward, backward, first=first, backward_memory=memory)
     return jaxcomm.aqsgd_boundary(cfg.fw_bits, bw)
 
 

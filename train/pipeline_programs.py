@@ -21,6 +21,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jaxcomm
 from train.distributed import to_host
 from train.pipeline import gpt_pipeline_loss
 from train.programs import AXIS, all_finite, structs
@@ -221,7 +222,8 @@ def build_step(p: Pipeline, tx: optax.GradientTransformation) -> dict[bool, Any]
         p = {"blocks": squeeze_cell(blocks), **squeeze_cell(owned)}
         s, b, st = squeeze_cell(opt_state), squeeze_cell(batch), squeeze_cell(bstate)
         k = jax.random.fold_in(key, jax.lax.axis_index(AXIS))
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        # jax.value_and_grad, and the gradient memory's new rows with bw_memory.
+        grad_fn = jaxcomm.gpipe_value_and_grad(loss_fn)
         (loss, (st, log)), grads = grad_fn(p, b, st, k, seen)
         # Only the blocks are averaged and updated here; the embedding's and head's
         # gradients go to the programs of their own stages (see the module docstring).
