@@ -17,6 +17,11 @@ The deltas are those between the two models' activations at each boundary of the
 samples: the change over a whole fine-tuning, larger than one epoch's, with the same
 structure (what changes is the weights along the fine-tuning's direction).
 
+It also measures the backward direction's counterpart, the activation gradient (of the
+mean next-token loss) at each boundary: how far it moves over the fine-tuning against its
+own norm (what a per-sample gradient memory would have to send), and the share of its norm
+beyond rank 1, 2 and 4 (what a low-rank code of the gradient itself leaves out).
+
     python benchmarks/delta_lowrank.py [--runs benchmarks/results/aqsgd_frontier/runs]
 
 Writes ``lowrank.md`` and ``lowrank.json`` beside ``--runs``.
@@ -37,7 +42,7 @@ import numpy as np
 from _meta import run_meta
 
 import jaxcomm
-from models.gpt import Block, Embed, GPTConfig
+from models.gpt import Block, Embed, GPTConfig, Head
 from train.checkpoint import load_model_params
 
 MODEL = {"num_layers": 8, "width": 128, "num_heads": 4, "seq_len": 64}
@@ -53,6 +58,31 @@ def hidden_states(params, cfg: GPTConfig, tokens: np.ndarray) -> list[np.ndarray
         h = Block(cfg).apply({"params": params[f"block_{i}"]}, h)
         out.append(np.asarray(h))
     return out
+
+
+def activation_gradients(params, cfg: GPTConfig, tokens: np.ndarray) -> list[np.ndarray]:
+    """``[layers - 1, B, T, W]``: the gradient of the mean next-token loss w.r.t. the
+    activation after each block but the last (what a boundary sends back)."""
+    labels = jnp.asarray(tokens[:, 1:])
+    hs = hidden_states(params, cfg, tokens[:, :-1])
+    out = []
+    for layer in range(cfg.num_layers - 1):
+
+        def rest(h, layer=layer):
+            for i in range(layer + 1, cfg.num_layers):
+                h = Block(cfg).apply({"params": params[f"block_{i}"]}, h)
+            logits = Head(cfg).apply({"params": params["head"]}, h)
+            logp = jax.nn.log_softmax(logits)
+            return -jnp.take_along_axis(logp, labels[..., None], -1).mean()
+
+        out.append(np.asarray(jax.grad(rest)(jnp.asarray(hs[layer]))))
+    return out
+
+
+def beyond_rank(m: np.ndarray, r: int) -> float:
+    """Mean over samples of the share of ``m[i]``'s norm beyond its best rank-``r`` part."""
+    s = np.linalg.svd(m.astype(np.float64), compute_uv=False)
+    return float(np.sqrt(np.maximum(0.0, 1.0 - (s[:, :r] ** 2).sum(1) / (s**2).sum(1))).mean())
 
 
 def topk_k(budget: float) -> int:
@@ -78,8 +108,6 @@ def errors(deltas: np.ndarray, budget: float) -> dict:
     topk_err = np.linalg.norm((deltas - sent).reshape(n, -1), axis=1) / norms
     topk_bits = codec.nbytes(deltas.shape) * 8 / deltas.size
     r = lowrank_r(budget, t, w)
-    s = np.linalg.svd(deltas.astype(np.float64), compute_uv=False)  # [N, min(T, W)]
-    kept = np.sqrt(np.maximum(0.0, 1.0 - (s[:, :r] ** 2).sum(1) / (s**2).sum(1)))
     return {
         "budget_bits": budget,
         "topk_k": k,
@@ -87,7 +115,7 @@ def errors(deltas: np.ndarray, budget: float) -> dict:
         "topk_error": float(topk_err.mean()),
         "rank": r,
         "rank_bits": r * ((t + w) * FACTOR_BITS + 64) / (t * w),
-        "rank_error": float(kept.mean()) if r else 1.0,
+        "rank_error": beyond_rank(deltas, r) if r else 1.0,
     }
 
 
@@ -104,7 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     task = build_task("gpt", **MODEL)
     data = get_dataset("shakespeare", "train", seq_len=cfg.seq_len)
-    tokens = data.get(np.arange(args.samples))["tokens"][:, :-1]
+    full = data.get(np.arange(args.samples))["tokens"]  # [N, T + 1]: inputs and labels
+    tokens = full[:, :-1]
     template = task.init(jax.random.key(0), {"tokens": jnp.asarray(tokens[:1])})
     before = load_model_params(runs / "pretrain" / "params.msgpack", template)
     after = load_model_params(runs / "FP32_s4_seed0" / "params.msgpack", template)
@@ -116,7 +145,17 @@ def main(argv: list[str] | None = None) -> dict:
         for budget in BUDGETS:
             rows.append({"boundary_after_layer": layer + 1, "delta_vs_activation": rel,
                          **errors(deltas, budget)})  # fmt: skip
-    record = {"meta": run_meta(argv, t0, samples=args.samples), "rows": rows}
+    g0, g1 = activation_gradients(before, cfg, full), activation_gradients(after, cfg, full)
+    grads = []
+    for layer in range(cfg.num_layers - 1):
+        moved = np.linalg.norm((g1[layer] - g0[layer]).reshape(len(full), -1), axis=1)
+        own = np.linalg.norm(g1[layer].reshape(len(full), -1), axis=1)
+        grads.append({
+            "boundary_after_layer": layer + 1,
+            "moved_vs_gradient": float((moved / own).mean()),
+            **{f"beyond_rank{r}": beyond_rank(g1[layer], r) for r in (1, 2, 4)},
+        })  # fmt: skip
+    record = {"meta": run_meta(argv, t0, samples=args.samples), "rows": rows, "gradients": grads}
     out = runs.parent
     (out / "lowrank.json").write_text(json.dumps(record, indent=2))
     (out / "lowrank.md").write_text(render(record))
@@ -153,6 +192,22 @@ def render(record: dict) -> str:
     for b, v in mean.items():
         tk, rk = np.mean([x[0] for x in v]), np.mean([x[1] for x in v])
         lines.append(f"- {b:g} bits/element: top-k {tk:.3f}, low rank {rk:.3f}")
+    lines += [
+        "",
+        "## The activation gradients",
+        "",
+        "Per boundary, mean over samples: how far a sample's gradient moved over the "
+        "fine-tuning, against its norm at the end; and the share of its norm beyond its "
+        "best rank 1, 2 and 4 (exact SVD).",
+        "",
+        "| after layer | |moved| / |gradient| | beyond rank 1 | beyond rank 2 | beyond rank 4 |",
+        "|---|---|---|---|---|",
+    ]
+    for g in record.get("gradients", []):
+        lines.append(
+            f"| {g['boundary_after_layer']} | {g['moved_vs_gradient']:.3f} | "
+            f"{g['beyond_rank1']:.3f} | {g['beyond_rank2']:.3f} | {g['beyond_rank4']:.3f} |"
+        )
     lines.append("")
     return "\n".join(lines)
 

@@ -162,3 +162,38 @@ def test_the_estimate_key_is_checked_and_makes_its_baseline():
         Config(estimate={"networks": "1ms,1Gbps"})
     with pytest.raises(ValueError, match="unknown config key 'netwrok'"):
         Config(estimate={"baseline": {"netwrok": "1ms,1Gbps"}})
+
+
+def test_shipped_100x_config_is_gpt2xl_at_100x_below_float32_each_way():
+    """The AQ-SGD paper's GPT2-XL pipeline with the chosen codec: the payloads one sample's
+    deltas and gradients make (their arrays' bytes) are at least 100x below float32's."""
+    import jax
+
+    from train.config import load_config
+    from train.pipeline_layout import make_boundary
+
+    cfg = load_config("configs/activations_100x.yaml", [])
+    paper = load_config("configs/aqsgd_gpt2xl.yaml", [])
+    assert cfg.model == paper.model
+    assert (cfg.stages, cfg.workers, cfg.microbatches) == (paper.stages, 1, 32)
+    act = jax.ShapeDtypeStruct((1, 1024, 1600), jax.numpy.float32)
+    fw, bw = jaxcomm.boundary_message_bytes(make_boundary(cfg), act, seen=True)
+    assert 100 <= 1024 * 1600 * 4 / fw < 110 and 100 <= 1024 * 1600 * 4 / bw < 110
+    first, _ = jaxcomm.boundary_message_bytes(make_boundary(cfg), act, seen=False)
+    assert first == 1024 * 1600 // 2 + 4 * 1024  # 4-bit codes and a scale per token
+
+
+def test_the_gradient_memory_sends_nothing_more(tmp_path):
+    """A pipeline with the gradient memory estimates (its state has the memory's shape) and
+    its compiled step sends exactly the bytes of the same codec without it."""
+    out = tmp_path / "est.json"
+    sets = ["stages=2", "workers=2", "boundary=aqsgd", "microbatches=2", "model.num_layers=2",
+            "model.width=32", "model.seq_len=32", "compute=v100"]  # fmt: skip
+    args = ["--config", "configs/dp_default.yaml"] + [x for s in sets for x in ("--set", s)]
+    sent = []
+    for memory in ("false", "true"):
+        codec = f"boundary_args={{fw_rank: 2, bw_rank: 2, bw_memory: {memory}}}"
+        assert main([*args, "--set", codec, "--json", str(out)]) == 0
+        est = json.loads(out.read_text())
+        sent.append((est["sent_bytes_per_device"], est["first_epoch"]["sent_bytes_per_device"]))
+    assert sent[0] == sent[1] and sent[0][0] < sent[0][1]

@@ -61,8 +61,9 @@ class Feed:
         # Buffers found on disk belong to an earlier run: only a resume may keep them.
         # The gradient memory of a boundary keeping one (``bw_memory``): a second buffer
         # of the same rows, written and saved with the messages.
-        self.memory = bool(count) and p.boundary.bw_memory
-        if self.memory and cfg.buffer_dir:
+        # (An abstract layout keeps no buffers, but its states have the memory's shape.)
+        self.memory = p.boundary.bw_memory
+        if self.memory and count and cfg.buffer_dir:
             paths += [self.path(b, "gradient") for b in range(count)]
         self.stale = [q for q in paths if Path(q).exists() and any(Path(q).iterdir())]
 
