@@ -153,7 +153,7 @@ def uniform_seen(seen: Any, batch: int | None = None) -> bool:
         unseen_rows = np.flatnonzero(~arr).tolist()
         raise ValueError(
             "seen must be uniform over the microbatch (all rows seen: deltas; none seen: "
-            f"float32), got seen rows {seen_rows} and unseen rows {unseen_rows}; send a "
+            f"first visits), got seen rows {seen_rows} and unseen rows {unseen_rows}; send a "
             "mixed microbatch as unseen (seen=False)"
         )
     return bool(arr.all()) if arr.size else False
@@ -237,6 +237,21 @@ class RowCodec:
     chunk: int | None = None
     k: int | None = None
     rank: int | None = None
+
+    def __post_init__(self):
+        need = {"quantize": (), "topk": ("chunk", "k"), "lowrank": ("rank", "bits")}
+        if self.kind not in need:
+            raise ValueError(
+                f"RowCodec kind must be one of {sorted(need)}, got {self.kind!r} (build one "
+                "with quantized_rows, topk_rows or lowrank_rows)"
+            )
+        missing = [name for name in need[self.kind] if getattr(self, name) is None]
+        if missing or (self.kind == "quantize" and self.bits is None):
+            maker = {"quantize": "quantized_rows", "topk": "topk_rows", "lowrank": "lowrank_rows"}
+            raise ValueError(
+                f"RowCodec kind {self.kind!r} needs {missing or ['bits']} (build one with "
+                f"{maker[self.kind]})"
+            )
 
     def encode(self, x: jax.Array, key: jax.Array) -> Any:
         """Row-batched payload of ``x`` (``f32[B, *sample_shape]``); ``key`` is split into

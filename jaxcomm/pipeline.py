@@ -33,6 +33,8 @@ Shapes (per device, inside ``shard_map`` over ``axis_name``): microbatched input
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -85,6 +87,20 @@ FIRST_SCOPE = "gpipe_first"
 LAST_SCOPE = "gpipe_last"
 
 
+# Set while :func:`gpipe_value_and_grad` traces a loss: only then does a boundary's gradient
+# memory come back (as a cotangent), so a loss differentiated otherwise refuses it.
+_MEMORY_PASS = contextvars.ContextVar("jaxcomm_gpipe_memory_pass", default=False)
+
+
+@contextlib.contextmanager
+def _memory_pass():
+    token = _MEMORY_PASS.set(True)
+    try:
+        yield
+    finally:
+        _MEMORY_PASS.reset(token)
+
+
 def _scoped(scope: str, fn: Callable, *args: Any) -> Any:
     with jax.named_scope(scope):
         return fn(*args)
@@ -120,6 +136,15 @@ class Boundary:
     uses_buffer: bool = False
     backward: RowCodec | None = None
     bw_memory: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.bw_memory, bool):
+            raise TypeError(f"bw_memory must be a bool, got {self.bw_memory!r}")
+        if self.bw_memory and self.bw_codec is None:
+            raise ValueError(
+                "bw_memory=True needs a compressed backward (backward or bw_bits): a float32 "
+                "gradient loses nothing that a memory could keep"
+            )
 
     @property
     def bw_codec(self) -> RowCodec | None:
@@ -191,7 +216,8 @@ def delta_boundary(
 
     AQ-SGD's guarantee (convergence at the rate of uncompressed SGD when the activations'
     changes shrink) is proved for an unbiased forward quantizer and an unbiased backward
-    one: it covers :func:`jaxcomm.quantized_rows` each way at any bucket size. It does not
+    one: it covers :func:`jaxcomm.quantized_rows` each way at any bucket size (its
+    constants grow with the quantizer's variance, so with the bucket). It does not
     cover :func:`jaxcomm.topk_rows` or :func:`jaxcomm.lowrank_rows` (biased): forward, the
     buffer keeps what they leave out and sends it at later visits (error feedback, whose
     own analyses bound the error for contractive codes like these); backward there is no
@@ -206,7 +232,8 @@ def delta_boundary(
     out is then sent at the sample's later visits instead of being lost (error feedback
     per sample); the price is that the gradient used lags the true one by that residual.
     The memory is ``BoundaryState.grad_in``/``grad_out`` (as large as the message buffer),
-    returned by :func:`gpipe_value_and_grad`.
+    returned by :func:`gpipe_value_and_grad`. A gradient's first visit (``seen=False``)
+    crosses by ``backward`` itself (``first`` is the forward's) and starts the memory.
     """
     for name, codec in (("forward", forward), ("backward", backward), ("first", first)):
         if not isinstance(codec, RowCodec) and (codec is not None or name == "forward"):
@@ -411,6 +438,13 @@ def gpipe(
         act = jax.eval_shape(first_fn, params, _take(inputs, 0))
         want = (m_total, *act.shape)
         memory = boundary.bw_memory
+        if memory and backward and not _MEMORY_PASS.get():
+            raise ValueError(
+                "this boundary keeps a gradient memory (bw_memory): differentiate the loss "
+                "with jaxcomm.gpipe_value_and_grad(loss_fn), which returns the memory's new "
+                "rows (jax.value_and_grad would leave the memory unchanged); pass "
+                "backward=False for a forward-only call"
+            )
         for name in ("prev_in", "prev_out", "grad_in", "grad_out"):
             value = getattr(state, name)
             if name.startswith("grad") and not memory:
@@ -498,6 +532,7 @@ def gpipe(
         log = log_wire(log, psum_wire(local, n), s)
         return loss, (new_state, log)
 
+    loss_fn.bw_memory = boundary.bw_memory  # read by gpipe_value_and_grad
     return loss_fn
 
 
@@ -516,8 +551,13 @@ def gpipe_value_and_grad(loss_fn: Callable) -> Callable:
     """
 
     def value_and_grad(params, inputs, state: BoundaryState, key, seen: bool = False):
-        if state.grad_in is None and state.grad_out is None:
-            return jax.value_and_grad(loss_fn, has_aux=True)(params, inputs, state, key, seen)
+        # A loss not made by gpipe (a wrapper) says nothing: its memory, if any, is taken.
+        keeps = getattr(loss_fn, "bw_memory", True)
+        plain = state.grad_in is None and state.grad_out is None
+        if plain or not keeps:  # a memory given to a boundary without one passes through
+            with _memory_pass():  # (a missing memory is then named by the loss's own check)
+                f = jax.value_and_grad(loss_fn, has_aux=True)
+                return f(params, inputs, state, key, seen)
         memory = (state.grad_in, state.grad_out)
 
         def with_memory(params, memory):
@@ -525,7 +565,8 @@ def gpipe_value_and_grad(loss_fn: Callable) -> Callable:
             return loss_fn(params, inputs, st, key, seen)
 
         f = jax.value_and_grad(with_memory, argnums=(0, 1), has_aux=True)
-        (loss, (new_state, log)), (grads, new_memory) = f(params, memory)
+        with _memory_pass():
+            (loss, (new_state, log)), (grads, new_memory) = f(params, memory)
         new_state = new_state._replace(grad_in=new_memory[0], grad_out=new_memory[1])
         return (loss, (new_state, log)), grads
 

@@ -25,7 +25,7 @@ def _setup():
     return task, tokens, params
 
 
-def _run(num_stages, params, tokens, boundary=None, state=None, seen=False):
+def _run(num_stages, params, tokens, boundary=None, state=None, seen=False, grad=None):
     """One pipelined loss and gradient. Checks the logged traffic of every device against the
     wire audit of the compiled program, and returns ``(loss, grads, state, log)``."""
     mesh = jax.make_mesh((num_stages,), ("stage",), devices=jax.devices()[:num_stages])
@@ -37,9 +37,8 @@ def _run(num_stages, params, tokens, boundary=None, state=None, seen=False):
 
     def per_device(p, inputs, st):
         p, st = jax.tree_util.tree_map(lambda a: a[0], (p, st))
-        (loss, (st, log)), grads = jaxcomm.gpipe_value_and_grad(loss_fn)(
-            p, inputs, st, jax.random.key(2), seen
-        )
+        value_and_grad = grad or jaxcomm.gpipe_value_and_grad
+        (loss, (st, log)), grads = value_and_grad(loss_fn)(p, inputs, st, jax.random.key(2), seen)
         return loss, jax.tree_util.tree_map(lambda a: a[None], (grads, st, log))
 
     f = jax.shard_map(
@@ -379,7 +378,17 @@ def test_backward_memory_needs_a_codec_and_a_state():
     memory = jaxcomm.delta_boundary(
         jaxcomm.quantized_rows(2), jaxcomm.quantized_rows(4), backward_memory=True
     )
+    with pytest.raises(ValueError, match="bw_memory=True needs a compressed backward"):
+        Boundary(encode=None, decode=None, bw_memory=True)
     _, tokens, params = _setup()
     zeros = np.zeros((2, M, MB, T, W), np.float32)
     with pytest.raises(ValueError, match="state.grad_in is None"):
         _run(2, params, tokens, boundary=memory, state=BoundaryState(zeros, zeros))
+    # jax.value_and_grad would leave the memory as it was: refused, naming the way.
+    plain = lambda f: jax.value_and_grad(f, has_aux=True)  # noqa: E731
+    with pytest.raises(ValueError, match=r"with jaxcomm.gpipe_value_and_grad\(loss_fn\)"):
+        _run(2, params, tokens, boundary=memory, grad=plain)
+    # A memory given to a boundary without one passes through untouched.
+    ones = np.ones((2, M, MB, T, W), np.float32)
+    _, _, st, _ = _run(2, params, tokens, state=BoundaryState(zeros, zeros, ones, ones))
+    assert (st.grad_in == 1).all() and (st.grad_out == 1).all()

@@ -252,7 +252,9 @@ def test_aqsgd_pipeline_resume_bit_exact(tmp_path, args):
     assert drop > 1.5, drop  # deltas replace the first visits
     if args:  # sparse both ways: far below float32 in the steady state
         assert traffic[3].path_bytes[0, p2p] < 2 * 2 * fp32_fw / 20
-    Trainer(_cfg(tmp_path / "b", steps=2, buffer_dir=str(tmp_path / "bufs"), **kw)).run()
+    # Run b goes a step past its checkpoint (step 2): the buffers on disk then hold step 3's
+    # writes, which the resume must replace by the checkpoint's snapshot.
+    Trainer(_cfg(tmp_path / "b", steps=3, buffer_dir=str(tmp_path / "bufs"), **kw)).run()
     resumed = Trainer(_cfg(tmp_path / "b", buffer_dir=str(tmp_path / "bufs"), **kw))
     replaced = list(resumed.layout.feed.buffers + resumed.layout.feed.memories)
     assert resumed.run(resume=True)["resumed"]
@@ -277,7 +279,7 @@ def test_aqsgd_pipeline_resume_bit_exact(tmp_path, args):
         np.testing.assert_array_equal(a, b)
 
 
-def test_pipeline_config_errors():
+def test_pipeline_config_errors(tmp_path):
     with pytest.raises(ValueError, match="stages=2 needs task='gpt'"):
         Config(task="mlp", dataset="digits", stages=2)
     with pytest.raises(ValueError, match="multiple of workers \\* microbatches = 32"):
@@ -302,6 +304,8 @@ def test_pipeline_config_errors():
         Config(stages=2, boundary="aqsgd", boundary_args={"bw_memory": "yes"})
     with pytest.raises(ValueError, match="bw_memory needs a compressed backward"):
         Config(stages=2, boundary="aqsgd", bw_bits=0, boundary_args={"bw_memory": True})
+    with pytest.raises(ValueError, match=r"fw_rank=17 is larger than one sample of 16 x 32"):
+        Trainer(_cfg(tmp_path, boundary="aqsgd", boundary_args={"fw_rank": 17}))
 
 
 def test_param_count_is_the_models(tmp_path):

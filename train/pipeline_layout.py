@@ -128,9 +128,23 @@ class Pipeline(Layout):
 
     # ------------------------------------------------------------------ state
 
+    def _check_codec_sizes(self) -> None:
+        """Refuse a ``boundary_args`` chunk or rank that one sample ``[seq_len, width]``
+        cannot hold (a typo would otherwise pad every row to a huge chunk, or fail while
+        tracing with a message that does not name the key)."""
+        t, w = self.gpt_cfg.seq_len, self.gpt_cfg.width
+        for key, value in self.cfg.boundary_args.items():
+            most = {"chunk": t * w, "rank": min(t, w)}.get(key[3:])
+            if most is not None and value > most:
+                raise ValueError(
+                    f"boundary_args.{key}={value} is larger than one sample of {t} x {w} "
+                    f"activations allows (at most {most})"
+                )
+
     def init_state(self, t: Trainer) -> tuple[Any, Any]:
         cfg = self.cfg
         self.gpt_cfg: GPTConfig = t.task.module.cfg
+        self._check_codec_sizes()
         params = t.initial_params()
         if self.abstract:
             staged = jax.eval_shape(lambda p: stage_params(p, self.gpt_cfg, self.stages), params)
