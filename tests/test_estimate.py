@@ -183,17 +183,14 @@ def test_shipped_100x_config_is_gpt2xl_at_100x_below_float32_each_way():
     assert first == 1024 * 1600 // 2 + 4 * 1024  # 4-bit codes and a scale per token
 
 
-def test_the_gradient_memory_sends_nothing_more(tmp_path):
-    """A pipeline with the gradient memory estimates (its state has the memory's shape) and
-    its compiled step sends exactly the bytes of the same codec without it."""
+def test_a_pipeline_with_the_gradient_memory_estimates(tmp_path):
+    """The estimate compiles a memory pipeline from shapes (its state has the memory); what
+    the memory's step sends is audited against its log in ``tests/test_pipeline.py``."""
     out = tmp_path / "est.json"
     sets = ["stages=2", "workers=2", "boundary=aqsgd", "microbatches=2", "model.num_layers=2",
-            "model.width=32", "model.seq_len=32", "compute=v100"]  # fmt: skip
+            "model.width=32", "model.seq_len=32", "compute=v100",
+            "boundary_args={fw_rank: 2, bw_rank: 2, bw_memory: true}"]  # fmt: skip
     args = ["--config", "configs/dp_default.yaml"] + [x for s in sets for x in ("--set", s)]
-    sent = []
-    for memory in ("false", "true"):
-        codec = f"boundary_args={{fw_rank: 2, bw_rank: 2, bw_memory: {memory}}}"
-        assert main([*args, "--set", codec, "--json", str(out)]) == 0
-        est = json.loads(out.read_text())
-        sent.append((est["sent_bytes_per_device"], est["first_epoch"]["sent_bytes_per_device"]))
-    assert sent[0] == sent[1] and sent[0][0] < sent[0][1]
+    assert main([*args, "--json", str(out)]) == 0
+    est = json.loads(out.read_text())
+    assert 0 < est["sent_bytes_per_device"] < est["first_epoch"]["sent_bytes_per_device"]

@@ -267,7 +267,10 @@ def test_the_main_jobs_checkpoint_holds_one_copy_of_the_replicated_state(tmp_pat
     n = t.num_params()
     ckpt = run.run_dir / "checkpoints" / "2"
     size = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
-    assert 3 * 4 * n <= size < 1.5 * 3 * 4 * n
+    # Orbax's OCDBT files vary in size from run to run (one copy measured 417-705 KB for
+    # 365 KB of arrays); eight copies would be 2.9 MB. Which leaves were written once is
+    # checked exactly below.
+    assert 3 * 4 * n <= size < 3 * 3 * 4 * n
     once = json.loads((ckpt / "rows" / "metadata").read_text())["once"]
     assert len(once) == len(jax.tree_util.tree_leaves({"p": t.params, "o": t.opt_state}))
     ec = _cfg(tmp_path / "ec", **MLP, steps=2, checkpoint_every=2)

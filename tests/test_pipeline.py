@@ -339,9 +339,10 @@ def _relative_error(grads, ref, stage):
 def test_backward_memory_sends_what_the_gradient_codec_dropped_at_later_visits():
     """Top-k gradients with a per-sample gradient memory, at fixed parameters: the first
     visit is the plain top-k backward (same gradients, bit for bit); each later visit sends
-    the top-k of what the memory lacks, so the gradients close in on FP32's, where without
-    the memory they stay as far as at the first visit. Both sides' memories are equal, the
-    wire carries only the top-k payloads (``_run`` audits), and a NaN reaches the update."""
+    the top-k of what the memory lacks, so the gradients close in on FP32's (below 0.6x the
+    first visit's error after three more), where without the memory they stay as far as at
+    the first visit. Both sides' memories are equal, the wire carries only the top-k
+    payloads (``_run`` audits), and a NaN reaches the update."""
     _, tokens, params = _setup()
     fw, bw = jaxcomm.quantized_rows(8), jaxcomm.topk_rows(32, 4, bits=8)
     plain = jaxcomm.delta_boundary(fw, bw)
@@ -354,7 +355,7 @@ def test_backward_memory_sends_what_the_gradient_codec_dropped_at_later_visits()
     bw_row = -(-(n // 32) * 4 * 5 // 8) + (n // 32) * 4 + 4 * (n // 32)
     assert _p2p_sent(log, 4) == _expect(4, FP32_MSG, MB * bw_row)
     first = [_relative_error(g, ref, s) for s in range(3)]
-    for _ in range(4):
+    for _ in range(3):
         _, g, st, log = _run(4, params, tokens, boundary=memory, state=st, seen=True)
         for s in range(3):
             np.testing.assert_array_equal(st.grad_out[s], st.grad_in[s + 1])
