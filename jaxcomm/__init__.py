@@ -51,6 +51,15 @@ from jaxcomm.collectives import (
     tree_all_reduce,
 )
 from jaxcomm.compute import DEVICES, Device, Roofline, get_device, roofline
+from jaxcomm.elastic import (
+    RULES as RESIZE_RULES,
+)
+from jaxcomm.elastic import (
+    Resized,
+    register_resize_rule,
+    resize_rule_of,
+    resize_workers,
+)
 from jaxcomm.marsit import MarsitState, SignReduced, marsit, sign_all_reduce, sign_merge
 from jaxcomm.signsgd import (
     CascadingState,

@@ -337,6 +337,18 @@ def expand_rows(restored: Any, template: Any, once: list[str]) -> Any:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+def _key_name(key: Any) -> str:
+    """A key-path entry as the name Orbax stores it under (dict key, field, index)."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _path_names(path: Any) -> tuple[str, ...]:
+    return tuple(_key_name(k) for k in path)
+
+
 class Checkpoints:
     """The checkpoints of one run folder (``<run>/checkpoints/<step>``, Orbax, synchronous).
 
@@ -385,6 +397,82 @@ class Checkpoints:
             write_checksums(self.run_dir, step, self.manager.all_steps())
         self.saved_step = step
 
+    def _restore_resized(
+        self,
+        step: int,
+        template: Any,
+        once: list[str],
+        old_n: int,
+        new_n: int,
+        per_worker: tuple[str, ...],
+    ) -> Any:
+        """Checkpoint ``step`` of ``old_n`` workers as a state of ``new_n`` workers in
+        ``template``'s shapes and shardings: every array read whole on the host (in the
+        shapes it was saved in), the ``per_worker`` entries mapped by
+        :func:`jaxcomm.resize_workers`, then placed on the devices."""
+        import jaxcomm
+
+        reader = ocp.CheckpointManager(
+            self.folder.absolute(), item_handlers={"state": ocp.StandardCheckpointHandler()}
+        )
+        try:
+            saved = reader.item_metadata(step)["state"]
+            shapes = {
+                _path_names(p): (tuple(m.shape), np.dtype(m.dtype))
+                for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]
+            }
+            missing = []
+
+            def target(path: Any, a: Any) -> np.ndarray:
+                found = shapes.get(_path_names(path))
+                if found is None:
+                    missing.append(jax.tree_util.keystr(path))
+                    return np.zeros(a.shape, a.dtype)
+                return np.zeros(*found)
+
+            host_target = jax.tree_util.tree_map_with_path(target, template)
+            if missing:
+                raise ValueError(
+                    f"checkpoint step {step} in {str(self.folder)!r} has no array {missing[0]}"
+                )
+            state = reader.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(host_target))
+            )["state"]
+        finally:
+            reader.close()
+        names = set(once)
+
+        def rows(path: Any, a: Any) -> np.ndarray:
+            a = np.asarray(a)
+            if jax.tree_util.keystr(path) in names:  # saved once: every worker's row
+                return np.broadcast_to(a[None], (old_n, *a.shape))
+            return a
+
+        state = jax.tree_util.tree_map_with_path(rows, state)
+        resized = jaxcomm.resize_workers({k: state[k] for k in per_worker}, new_n)
+        state = {**state, **resized.state}
+        print(
+            f"resuming a run of {old_n} workers on {new_n} (checkpoint step {step}); state "
+            "kept bit for bit unless named here:",
+            flush=True,
+        )
+        for name, note in resized.notes.items():
+            print(f"  {name}: {note}", flush=True)
+
+        def place(path: Any, a: np.ndarray, want: Any) -> Any:
+            if np.shape(a) != tuple(want.shape):
+                raise ValueError(
+                    f"{jax.tree_util.keystr(path)} is {list(np.shape(a))} on {new_n} workers, "
+                    f"the run needs {list(want.shape)}: it cannot be resized"
+                )
+            sharding = getattr(want, "sharding", None)
+            if sharding is None:
+                return np.asarray(a, want.dtype)
+            full = np.asarray(a, want.dtype)
+            return jax.make_array_from_callback(full.shape, sharding, lambda i: full[i])
+
+        return jax.tree_util.tree_map_with_path(place, state, template)
+
     def _newest_intact(self, steps: list[int]) -> tuple[int, list[str]]:
         """``(step, damaged)``: the newest checkpoint of ``steps`` (newest first) whose files
         match their sums, or -1, and a line per damaged one; the damaged ones newer than
@@ -420,7 +508,9 @@ class Checkpoints:
             )
         return step, damaged
 
-    def restore(self, template: Any, fingerprint: dict) -> tuple[int, Any, dict] | None:
+    def restore(
+        self, template: Any, fingerprint: dict, per_worker: tuple[str, ...] = ()
+    ) -> tuple[int, Any, dict] | None:
         """``(step, state, extras)`` of the newest intact checkpoint, the state in
         ``template``'s structure, shapes and shardings; None when there is none. Raises
         on a different run's checkpoint (naming what differs), or when every checkpoint
@@ -429,7 +519,13 @@ class Checkpoints:
         Each checkpoint's files are checked against the SHA-256 sums written when it was
         committed (``<run>/checksums/<step>.json``); a damaged one is named in one line and
         the next older one is tried. A checkpoint without sums (its writer stopped between
-        the commit and the sums) is used as it is, with a line saying so."""
+        the commit and the sums) is used as it is, with a line saying so.
+
+        ``per_worker`` names the entries of ``template`` stacked over workers (a leading
+        axis of ``fingerprint["workers"]`` rows). When given, a checkpoint that differs from
+        the fingerprint in ``workers`` only is resumed on the new number of workers: those
+        entries are read whole and mapped by :func:`jaxcomm.resize_workers`, with a line
+        per array it averaged or re-cut."""
         manager = self.manager
         steps = sorted(manager.all_steps(), reverse=True)
         if not steps:
@@ -460,6 +556,8 @@ class Checkpoints:
         if changed is not None:  # step sizes may change on resume; nothing else may
             meta = {**meta, "aggregator_args": mine.get("aggregator_args")}
         diff = {k: (meta.get(k), v) for k, v in mine.items() if meta.get(k) != v}
+        # A different number of workers (and nothing else) is a resize: see resize_workers.
+        diff_world = {k: diff.pop(k) for k in ("workers",) if k in diff and per_worker}
         if diff:
             details = "; ".join(
                 "parameter shapes differ" if k == "param_shapes"
@@ -478,11 +576,15 @@ class Checkpoints:
             ]["once"]
         except (KeyError, ValueError, FileNotFoundError):
             once = []  # a checkpoint that saved every worker's rows
-        target = _row_targets(template, once)
-        state = manager.restore(
-            latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
-        )["state"]
-        state = expand_rows(state, template, once)
+        if "workers" in diff_world:
+            old_n, new_n = diff_world["workers"]
+            state = self._restore_resized(latest, template, once, old_n, new_n, per_worker)
+        else:
+            target = _row_targets(template, once)
+            state = manager.restore(
+                latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+            )["state"]
+            state = expand_rows(state, template, once)
         try:
             extras = manager.restore(
                 latest, args=ocp.args.Composite(extras=ocp.args.JsonRestore())
@@ -546,7 +648,7 @@ def restore_run(t: Any, store: Checkpoints) -> bool:
     :meth:`Checkpoints.restore`): state, parts' extras, step, loader position, clock and
     the layout's host state; False when there is none."""
     t.store = store
-    found = store.restore(_state_tree(t), run_fingerprint(t))
+    found = store.restore(_state_tree(t), run_fingerprint(t), per_worker=("params", "opt_state"))
     if found is None:
         return False
     step, state, extras = found

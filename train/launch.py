@@ -20,6 +20,7 @@ cluster); see the README.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import queue
 import re
@@ -30,6 +31,8 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
 
 from train.distributed import (
     ENV_COORDINATOR,
@@ -38,7 +41,7 @@ from train.distributed import (
     STOPPED_AT_ONCE,
 )
 
-__all__ = ["main", "free_port", "launch"]
+__all__ = ["main", "free_port", "launch", "elastic", "Ended", "smaller_world"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -142,6 +145,40 @@ def launch(
     wrappers such as ``ip netns exec``); the environment is set the same way. ``host`` is
     the coordinator's address (process 0's host). ``verbose`` keeps gloo's connection
     lines, which are dropped otherwise."""
+    return _generation(
+        processes,
+        train_args,
+        devices_per_process=devices_per_process,
+        port=port,
+        grace_s=grace_s,
+        env=env,
+        commands=commands,
+        host=host,
+        verbose=verbose,
+    ).rc
+
+
+class Ended(NamedTuple):
+    """How one start of the processes ended: the launcher's exit code, and the first
+    process to fail with its raw return code (negative: killed by that signal)."""
+
+    rc: int
+    first_fail: tuple[int, int] | None
+
+
+def _generation(
+    processes: int,
+    train_args: Sequence[str],
+    *,
+    devices_per_process: int,
+    port: int | None = None,
+    grace_s: float = 30.0,
+    env: dict[str, str] | None = None,
+    commands: Sequence[Sequence[str]] | None = None,
+    host: str = "127.0.0.1",
+    verbose: bool = False,
+) -> Ended:
+    """One start of the processes (see :func:`launch`)."""
     if processes < 1:
         raise ValueError(f"processes must be >= 1, got {processes}")
     if devices_per_process < 1:
@@ -261,14 +298,14 @@ def launch(
                 file=sys.stderr,
                 flush=True,
             )
-        return 128 + signum  # 130 for Ctrl-C, 143 for SIGTERM
+        return Ended(128 + signum, first_fail)  # 130 for Ctrl-C, 143 for SIGTERM
     finally:
         _stop(procs, 0.0)  # whatever ended the loop, no process outlives the launcher
         for sig, handler in old.items():
             signal.signal(sig, handler)
     if first_fail is not None:
-        return _exit_code(first_fail[1])
-    return 0
+        return Ended(_exit_code(first_fail[1]), first_fail)
+    return Ended(0, None)
 
 
 def _signal(procs: list[subprocess.Popen], sig: int) -> None:
@@ -308,12 +345,106 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
             p.wait()
 
 
+def smaller_world(cfg: Any, survivors: int, min_processes: int, devices_per_process: int):
+    """``(processes, workers)`` of the largest world of at most ``survivors`` processes (and
+    at least ``min_processes``) that runs ``cfg`` with each process keeping its
+    ``devices_per_process`` devices: ``workers = processes * devices_per_process / stages``
+    data replicas, a divisor of the global batch (with a pipeline's microbatches). None
+    when there is none."""
+    for p in range(survivors, min_processes - 1, -1):
+        devices = p * devices_per_process
+        if p < 1 or devices % cfg.stages:
+            continue
+        try:
+            dataclasses.replace(cfg, workers=devices // cfg.stages)
+        except ValueError:
+            continue  # the global batch does not split over that many workers
+        return p, devices // cfg.stages
+    return None
+
+
+def _newest_checkpoint(run_dir: Path) -> int | None:
+    folder = run_dir / "checkpoints"
+    steps = [int(q.name) for q in folder.iterdir() if q.name.isdigit()] if folder.is_dir() else []
+    return max(steps, default=None)
+
+
+def elastic(
+    processes: int,
+    train_args: Sequence[str],
+    cfg: Any,
+    *,
+    devices_per_process: int,
+    min_processes: int,
+    max_restarts: int,
+    port: int | None = None,
+    grace_s: float = 30.0,
+    verbose: bool = False,
+    env: dict[str, str] | None = None,
+) -> int:
+    """Run ``python -m train train_args`` as ``processes`` processes and keep it running
+    when processes are lost: when a process dies by a signal (``kill -9``, a lost machine),
+    the others are stopped and the run restarts from its newest checkpoint on the largest
+    world the survivors can form (:func:`smaller_world`, at least ``min_processes``), its
+    per-worker state resized (:func:`jaxcomm.resize_workers`), at most ``max_restarts``
+    times. A process that fails with an exit code (an error in the run, a non-finite loss)
+    ends the run as :func:`launch` does: restarting would fail the same way. Returns the
+    exit code of the last start."""
+    live, restarts, args = processes, 0, list(train_args)
+    base = dict(os.environ if env is None else env)
+    while True:
+        ended = _generation(
+            live,
+            args,
+            devices_per_process=devices_per_process,
+            port=port,
+            grace_s=grace_s,
+            env=base,
+            verbose=verbose,
+        )
+        failed = ended.first_fail
+        if failed is None or failed[1] >= 0 or -failed[1] in (signal.SIGINT, signal.SIGTERM):
+            return ended.rc
+        lost, sig = failed[0], signal.Signals(-failed[1]).name
+        if restarts >= max_restarts:
+            print(
+                f"[launch] process {lost} lost ({sig}); --max-restarts={max_restarts} reached: "
+                "stopping (continue with --resume)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return ended.rc
+        plan = smaller_world(cfg, live - 1, min_processes, devices_per_process)
+        if plan is None:
+            print(
+                f"[launch] process {lost} lost ({sig}); the {live - 1} survivors cannot form a "
+                f"world of at least --min-processes={min_processes} that divides the global "
+                f"batch {cfg.global_batch}: stopping (continue with --resume)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return ended.rc
+        restarts += 1
+        live, workers = plan
+        step = _newest_checkpoint(cfg.run_dir)
+        args = [a for a in train_args if a != "--resume"] + ["--set", f"workers={workers}"]
+        if step is not None:
+            args.append("--resume")
+        start = "the start (no checkpoint yet)" if step is None else f"checkpoint step {step}"
+        print(
+            f"[launch] process {lost} lost ({sig}); restart {restarts} of at most "
+            f"{max_restarts}: {live} processes, {workers} workers, from {start}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def _parser() -> argparse.ArgumentParser:
     """The launcher's own options (the rest pass through to ``python -m train``)."""
     p = argparse.ArgumentParser(
         prog="python -m train.launch",
-        usage="python -m train.launch --processes P [--port N] [--grace S] [--verbose] "
-        "[python -m train's arguments]",
+        usage="python -m train.launch --processes P [--min-processes M] [--max-restarts R] "
+        "[--port N] [--grace S] [--verbose] [python -m train's arguments]",
         description="Run python -m train as several processes on this machine. Every "
         "argument not listed below passes through to each process's python -m train "
         "(--config, --set, --resume, --no-progress; see python -m train --help).",
@@ -329,6 +460,19 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds the processes get to save a checkpoint after Ctrl-C before they are killed",
     )
     p.add_argument("--verbose", action="store_true", help="keep gloo's per-connection lines")
+    p.add_argument(
+        "--min-processes",
+        type=int,
+        default=None,
+        help="elastic: when a process is lost, restart the survivors (at least this many) "
+        "from the newest checkpoint on fewer workers (default: no restart)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="elastic: restarts after lost processes before giving up (default 3)",
+    )
     return p
 
 
@@ -360,6 +504,25 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.min_processes is not None:
+        if not 1 <= args.min_processes <= args.processes:
+            p.error(
+                f"--min-processes must be in [1, --processes={args.processes}], got "
+                f"{args.min_processes}"
+            )
+        if args.max_restarts < 0:
+            p.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
+        return elastic(
+            args.processes,
+            train_args,
+            cfg,
+            devices_per_process=devices // args.processes,
+            min_processes=args.min_processes,
+            max_restarts=args.max_restarts,
+            port=args.port,
+            grace_s=args.grace,
+            verbose=args.verbose,
+        )
     return launch(
         args.processes,
         train_args,

@@ -218,8 +218,11 @@ class LocalSGD(Sync):
                 forward_s=float(prof["forward_s"]),
                 backward_s=tuple(float(b) for b in prof["backward_s"]),
             )
-        if extras.get("worker_lag_s") is not None:
-            self._lag = np.asarray(extras["worker_lag_s"], np.float64)
+        lag = extras.get("worker_lag_s")
+        if lag is not None and len(lag) == trainer.n:
+            self._lag = np.asarray(lag, np.float64)
+        elif lag is not None:  # another number of workers: they start together
+            self._lag = None
         saved = extras.get("schedule")
         if saved is None:
             return

@@ -492,6 +492,8 @@ class Trainer:
         summary = {
             "name": cfg.name,
             "steps": self.step,
+            "workers": self.n,
+            "samples_seen": self.loader.position * cfg.global_batch,
             "resumed": resumed,
             "final_loss": last.get("loss"),
             **{f"valid_{k}": v for k, v in valid.items()},

@@ -1,0 +1,68 @@
+"""The elastic launcher: ``kill -9`` of one of 4 processes mid-run, and the run goes on."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _rows(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_killed_process_is_survived_on_a_smaller_world(tmp_path):
+    """4 processes of 2 devices (8 workers); process 2 is killed after checkpoint 10. The
+    launcher stops the others and restarts the largest world the 3 survivors can form
+    whose workers divide the global batch of 16: 2 processes, 4 workers. The run ends by
+    itself with every step once, its rows up to the checkpoint untouched, and as many
+    samples seen as an uninterrupted run."""
+    run = tmp_path / "run"
+    sets = ["task=mlp", "dataset=digits", "model={features: [16]}", "workers=8",
+            "global_batch=16", "checkpoint_every=5", "eval_every=0", "progress=false",
+            "steps=300", f"out_dir={run}"]  # fmt: skip
+    args = ["--processes", "4", "--min-processes", "2", "--max-restarts", "2",
+            "--config", "configs/dp_default.yaml"]  # fmt: skip
+    for s in sets:
+        args += ["--set", s]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train.launch", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    pid = None
+    while pid is None:
+        line = proc.stderr.readline()
+        assert line, "launcher ended before starting process 2"
+        if line.startswith("[launch] process 2: pid "):
+            pid = int(line.split()[-1])
+    ckpt = run / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not (ckpt.exists() and any(p.name == "10" for p in ckpt.iterdir())):
+        assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint appeared"
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    before = _rows(run)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    restart = [x for x in err.splitlines() if "lost (SIGKILL)" in x]
+    assert len(restart) == 1, err[-3000:]
+    assert "process 2 lost (SIGKILL); restart 1 of at most 2: 2 processes, 4 workers" in restart[0]
+    step = int(restart[0].rsplit(" ", 1)[-1])
+    assert step >= 10
+    assert "resuming a run of 8 workers on 4" in out
+    assert "[p2]" not in out.split("resuming a run of 8 workers on 4")[-1]  # 2 processes now
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == list(range(1, 301))
+    assert rows[:step] == before[:step]  # nothing before the checkpoint was lost or redone
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["workers"] == 4 and summary["samples_seen"] == 300 * 16
+    assert rows[-1]["loss"] < 0.7 * rows[0]["loss"]
