@@ -1,6 +1,7 @@
 """Start a multi-process training run on this machine.
 
     python -m train.launch --processes P [--port N] <the arguments of python -m train>
+    python -m train.launch --processes P --min-processes M [--max-restarts R] ...
 
 Starts ``P`` processes of ``python -m train`` with the given arguments, each with
 ``workers * stages / P`` CPU devices (``XLA_FLAGS``), wired to a coordinator on a free local
@@ -11,6 +12,15 @@ without it) and the launcher exits with the first failing exit code (``128 + n``
 process killed by signal ``n``). Ctrl-C (or SIGTERM, SIGHUP to the launcher) asks every
 process to stop: they finish the step under way, save a checkpoint together and exit, and
 what is left after ``--grace`` seconds is killed.
+
+Elastic (``--min-processes M``): when a process is lost (killed by a signal, as a lost
+machine is), the others are stopped and the survivors restart from the newest checkpoint
+on the largest world they can form, each keeping its devices (``workers`` = processes x
+devices per process / stages, a divisor of the global batch; at least ``M`` processes), at
+most ``--max-restarts`` times. The checkpoint's per-worker state is mapped onto the new
+number of workers (:func:`jaxcomm.resize_workers`); the run continues at the same global
+sample count. Compiled programs are kept in ``--compile-cache`` so a restart on a world
+size seen before does not compile again.
 
 On a real cluster, start one ``python -m train`` per host yourself with those variables set
 (or ``JAXCOMM_DISTRIBUTED=auto`` where ``jax.distributed.initialize()`` detects the
@@ -381,6 +391,7 @@ def elastic(
     grace_s: float = 30.0,
     verbose: bool = False,
     env: dict[str, str] | None = None,
+    compile_cache: str | os.PathLike | None = None,
 ) -> int:
     """Run ``python -m train train_args`` as ``processes`` processes and keep it running
     when processes are lost: when a process dies by a signal (``kill -9``, a lost machine),
@@ -388,10 +399,19 @@ def elastic(
     world the survivors can form (:func:`smaller_world`, at least ``min_processes``), its
     per-worker state resized (:func:`jaxcomm.resize_workers`), at most ``max_restarts``
     times. A process that fails with an exit code (an error in the run, a non-finite loss)
-    ends the run as :func:`launch` does: restarting would fail the same way. Returns the
-    exit code of the last start."""
+    ends the run as :func:`launch` does: restarting would fail the same way. With
+    ``compile_cache`` (a folder), the processes keep every compiled program there (JAX's
+    persistent compilation cache), so a restart on a world size seen before skips its
+    compilation. Returns the exit code of the last start."""
     live, restarts, args = processes, 0, list(train_args)
     base = dict(os.environ if env is None else env)
+    if compile_cache is not None:
+        # Every program compiled is kept on disk: a restart on a world size seen before
+        # loads its programs instead of compiling them again. JAX's defaults skip programs
+        # that compile in under a second, most of a small run's.
+        base.setdefault("JAX_COMPILATION_CACHE_DIR", str(compile_cache))
+        base.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        base.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     while True:
         ended = _generation(
             live,
@@ -473,6 +493,12 @@ def _parser() -> argparse.ArgumentParser:
         default=3,
         help="elastic: restarts after lost processes before giving up (default 3)",
     )
+    p.add_argument(
+        "--compile-cache",
+        default=None,
+        help="elastic: keep compiled programs in this folder for restarts (default: "
+        "<run folder>/compile_cache; 'off': none)",
+    )
     return p
 
 
@@ -522,6 +548,9 @@ def main(argv: list[str] | None = None) -> int:
             port=args.port,
             grace_s=args.grace,
             verbose=args.verbose,
+            compile_cache=None
+            if args.compile_cache == "off"
+            else (args.compile_cache or cfg.run_dir / "compile_cache"),
         )
     return launch(
         args.processes,
