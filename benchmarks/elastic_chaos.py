@@ -6,10 +6,11 @@ The run is ``python -m train.launch --processes 4 --min-processes 1`` on this ma
 process 2 simulated CPU devices: 8 workers), a small GPT of ``configs/dp_default.yaml``
 with a checkpoint every 10 steps. This script plays the cluster:
 
-* every ``--kill-every`` steps it sends ``kill -9`` to one live process, chosen at random
-  (seeded); the launcher stops the others and restarts the survivors on the largest world
-  they can form (3 survivors of 2 devices make 6 workers, which do not divide the global
-  batch of 16: 2 processes, 4 workers), resized from the newest checkpoint;
+* every ``--kill-every`` steps (plus a random 0-9, so kills fall anywhere between two
+  checkpoints) it sends ``kill -9`` to one live process, chosen at random (seeded); the
+  launcher stops the others and restarts the survivors on the largest world they can form
+  (3 survivors of 2 devices make 6 workers, which do not divide the global batch of 16:
+  2 processes, 4 workers), resized from the newest checkpoint;
 * ``--kill-every / 2`` steps after a restart on fewer processes, replacements "arrive": it
   stops the launcher with SIGTERM (every process saves a checkpoint and exits) and starts it
   again on 4 processes with ``--resume`` (4 workers resized back to 8).
@@ -84,10 +85,14 @@ class Launcher:
                         self.pids = {}  # a new start
                     self.pids[i] = int(pid)
 
-    def restarted(self, count: int) -> bool:
-        """Whether the launcher has reported ``count`` lost processes in this start."""
+    def restarts(self) -> int:
+        """Lost processes this launcher has reported (each followed by a restart)."""
         with self.lock:
-            return sum("lost (SIGKILL)" in x for x in self.log) >= count
+            return sum("lost (SIGKILL)" in x for x in self.log)
+
+    def restarted(self, count: int) -> bool:
+        """Whether the launcher has reported ``count`` lost processes."""
+        return self.restarts() >= count
 
     def live(self) -> dict[int, int]:
         with self.lock:
@@ -128,7 +133,10 @@ def chaos(run: Path, steps: int, kill_every: int, faults: bool, cache: str, seed
     deadline = t0 + timeout
     launcher = Launcher(4, run, steps, resume=False, cache=cache)
     failures, regrows, events = [], [], []
-    next_kill, kills = kill_every, 0  # kills: in the current launcher's lifetime
+    # Kills land at a random step within a checkpoint interval (checkpoints every 10), so
+    # the steps redone since the newest checkpoint are part of what a failure costs.
+    next_kill, kills = kill_every + rng.randrange(10), 0  # kills: this launcher's
+    restarts_logged = 0
     trace: list[tuple[float, int]] = []  # (seconds, last logged step), for the plot
     sampler = threading.Thread(target=_sample, args=(run, t0, trace, deadline), daemon=True)
     sampler.start()
@@ -152,7 +160,7 @@ def chaos(run: Path, steps: int, kill_every: int, faults: bool, cache: str, seed
                 failures.append({"step": step, "process": victim, "at_s": t_kill,
                                  "lost_s": lost, "processes_before": len(live)})  # fmt: skip
                 events.append(("kill", step, t_kill))
-                next_kill = step + kill_every
+                next_kill = step + kill_every + rng.randrange(10)
                 # Replacements arrive: a planned restart on 4 processes.
                 regrow_at = step + kill_every // 2
                 while _last_step(run) < regrow_at and launcher.proc.poll() is None:
@@ -160,10 +168,11 @@ def chaos(run: Path, steps: int, kill_every: int, faults: bool, cache: str, seed
                         break
                     time.sleep(0.05)
                 if launcher.proc.poll() is None and _last_step(run) < steps - 5:
-                    at = _last_step(run)
                     t_stop = time.monotonic()
                     launcher.proc.send_signal(signal.SIGTERM)
                     launcher.proc.wait(timeout=120)
+                    at = _last_step(run)  # with the steps finished before the stop
+                    restarts_logged += launcher.restarts()
                     launcher, kills = Launcher(4, run, steps, resume=True, cache=cache), 0
                     back = _wait_back(run, at, deadline)
                     lost = None if back is None else time.monotonic() - t_stop
@@ -191,7 +200,8 @@ def chaos(run: Path, steps: int, kill_every: int, faults: bool, cache: str, seed
         "losses": [r["loss"] for r in rows],
         "events": events,
         "trace": trace[:],
-        "restarts_logged": sum("lost (SIGKILL)" in x for x in launcher.log),
+        "restarts_logged": restarts_logged + launcher.restarts(),
+        "first_step_s": next((t for t, k in trace if k >= 1), None),
     }
 
 
@@ -251,7 +261,11 @@ def report(results: dict, meta: dict) -> str:
         "checkpoint (mean, and range over the failures). A regrow is the same from the "
         "SIGTERM, with a checkpoint written first and so no step redone.",
         "- **Goodput**: steps of the finished run per second of wall time, start-up "
-        "included (about 25 s of each run's wall time is starting 4 processes).",
+        f"included (the reference logged its first step {ref.get('first_step_s') or 0:.0f} s "
+        "after its launcher started).",
+        "- **Restarts**: "
+        + ", ".join(f"{name}: {r.get('restarts_logged', '-')}" for name, r in results.items())
+        + " lost processes reported by the launcher, each followed by a restart.",
         "- **Loss**: the largest relative gap between a step's loss and the reference's "
         "step. Every run serves the same global batches in the same order; with a ring "
         "all-reduce and Adam the parameters are identical on every worker, so a resize "

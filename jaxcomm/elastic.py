@@ -42,6 +42,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm._checks import check_int
@@ -115,7 +116,7 @@ def _rows(a: np.ndarray, workers: int) -> np.ndarray:
 
 
 def _mean(a: np.ndarray, workers: int, path: str) -> np.ndarray:
-    if not np.issubdtype(a.dtype, np.floating):
+    if not jnp.issubdtype(a.dtype, jnp.floating):  # (NumPy's check misses bfloat16)
         raise ValueError(
             f"{path}: its {a.shape[0]} workers hold different {a.dtype} rows, which cannot be "
             "averaged onto another number of workers; give its state type a rule with "

@@ -206,6 +206,16 @@ def test_what_error_feedback_owes_the_model_is_paid_after_a_resize(name, old, ne
     assert gap < 0.05 * owed, (gap, owed)
 
 
+def test_bfloat16_rows_are_averaged_and_equal_ones_kept():
+    rows = np.arange(8 * 4, dtype=np.float32).reshape(8, 4).astype(jnp.bfloat16)
+    same = np.broadcast_to(np.float32(1.5).astype(jnp.bfloat16), (8, 4))
+    out = jaxcomm.resize_workers({"local": rows, "synced": same}, 2).state
+    assert out["local"].dtype == jnp.bfloat16 and out["local"].shape == (2, 4)
+    want = rows.astype(np.float64).mean(0).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(out["local"][1], want)
+    np.testing.assert_array_equal(out["synced"], same[:2])
+
+
 def test_bad_input_is_refused_naming_it():
     with pytest.raises(ValueError, match="leading worker axis"):
         jaxcomm.resize_workers({"a": np.zeros((8, 3)), "b": np.zeros((4, 3))}, 2)

@@ -66,3 +66,18 @@ def test_a_killed_process_is_survived_on_a_smaller_world(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["workers"] == 4 and summary["samples_seen"] == 300 * 16
     assert rows[-1]["loss"] < 0.7 * rows[0]["loss"]
+
+
+def test_elastic_options_without_min_processes_are_refused(capsys):
+    import pytest
+
+    from train import launch
+
+    for flag in (["--max-restarts", "2"], ["--compile-cache", "/tmp/x"]):
+        with pytest.raises(SystemExit) as stop:
+            launch.main(["--processes", "2", *flag, "--config", "configs/dp_default.yaml"])
+        assert stop.value.code == 2
+        assert f"{flag[0]} applies to an elastic run" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        launch.main(["--processes", "2", "--min-processes", "3"])
+    assert "--min-processes must be in [1, --processes=2]" in capsys.readouterr().err

@@ -79,10 +79,6 @@ CASES = {
         dict(_PIPE, boundary="aqsgd", aggregator="ec_quantized", aggregator_args={"bits": 4}),
         True,
     ),
-    "pipeline_local_sgd": (
-        dict(_PIPE, boundary="aqsgd", aggregator="none", sync={"method": "local_sgd", "period": 2}),
-        False,
-    ),
 }
 
 
@@ -138,7 +134,10 @@ def test_a_run_resumes_on_half_and_then_twice_the_workers(tmp_path, case, capsys
         after = _restored(cfg)
         assert after.step == before.step and after.loader.position == before.loader.position
         _check_state(before, after, n)
-        assert f"resuming a run of {before.n} workers on {n}" in capsys.readouterr().out
+        said = capsys.readouterr().out
+        assert f"resuming a run of {before.n} workers on {n}" in said
+        if extra.get("sync", {}).get("method") in ("local_sgd", "enp", "dreamddp"):
+            assert "schedule are this world's own" in said
         after.run(resume=True)  # restores the same checkpoint again, then steps
         before = after
         if workers == 4:
@@ -152,3 +151,20 @@ def test_a_run_resumes_on_half_and_then_twice_the_workers(tmp_path, case, capsys
     gaps = [abs(r["loss"] - q["loss"]) / q["loss"] for r, q in pairs]
     print(f"{case}: largest loss gap to the uninterrupted run {max(gaps):.4f}")
     assert max(gaps) <= JUMP, gaps
+
+
+def test_a_world_size_change_allows_nothing_else_that_shapes_the_run(tmp_path):
+    """Workers may change on resume; workers together with the global batch, the model or
+    the aggregator are refused as another run's checkpoint (and nothing is written)."""
+    extra = CASES["ec_quantized"][0]
+    Trainer(_cfg(tmp_path, "run", 8, 1, extra)).run()
+    for change in (
+        {"global_batch": 64},
+        {"model": {"features": [32]}},
+        {"aggregator_args": {"bits": 2}},
+    ):
+        cfg = _cfg(tmp_path, "run", 4, 2, {**extra, **change})
+        with pytest.raises(ValueError, match="holds a different run"):
+            Trainer(cfg).run(resume=True)
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == [1]

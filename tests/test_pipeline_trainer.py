@@ -388,8 +388,8 @@ def test_pipeline_replicas_synchronise_by_local_sgd(tmp_path, method):
     DreamDDP: each parameter group (embedding, a stage's blocks, head) is averaged over the
     replicas at the steps its schedule gives it; logged traffic equals the compiled
     programs' at every step; the clock adds the averaging's ring time to GPipe's timeline.
-    (Bit-exact resume, across two processes, is test_distributed's ``pipeline_local_sgd``
-    and ``pipeline_dreamddp`` combinations.)"""
+    (Bit-exact resume, across two processes, is test_distributed's ``pipeline_dreamddp``
+    combination: the same sync part as local SGD, with its own schedule.)"""
     kw = dict(
         workers=2,
         boundary="aqsgd",

@@ -412,8 +412,13 @@ class Checkpoints:
         :func:`jaxcomm.resize_workers`, then placed on the devices."""
         import jaxcomm
 
+        json_item = ocp.JsonCheckpointHandler
         reader = ocp.CheckpointManager(
-            self.folder.absolute(), item_handlers={"state": ocp.StandardCheckpointHandler()}
+            self.folder.absolute(),
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(),
+                **{k: json_item() for k in ("meta", "extras", "rows")},
+            },
         )
         try:
             saved = reader.item_metadata(step)["state"]

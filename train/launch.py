@@ -258,8 +258,11 @@ def _generation(
                     open_streams -= 1
                 else:
                     relay.write(i, line)
-            for i, p in enumerate(procs):
-                rc = p.poll()
+            codes = [p.poll() for p in procs]
+            # A process killed by a signal first: when one dies, a survivor may fail on its
+            # own (a broken collective) within the same poll; the death is what happened.
+            for i in sorted(range(len(procs)), key=lambda j: not (codes[j] or 0) < 0):
+                rc = codes[i]
                 if rc not in (None, 0) and first_fail is None:
                     first_fail = (i, rc)
                     if rc in _SAVED_AND_STOPPED:
@@ -490,7 +493,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-restarts",
         type=int,
-        default=3,
+        default=None,
         help="elastic: restarts after lost processes before giving up (default 3)",
     )
     p.add_argument(
@@ -530,7 +533,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.min_processes is not None:
+    if args.min_processes is None:
+        elastic_only = {"--max-restarts": args.max_restarts, "--compile-cache": args.compile_cache}
+        given = [flag for flag, value in elastic_only.items() if value is not None]
+        if given:
+            p.error(f"{given[0]} applies to an elastic run: give --min-processes too")
+    else:
+        args.max_restarts = 3 if args.max_restarts is None else args.max_restarts
         if not 1 <= args.min_processes <= args.processes:
             p.error(
                 f"--min-processes must be in [1, --processes={args.processes}], got "

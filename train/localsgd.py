@@ -75,6 +75,7 @@ class LocalSGD(Sync):
         self.sync_schedule: jaxcomm.Schedule | None = None
         self._branch_s: dict[int, float] = {}
         self._lag: np.ndarray | None = None  # each worker's time behind the clock (stragglers)
+        self._workers = cfg.workers  # the world the profile, schedule and lags describe
 
     def fingerprint(self) -> dict[str, Any]:
         return {"sync": self.sync}
@@ -201,6 +202,7 @@ class LocalSGD(Sync):
 
     def checkpoint_extras(self) -> dict[str, Any]:
         out: dict[str, Any] = {
+            "workers": self._workers,
             "schedule": [list(g) for g in self.sync_schedule.groups],
             "profile": {"forward_s": self.profile.forward_s, "backward_s": self.profile.backward_s},
         }
@@ -210,7 +212,17 @@ class LocalSGD(Sync):
 
     def restore_extras(self, trainer: Trainer, extras: dict[str, Any]) -> None:
         """A measured profile can differ between processes: resume with the saved profile
-        (the clock's forward/backward split), schedule and workers' lags."""
+        (the clock's forward/backward split), schedule and workers' lags. Saved by another
+        number of workers, they describe another world: this one's own profile and schedule
+        stay, and the workers start together."""
+        saved_workers = extras.get("workers", trainer.n)
+        if saved_workers != trainer.n:
+            print(
+                f"resumed from {saved_workers} workers on {trainer.n}: the profile and the "
+                "synchronisation schedule are this world's own, not the checkpoint's",
+                flush=True,
+            )
+            return
         prof = extras.get("profile")
         if prof is not None:
             self.profile = dataclasses.replace(
@@ -218,11 +230,8 @@ class LocalSGD(Sync):
                 forward_s=float(prof["forward_s"]),
                 backward_s=tuple(float(b) for b in prof["backward_s"]),
             )
-        lag = extras.get("worker_lag_s")
-        if lag is not None and len(lag) == trainer.n:
-            self._lag = np.asarray(lag, np.float64)
-        elif lag is not None:  # another number of workers: they start together
-            self._lag = None
+        if extras.get("worker_lag_s") is not None:
+            self._lag = np.asarray(extras["worker_lag_s"], np.float64)
         saved = extras.get("schedule")
         if saved is None:
             return
