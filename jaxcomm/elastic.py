@@ -7,28 +7,25 @@ what goes in them depends on what the array means. :func:`resize_workers` maps a
 state by the following rules, chosen per field of the state types that need one (see
 :data:`RULES`), and states what each rule keeps:
 
-``replica`` (every field without a rule of its own)
-    Rows bitwise identical on every worker (parameters and optimizer state under
-    synchronous training, counters, the shared PRNG key, an outer optimizer's state) are
-    kept bit for bit. Rows that differ (local SGD's and DiLoCo's replicas and their inner
-    optimizer states between two averages) become their mean over the old workers: the new
-    workers start from the **averaged model**, which is what the next averaging would have
-    produced from them. Integer rows that differ cannot be averaged and are refused.
-
-``pending`` (error-feedback residuals: ``ECQuantizedState.worker_error``,
-``TopkState.residual``, ``ChunkTopkState.residual``, ``EFSignState.error``,
-``MarsitState.compensation``; momentum that each worker adds to its own message:
-``SSDMState.momentum``)
-    Every aggregator here applies the **mean** over workers of what they send, so what the
-    residuals still owe the model is ``(1/N) sum_i e_i``. Each new worker gets that mean, so
-    ``(1/N') sum_j e'_j = (1/N) sum_i e_i``: the pending correction, in the model's units, is
-    unchanged and nothing is dropped. (Summing and spreading, ``e'_j = sum_i e_i / N'``,
-    would scale the pending correction by ``N / N'``.) Equal rows are kept bit for bit.
-
-``segments`` (``ECQuantizedState.server_error``: worker ``i`` owns segment ``i`` of the
-flattened model)
-    The old segments are joined in worker order into one vector (their padding dropped) and
-    cut again into ``N'`` segments: the joined vector is unchanged bit for bit.
+* ``replica``, every field without a rule of its own. Rows bitwise identical on every
+  worker (parameters and optimizer state under synchronous training, counters, the shared
+  PRNG key, an outer optimizer's state) are kept bit for bit. Rows that differ (local
+  SGD's and DiLoCo's replicas and their inner optimizer states between two averages)
+  become their mean over the old workers: the new workers start from the **averaged
+  model**, which is what the next averaging would have produced from them. Integer rows
+  that differ cannot be averaged and are refused.
+* ``pending``: the error-feedback residuals ``ECQuantizedState.worker_error``,
+  ``TopkState.residual``, ``ChunkTopkState.residual``, ``EFSignState.error`` and
+  ``MarsitState.compensation``, and SSDM's momentum (each worker adds it to its own
+  message). Every aggregator here applies the **mean** over workers of what they send, so
+  what the residuals still owe the model is ``(1/N) sum_i e_i``. Each new worker gets that
+  mean, so ``(1/N') sum_j e'_j = (1/N) sum_i e_i``: the pending correction, in the model's
+  units, is unchanged and nothing is dropped. (Summing and spreading, ``e'_j = sum_i e_i /
+  N'``, would scale the pending correction by ``N / N'``.) Equal rows are kept bit for bit.
+* ``segments``: ``ECQuantizedState.server_error``, where worker ``i`` owns segment ``i`` of
+  the flattened model. The old segments are joined in worker order into one vector (their
+  padding dropped) and cut again into ``N'`` segments: the joined vector is unchanged bit
+  for bit.
 
 The traffic logs inside aggregator states (:class:`~jaxcomm.network.CommLog`, what the last
 step sent, rewritten by the next) restart empty.
@@ -168,8 +165,8 @@ def resize_workers(state: Any, workers: int) -> Resized:
             return _segments(a, length, workers)
         if _equal_rows(a):
             return _rows(a[0], workers)
-        kind = "pending error: the mean over workers" if rule == "pending" else "averaged"
-        notes[name] = f"{kind} of {old} workers' rows, on {workers}"
+        kind = "pending error" if rule == "pending" else "replicas averaged"
+        notes[name] = f"{kind}: the mean of {old} workers' rows on each of {workers}"
         return _mean(a, workers, name)
 
     def node(path: tuple, x: Any) -> Any:
