@@ -55,6 +55,23 @@ def _params(run_dir):
     return jax.tree.leaves(state)
 
 
+def _kill_after_checkpoint(proc, run_dir, *, process, step):
+    """``kill -9`` launched ``process`` of ``proc`` (read from the launcher's stderr) as soon
+    as checkpoint ``step`` of ``run_dir`` exists."""
+    pid = None
+    while pid is None:
+        line = proc.stderr.readline()
+        assert line, f"launcher ended before starting process {process}"
+        if line.startswith(f"[launch] process {process}: pid "):
+            pid = int(line.split()[-1])
+    ckpt = run_dir / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not (ckpt.exists() and any(p.name == str(step) for p in ckpt.iterdir())):
+        assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint appeared"
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+
+
 def _single(overrides, run_dir):
     cfg = load_config(str(ROOT / "configs/dp_default.yaml"), [*overrides, f"out_dir={run_dir}"])
     Trainer(cfg).run()
@@ -143,18 +160,8 @@ def test_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path):
     for s in [*sets, "steps=100000"]:
         args += ["--set", s]
     proc = _start(args)
-    pid = None
-    while pid is None:
-        line = proc.stderr.readline()
-        assert line, "launcher ended before starting process 1"
-        if line.startswith("[launch] process 1: pid "):
-            pid = int(line.split()[-1])
+    _kill_after_checkpoint(proc, run, process=1, step=10)
     ckpt = run / "checkpoints"
-    deadline = time.monotonic() + 300
-    while not (ckpt.exists() and any(p.name == "10" for p in ckpt.iterdir())):
-        assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint appeared"
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGKILL
     assert "process 1 failed (signal 9)" in err

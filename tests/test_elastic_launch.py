@@ -1,18 +1,8 @@
 """The elastic launcher: ``kill -9`` of one of 4 processes mid-run, and the run goes on."""
 
 import json
-import os
-import pathlib
-import signal
-import subprocess
-import sys
-import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _rows(run_dir):
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+from test_distributed import _kill_after_checkpoint, _rows, _start
 
 
 def test_a_killed_process_is_survived_on_a_smaller_world(tmp_path):
@@ -29,27 +19,8 @@ def test_a_killed_process_is_survived_on_a_smaller_world(tmp_path):
             "--config", "configs/dp_default.yaml"]  # fmt: skip
     for s in sets:
         args += ["--set", s]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "train.launch", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    pid = None
-    while pid is None:
-        line = proc.stderr.readline()
-        assert line, "launcher ended before starting process 2"
-        if line.startswith("[launch] process 2: pid "):
-            pid = int(line.split()[-1])
-    ckpt = run / "checkpoints"
-    deadline = time.monotonic() + 300
-    while not (ckpt.exists() and any(p.name == "10" for p in ckpt.iterdir())):
-        assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint appeared"
-        time.sleep(0.02)
-    os.kill(pid, signal.SIGKILL)
+    proc = _start(args)
+    _kill_after_checkpoint(proc, run, process=2, step=10)
     before = _rows(run)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
