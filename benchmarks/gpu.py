@@ -37,7 +37,9 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+if "device_count" not in os.environ.get("XLA_FLAGS", ""):  # 8 CPU devices unless given
+    _flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = _flags.strip()
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 

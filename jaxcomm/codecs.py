@@ -418,9 +418,12 @@ def sign_decode(code: SignCode) -> jax.Array:
 
 
 SELECTIONS = ("auto", "exact", "approx", "threshold", "sample")
-# Off the CPU, above this share of entries a threshold search beats lax.top_k (a sort):
-# measured on CPU by benchmarks/topk_selection.py before the sample selection existed;
-# not yet measured on a GPU.
+# Below AUTO_SAMPLE_FROM entries on the CPU, and on accelerators other than CUDA GPUs
+# (unmeasured), above this share of entries a threshold search beats lax.top_k (a sort):
+# measured on CPU by benchmarks/topk_selection.py before the sample selection existed. On an
+# H200 (1M-64M floats) lax.top_k took about half the 31-round threshold search's time at
+# ratio 0.1 and was level with it at 0.01 and 0.001
+# (benchmarks/results/gpu/topk_selection_first.md), so ``auto`` takes ``exact`` on CUDA.
 AUTO_THRESHOLD_ABOVE = 0.02
 # On the CPU, ``auto`` takes the sample selection from this many entries on (below it one
 # host call costs more than lax.top_k of the whole array: benchmarks/topk_selection.py).
@@ -583,8 +586,9 @@ def topk_indices(
       x: ``f32[d]``.
       k: entries to keep, ``1 <= k <= d``.
       method: ``"auto"`` (on the CPU, ``"sample"`` from :data:`AUTO_SAMPLE_FROM` entries
-        on; otherwise ``"threshold"`` with 31 rounds when ``k / d`` exceeds
-        :data:`AUTO_THRESHOLD_ABOVE`, else ``"exact"``; exact either way), ``"exact"``
+        on; on a CUDA GPU ``"exact"``; otherwise ``"threshold"`` with 31 rounds when
+        ``k / d`` exceeds :data:`AUTO_THRESHOLD_ABOVE`, else ``"exact"``; exact either
+        way), ``"exact"``
         (``lax.top_k``: exact, ties to the lower index), ``"approx"``
         (``lax.approx_max_k``: exact on CPU and GPU, recall about 0.95 on TPU),
         ``"threshold"`` (bisection on the magnitudes' float32 bit patterns for ``rounds``
@@ -622,12 +626,14 @@ def topk_indices(
     if method == "auto" and (wide or not jnp.issubdtype(x.dtype, jnp.floating)):
         method = "exact"  # float64 or integers: lax.top_k orders the values themselves
     if method == "auto":
-        method, rounds = (
-            ("threshold", EXACT_ROUNDS) if k > AUTO_THRESHOLD_ABOVE * x.shape[0] else ("exact", 0)
-        )
+        by_share = functools.partial(topk_indices, k=k, method="exact")
+        if k > AUTO_THRESHOLD_ABOVE * x.shape[0]:
+            by_share = functools.partial(topk_indices, k=k, method="threshold", rounds=EXACT_ROUNDS)
+        cpu = by_share
         if x.shape[0] >= AUTO_SAMPLE_FROM:
-            device = functools.partial(topk_indices, k=k, method=method, rounds=rounds)
-            return lax.platform_dependent(x, cpu=lambda v: _sample_indices(v, k), default=device)
+            cpu = functools.partial(_sample_indices, k=k)
+        exact = functools.partial(topk_indices, k=k, method="exact")
+        return lax.platform_dependent(x, cpu=cpu, cuda=exact, default=by_share)
     if method == "exact":
         return lax.top_k(mag, k)[1].astype(jnp.int32)
     if method == "approx":
@@ -655,8 +661,10 @@ def topk_encode(
       k: entries to keep, in ``[1, d]``; or
       ratio: keep ``ceil(ratio * d)`` entries, ratio in ``(0, 1]``.
       method: the selection, one of :data:`SELECTIONS` (see :func:`topk_indices`):
-        ``"auto"`` (the sample selection on the CPU; elsewhere a threshold search above
-        2% of entries, else ``lax.top_k``), ``"exact"``, ``"approx"``, ``"threshold"`` or
+        ``"auto"`` (the sample selection on the CPU from :data:`AUTO_SAMPLE_FROM` entries,
+        ``lax.top_k`` on a CUDA GPU; otherwise a threshold search above 2% of entries,
+        else ``lax.top_k``), ``"exact"``,
+        ``"approx"``, ``"threshold"`` or
         ``"sample"``.
 
     Returns:

@@ -245,9 +245,10 @@ def ar_topk(
       select: ``"star"`` (round-robin roots) or ``"var"`` (largest norm).
       reduce: ``"ring"``, ``"tree"``, ``"allgather"`` or ``"auto"``.
       network: the link model ``"auto"`` chooses on (required with it).
-      method: top-k selection, see :func:`topk_indices`; the default picks the measured
-        faster of a threshold search (above 2% of entries) and ``lax.top_k``, both exact
-        for distinct magnitudes.
+      method: top-k selection, see :func:`topk_indices`; the default (``"auto"``) is an
+        exact selection chosen per platform: the sample selection on the CPU from
+        ``AUTO_SAMPLE_FROM`` (32K) entries, ``lax.top_k`` on a CUDA GPU, otherwise a
+        threshold search above 2% of entries, else ``lax.top_k``.
 
     Returns:
       A ``GradientTransformation`` with :class:`TopkState`. Its log holds one ``art_ring``,

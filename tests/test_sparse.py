@@ -249,6 +249,28 @@ def test_the_sample_selection_under_grad_and_with_float64():
         assert sorted(got.tolist()) == list(range(d - 10, d))
 
 
+@pytest.mark.parametrize(
+    ("d", "k", "cpu", "cuda", "other"),
+    [
+        (1 << 12, 400, "while", "top_k", "while"),  # above AUTO_THRESHOLD_ABOVE, small
+        (1 << 12, 4, "top_k", "top_k", "top_k"),  # below it
+        (1 << 16, 6000, "custom_call", "top_k", "while"),  # from AUTO_SAMPLE_FROM on
+    ],
+)
+def test_auto_lowers_to_each_platforms_measured_selection(d, k, cpu, cuda, other):
+    """``auto`` is the host sample kernel on the CPU from AUTO_SAMPLE_FROM entries on (a
+    custom call), ``lax.top_k`` on CUDA at every size and share (the H200 measurement), and
+    the share rule elsewhere (a threshold search is a while loop): read off the program
+    lowered for each platform on this machine."""
+    x = jax.ShapeDtypeStruct((d,), jnp.float32)
+    f = jax.jit(lambda v: jaxcomm.topk_indices(v, k, method="auto"))
+    marks = {"while": "stablehlo.while", "top_k": "chlo.top_k", "custom_call": "custom_call"}
+    for platform, want in (("cpu", cpu), ("cuda", cuda), ("tpu", other)):
+        text = f.trace(x).lower(lowering_platforms=(platform,)).as_text()
+        found = [name for name, mark in marks.items() if mark in text]
+        assert found == [want], (platform, found)
+
+
 def _magnitude_order_reference(x, k):
     """The k largest magnitudes' indices by a stable sort of the magnitude bit patterns
     (NaN and Inf above every finite value; ties to the lower index), ascending."""
