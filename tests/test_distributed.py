@@ -11,6 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from conftest import child_env
 from flax import serialization
 
 from train import launch as launch_mod
@@ -22,7 +23,7 @@ SMALL_GPT = ["--set", "model.num_layers=1", "--set", "model.width=32", "--set", 
 
 
 def _launch(args, timeout=600):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     return subprocess.run(
         [sys.executable, "-m", "train.launch", *args],
         cwd=ROOT,
@@ -35,7 +36,7 @@ def _launch(args, timeout=600):
 
 def _start(args):
     """``python -m train.launch args`` started in the background (pipes for its output)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     return subprocess.Popen(
         [sys.executable, "-m", "train.launch", *args],
         cwd=ROOT,
@@ -260,10 +261,12 @@ def test_a_local_coordinator_listens_on_loopback_only(monkeypatch):
 _PIPE = ["workers=2", "stages=2", "boundary=aqsgd", "fw_bits=3", "global_batch=8",
          "microbatches=2", "model.num_layers=2", "model.width=32", "model.seq_len=16",
          "train_samples=16"]  # fmt: skip
-# (Plain local SGD on a pipeline runs the same sync part as DreamDDP's, with one group:
-# DreamDDP's combination covers it across processes; test_pipeline_trainer in one.)
+# A pipeline's replicas of a stage share a process here, so its replica averaging does not
+# cross processes: DiLoCo's (fragments, overlap, compression, the outer state) stands for the
+# pipeline sync methods across processes, and local SGD and DreamDDP on a pipeline are
+# tested in one process (test_pipeline_trainer); their averaging across processes is
+# local_sgd_stragglers'.
 _COMBOS = {
-    "pipeline_dreamddp": [*_PIPE, "aggregator=none", "sync={method: dreamddp, period: 3}"],
     "pipeline_diloco": [
         *_PIPE, "aggregator=none",
         "sync={method: diloco, period: 2, fragments: 2, overlap: 1, compress: int8}",

@@ -2,17 +2,17 @@
 time on an accelerator goes to measuring."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+from conftest import child_env
 
 from tests.test_trainer import ROOT
 
 
 def test_the_accelerator_benchmark_runs_every_part_on_the_cpu(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     out = tmp_path / "gpu"
     proc = subprocess.run(
         [sys.executable, "benchmarks/gpu.py", "--small", "--steps", "4", "--out", str(out),

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import child_env
 
 from tests.test_distributed import _start
 from tests.test_trainer import _cfg
@@ -361,7 +362,7 @@ def test_a_signal_before_the_first_step_saves_nothing_and_says_so(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "train", "--set", "task=mlp", "--set", "dataset=digits",
            "--set", "steps=5", "--set", f"out_dir={run}"]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

@@ -1,13 +1,13 @@
 """Namespaced test hosts on shaped veth links (root, ``ip`` and ``tc`` needed; else skipped)."""
 
 import json
-import os
 import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
+from conftest import child_env
 from flax import serialization
 
 from train import netns
@@ -86,7 +86,7 @@ def test_training_with_one_process_per_namespace(tmp_path):
         return a
 
     two, one = tmp_path / "two", tmp_path / "one"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     with netns.NetnsCluster(2, 100, prefix=PREFIX) as c:
         cmds = [[*c.exec_prefix(i), sys.executable, "-m", "train", *args(two)] for i in range(2)]
         rc = launch(2, [], devices_per_process=1, commands=cmds, host=netns.address(0),

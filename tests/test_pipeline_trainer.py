@@ -388,8 +388,9 @@ def test_pipeline_replicas_synchronise_by_local_sgd(tmp_path, method):
     DreamDDP: each parameter group (embedding, a stage's blocks, head) is averaged over the
     replicas at the steps its schedule gives it; logged traffic equals the compiled
     programs' at every step; the clock adds the averaging's ring time to GPipe's timeline.
-    (Bit-exact resume, across two processes, is test_distributed's ``pipeline_dreamddp``
-    combination: the same sync part as local SGD, with its own schedule.)"""
+    DreamDDP's run, stopped after its first step (mid-schedule) and resumed for three,
+    ends bit for bit where the uninterrupted run does (local SGD runs the same sync part
+    with one group)."""
     kw = dict(
         workers=2,
         boundary="aqsgd",
@@ -420,6 +421,14 @@ def test_pipeline_replicas_synchronise_by_local_sgd(tmp_path, method):
     for unit, name in enumerate(["embed", "blocks", "head"]):
         gap = max(float(np.abs(a[0] - a[1]).max()) for a in jax.tree_util.tree_leaves(params[name]))
         assert (gap < 1e-6) if unit in last else (gap > 1e-4), (name, gap)
+    if method == "dreamddp":
+        Trainer(_cfg(tmp_path / "b", **kw, steps=1, checkpoint_every=1)).run()
+        resumed = Trainer(_cfg(tmp_path / "b", **kw, checkpoint_every=1))
+        resumed.run(resume=True)
+        assert _losses(resumed.cfg) == [r["loss"] for r, _ in rows]
+        leaves = jax.tree_util.tree_leaves
+        for x, y in zip(leaves(jax.device_get(resumed.params)), leaves(params), strict=True):
+            np.testing.assert_array_equal(x, y)
     if method == "local_sgd":
         # Steps 3 and 4 send deltas; step 4 also averages every group, by a ring over the
         # 2 replicas on each stage: 2 rounds and the group's bytes per message. The
