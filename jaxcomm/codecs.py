@@ -626,13 +626,12 @@ def topk_indices(
     if method == "auto" and (wide or not jnp.issubdtype(x.dtype, jnp.floating)):
         method = "exact"  # float64 or integers: lax.top_k orders the values themselves
     if method == "auto":
-        by_share = functools.partial(topk_indices, k=k, method="exact")
+        exact = functools.partial(topk_indices, k=k, method="exact")
+        by_share = exact
         if k > AUTO_THRESHOLD_ABOVE * x.shape[0]:
             by_share = functools.partial(topk_indices, k=k, method="threshold", rounds=EXACT_ROUNDS)
-        cpu = by_share
-        if x.shape[0] >= AUTO_SAMPLE_FROM:
-            cpu = functools.partial(_sample_indices, k=k)
-        exact = functools.partial(topk_indices, k=k, method="exact")
+        sample = x.shape[0] >= AUTO_SAMPLE_FROM
+        cpu = functools.partial(_sample_indices, k=k) if sample else by_share
         return lax.platform_dependent(x, cpu=cpu, cuda=exact, default=by_share)
     if method == "exact":
         return lax.top_k(mag, k)[1].astype(jnp.int32)
@@ -663,9 +662,7 @@ def topk_encode(
       method: the selection, one of :data:`SELECTIONS` (see :func:`topk_indices`):
         ``"auto"`` (the sample selection on the CPU from :data:`AUTO_SAMPLE_FROM` entries,
         ``lax.top_k`` on a CUDA GPU; otherwise a threshold search above 2% of entries,
-        else ``lax.top_k``), ``"exact"``,
-        ``"approx"``, ``"threshold"`` or
-        ``"sample"``.
+        else ``lax.top_k``), ``"exact"``, ``"approx"``, ``"threshold"`` or ``"sample"``.
 
     Returns:
       :class:`TopK` of ``k * (itemsize + 4)`` bytes.
