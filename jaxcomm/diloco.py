@@ -72,7 +72,7 @@ from jaxcomm._checks import check_choice, check_float, check_int
 from jaxcomm.aggregate import DENSE_REDUCE, dense_allreduce, worker_state
 from jaxcomm.collectives import as_varying
 from jaxcomm.dreamddp import Schedule, as_schedule
-from jaxcomm.localsgd import Layers, layer_names
+from jaxcomm.localsgd import Layers, _join_layers, layer_names
 from jaxcomm.network import CommLog, empty_log
 from jaxcomm.worker import Layout, check_grads, check_layout, init_layout, layout_of
 
@@ -277,7 +277,9 @@ def diloco(
       outer: the outer optimizer (any ``optax`` transform) fed ``delta`` as its gradient;
         default ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
       layers: layer names, input to output (top-level parameter keys, see
-        :func:`jaxcomm.local_sgd`); needed for ``fragments > 1`` and ``schedule``.
+        :func:`jaxcomm.local_sgd`); needed for ``fragments > 1`` and ``schedule``. The
+        updates and ``state.anchor`` keep the parameters' structure (a dict, a Linen
+        ``FrozenDict``, an ``nnx.State``: the same treedef).
       fragments: ``F``, fragments synchronised at staggered steps
         (:func:`streaming_schedule`); 1 is plain DiLoCo.
       pattern: ``"strided"`` (default) or ``"sequential"`` fragments.
@@ -372,12 +374,14 @@ def diloco(
         return [{names[i]: tree[names[i]] for i in sorted(f)} for f in frags]
 
     def join(parts, names, like):
+        # ``like``'s own structure (an nnx.State stays one), filled from the parts' leaves
         if names is None:
             return parts[0]
-        out = dict(like)
+        by_layer = [None] * len(names)
         for part in parts:
-            out.update(part)
-        return type(like)(out) if not isinstance(like, dict) else out
+            for name, tree in part.items():
+                by_layer[names.index(name)] = tree
+        return _join_layers(by_layer, names, like)
 
     def init_fn(params):
         layout, _ = init_layout("diloco", params)

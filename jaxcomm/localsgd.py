@@ -26,7 +26,8 @@ sequence of top-level keys of the parameter mapping (for a Flax model, e.g. ``["
 "block_0", ..., "head"]``; ``models.layer_groups`` gives that order for the models shipped
 here), or a callable that returns it from the parameters. Every top-level key must be named
 exactly once, so no parameter goes unsynchronised. ``layers=None`` treats the whole model as
-one layer.
+one layer. The parameters may be any mapping pytree (a dict, a Linen ``FrozenDict``, the
+``nnx.State`` of ``nnx.split``): the updates have exactly the parameters' structure (treedef).
 
 **What crosses the wire.** Each layer of the step's group is averaged by its own all-reduce
 (``reduce``: ``ring``, ``tree`` or ``psum``) of its leaves fused into one float32 message, in
@@ -116,8 +117,44 @@ def layer_names(params: Any, layers: Layers) -> list[str] | None:
     return names
 
 
+def _leaf_layers(tree: Any, names: list[str]) -> list[int]:
+    """For each leaf of ``tree`` (in flattening order), the index in ``names`` of the layer
+    (top-level key, from the leaf's key path) that holds it."""
+    index = {name: i for i, name in enumerate(names)}
+    out = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        key = getattr(path[0], "key", None) if path else None
+        if not isinstance(key, str) or key not in index:
+            raise ValueError(
+                f"leaf {jax.tree_util.keystr(path) or '<root>'} of the {type(tree).__name__} "
+                f"parameters lies under no layer of {names!r}: layers are the top-level keys "
+                "of a mapping (a dict, FrozenDict or nnx.State)"
+            )
+        out.append(index[key])
+    return out
+
+
 def _layer_trees(params: Any, names: list[str] | None) -> list[Any]:
-    return [params] if names is None else [params[k] for k in names]
+    """Each layer's leaves (a list, in ``params``' flattening order), layer 0 first; the
+    whole tree as one layer when ``names`` is None."""
+    if names is None:
+        return [params]
+    owner = _leaf_layers(params, names)
+    leaves = jax.tree_util.tree_leaves(params)
+    return [[x for x, o in zip(leaves, owner, strict=True) if o == i] for i in range(len(names))]
+
+
+def _join_layers(trees: Sequence[Any], names: list[str] | None, like: Any) -> Any:
+    """The inverse of :func:`_layer_trees`: ``like``'s structure (its treedef, so an
+    ``nnx.State`` stays one) with layer ``i``'s leaves taken, in order, from ``trees[i]``
+    (any pytree whose leaves are that layer's, as ``like`` orders them)."""
+    if names is None:
+        return trees[0]
+    treedef = jax.tree_util.tree_structure(like)
+    layers = [iter(jax.tree_util.tree_leaves(t)) for t in trees]
+    return jax.tree_util.tree_unflatten(
+        treedef, [next(layers[o]) for o in _leaf_layers(like, names)]
+    )
 
 
 def _flat(tree: Any) -> jax.Array:
@@ -216,7 +253,7 @@ def _scheduled(
             trees, log = lax.switch(
                 table[h], [branch(g) for g in unique], _layer_trees(local, names)
             )
-        synced = trees[0] if names is None else {**local, **dict(zip(names, trees, strict=True))}
+        synced = _join_layers(trees, names, local)
         updates = jax.tree_util.tree_map(lambda s, p: (s - p).astype(p.dtype), synced, params)
         new_state = LocalSGDState(inner_state, state.count + 1, log, state.layout)
         return updates, worker_state(new_state, axis_name)

@@ -41,7 +41,14 @@ import numpy as np
 from jaxcomm._checks import check_int
 from jaxcomm.audit import program_cost
 from jaxcomm.compute import Roofline
-from jaxcomm.localsgd import Layers, layer_comm_s, layer_names, layer_wires
+from jaxcomm.localsgd import (
+    Layers,
+    _join_layers,
+    _layer_trees,
+    layer_comm_s,
+    layer_names,
+    layer_wires,
+)
 from jaxcomm.network import Network
 
 __all__ = ["LayerProfile", "profile_layers"]
@@ -90,15 +97,15 @@ def _prefix(loss_fn: Callable, names: list[str], start: int) -> Callable:
     ``start == L``)."""
     if start == len(names):
         return lambda params, batch: loss_fn(params, batch)
-    trained = names[start:]
 
     def run(params, batch):
-        fixed = {k: v for k, v in params.items() if k not in trained}
+        trees = _layer_trees(params, names)
+        fixed = trees[:start]
 
-        def loss(sub):
-            return loss_fn({**fixed, **sub}, batch)
+        def loss(trained):  # loss_fn sees the parameters' own structure (an nnx.State, ...)
+            return loss_fn(_join_layers(fixed + trained, names, params), batch)
 
-        return jax.value_and_grad(loss)({k: params[k] for k in trained})
+        return jax.value_and_grad(loss)(trees[start:])
 
     return run
 
