@@ -3,8 +3,10 @@
 from jaxcomm.aggregate import (
     DenseState,
     ECQuantizedState,
+    WholeOptimizer,
     dense_allreduce,
     ec_quantized_allreduce,
+    whole_optimizer,
     worker_state,
 )
 from jaxcomm.audit import (

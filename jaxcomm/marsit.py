@@ -29,11 +29,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
 
 from jaxcomm._checks import axis_size, check_choice, check_float, check_int, is_concrete
-from jaxcomm.aggregate import worker_state
+from jaxcomm.aggregate import WholeOptimizer, whole_optimizer, worker_state
 from jaxcomm.codecs import pack_bits, unpack_bits
 from jaxcomm.collectives import (
     join_segments,
@@ -266,7 +265,7 @@ def marsit(
     full_sync_every: int,
     topology: str = "ring",
     seed: int = 0,
-) -> optax.GradientTransformation:
+) -> WholeOptimizer:
     """Marsit aggregation and update as an ``optax`` transform (Algorithms 1-2 of the paper).
 
     The returned updates follow optax's convention: they are *added* to the parameters,
@@ -274,8 +273,10 @@ def marsit(
     scales this worker's gradient before compensation (``u = local_lr * grad + c``), and
     ``global_lr`` scales the merged signs of one-bit rounds (``g = global_lr * (2 bits - 1)``);
     full-precision rounds apply ``g = mean_w(u)`` with no further step size. So Marsit is the
-    whole optimizer: chain gradient-side transforms *before* it (clipping, weight decay), and
-    add no SGD step after it.
+    whole optimizer (a :class:`~jaxcomm.WholeOptimizer`): use it in place of
+    ``optax.chain(aggregator, optimizer)``, chain gradient-side transforms *before* it
+    (clipping, weight decay), and add no optimizer after it: ``optax.chain`` with a transform
+    other than ``optax.identity()`` after it raises a ``ValueError`` at trace time.
 
     Args:
       axis_name: data-parallel axis (``topology="ring"``) or ``(row_axis, col_axis)``
@@ -288,7 +289,7 @@ def marsit(
       seed: seeds the merge draws.
 
     Returns:
-      A ``GradientTransformation`` whose state is a :class:`MarsitState`.
+      A :class:`~jaxcomm.WholeOptimizer` whose state is a :class:`MarsitState`.
 
     Example::
 
@@ -368,4 +369,4 @@ def marsit(
         )
         return unflatten(-g), worker_state(new_state, axes)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return whole_optimizer("jaxcomm.marsit", "local_lr and global_lr", init_fn, update_fn)

@@ -2,10 +2,13 @@
 
 These are the sign-based baselines that Marsit ("Sign Bit is Enough: A Learning
 Synchronization Framework for Multi-hop All-reduce with Ultimate Compression", DAC 2022) is
-compared with. Each is an ``optax`` transform that is the *whole optimizer*: its updates are
-added to the parameters (``x <- x + updates``), so each returns ``-lr * direction`` (EF-signSGD
-folds ``lr`` in before compressing). Run them inside ``jax.shard_map`` with ``axis_name``
-bound; the gradient pytree is fused into one flat ``float32`` vector of ``d`` elements.
+compared with. Each is an ``optax`` transform that is the *whole optimizer*
+(a :class:`~jaxcomm.WholeOptimizer`): its updates are added to the parameters
+(``x <- x + updates``), so each returns ``-lr * direction`` (EF-signSGD folds ``lr`` in before
+compressing). Use one in place of ``optax.chain(aggregator, optimizer)``: ``optax.chain``
+with a transform other than ``optax.identity()`` after it raises a ``ValueError``. Run them
+inside ``jax.shard_map`` with ``axis_name`` bound; the gradient pytree is fused into one flat
+``float32`` vector of ``d`` elements.
 
 The first three are parameter-server (PS) algorithms. The Marsit paper extends them to
 multi-hop all-reduce "by dynamically changing the bit length"; here they instead use the
@@ -33,11 +36,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
 
 from jaxcomm._checks import axis_size, check_float, check_int
-from jaxcomm.aggregate import worker_state
+from jaxcomm.aggregate import WholeOptimizer, whole_optimizer, worker_state
 from jaxcomm.codecs import (
     SignCode,
     pack_bits,
@@ -125,7 +127,7 @@ class SignMVState(NamedTuple):
     log: CommLog
 
 
-def signsgd_mv(axis_name: Any, *, lr: float) -> optax.GradientTransformation:
+def signsgd_mv(axis_name: Any, *, lr: float) -> WholeOptimizer:
     """signSGD with majority vote as an ``optax`` transform.
 
     From "signSGD: Compressed Optimisation for Non-Convex Problems" (Bernstein et al., ICML
@@ -143,7 +145,7 @@ def signsgd_mv(axis_name: Any, *, lr: float) -> optax.GradientTransformation:
       lr: step size ``> 0``.
 
     Returns:
-      A ``GradientTransformation`` whose state is a :class:`SignMVState`. Logged as one
+      A :class:`~jaxcomm.WholeOptimizer` whose state is a :class:`SignMVState`. Logged as one
       ``"ring_allgather"`` of ``ceil(d / 8) + 1``-byte payloads.
     """
     lr = check_float("lr", lr, lo=0.0, lo_open=True)
@@ -169,7 +171,7 @@ def signsgd_mv(axis_name: Any, *, lr: float) -> optax.GradientTransformation:
         new_state = worker_state(SignMVState(count=state.count + 1, log=log), axis_name)
         return unflatten(-lr * direction), new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return whole_optimizer("jaxcomm.signsgd_mv", "lr", init_fn, update_fn)
 
 
 # ------------------------------------------------------------------------------- EF-signSGD
@@ -191,7 +193,7 @@ class EFSignState(NamedTuple):
     layout: Layout
 
 
-def ef_signsgd(axis_name: Any, *, lr: float) -> optax.GradientTransformation:
+def ef_signsgd(axis_name: Any, *, lr: float) -> WholeOptimizer:
     """EF-signSGD (signSGD with error feedback) as an ``optax`` transform.
 
     From "Error Feedback Fixes SignSGD and other Gradient Compression Schemes" (Karimireddy
@@ -212,7 +214,7 @@ def ef_signsgd(axis_name: Any, *, lr: float) -> optax.GradientTransformation:
       lr: step size ``> 0``.
 
     Returns:
-      A ``GradientTransformation`` whose state is an :class:`EFSignState`. Logged as one
+      A :class:`~jaxcomm.WholeOptimizer` whose state is an :class:`EFSignState`. Logged as one
       ``"ring_allgather"`` of ``ceil(d / 8) + 4``-byte payloads.
     """
     lr = check_float("lr", lr, lo=0.0, lo_open=True)
@@ -241,7 +243,7 @@ def ef_signsgd(axis_name: Any, *, lr: float) -> optax.GradientTransformation:
         new_state = worker_state(new_state, axis_name)
         return unflatten(-direction), new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return whole_optimizer("jaxcomm.ef_signsgd", "lr", init_fn, update_fn)
 
 
 # ------------------------------------------------------------------------------------- SSDM
@@ -266,9 +268,7 @@ class SSDMState(NamedTuple):
     layout: Layout
 
 
-def ssdm(
-    axis_name: Any, *, lr: float, momentum: float = 0.9, seed: int = 0
-) -> optax.GradientTransformation:
+def ssdm(axis_name: Any, *, lr: float, momentum: float = 0.9, seed: int = 0) -> WholeOptimizer:
     """SSDM, stochastic sign descent with momentum, as an ``optax`` transform.
 
     From "Stochastic Sign Descent Methods: New Algorithms and Better Theory" (Safaryan and
@@ -289,7 +289,7 @@ def ssdm(
       seed: seeds the stochastic signs (``>= 0``).
 
     Returns:
-      A ``GradientTransformation`` whose state is an :class:`SSDMState`. Logged as one
+      A :class:`~jaxcomm.WholeOptimizer` whose state is an :class:`SSDMState`. Logged as one
       ``"ring_allgather"`` of ``ceil(d / 8) + 4``-byte payloads.
     """
     lr = check_float("lr", lr, lo=0.0, lo_open=True)
@@ -328,7 +328,7 @@ def ssdm(
         new_state = worker_state(new_state, axis_name)
         return unflatten(-lr * direction), new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return whole_optimizer("jaxcomm.ssdm", "lr", init_fn, update_fn)
 
 
 # ---------------------------------------------------------------------- cascading compression
@@ -349,7 +349,7 @@ class CascadingState(NamedTuple):
     log: CommLog
 
 
-def cascading_sign(axis_name: Any, *, lr: float, seed: int = 0) -> optax.GradientTransformation:
+def cascading_sign(axis_name: Any, *, lr: float, seed: int = 0) -> WholeOptimizer:
     """Cascading one-bit compression over a ring all-reduce (the Marsit paper's Sec. 3.2).
 
     The naive way to keep every hop of a multi-hop all-reduce at one bit per element, which
@@ -375,7 +375,7 @@ def cascading_sign(axis_name: Any, *, lr: float, seed: int = 0) -> optax.Gradien
       seed: seeds the stochastic signs (``>= 0``).
 
     Returns:
-      A ``GradientTransformation`` whose state is a :class:`CascadingState`. Logged as one
+      A :class:`~jaxcomm.WholeOptimizer` whose state is a :class:`CascadingState`. Logged as one
       ``"ring_allreduce"`` with ``message_bytes = N * (ceil(s / 8) + 4)`` (the whole vector as
       packed segment messages) and ``sent_bytes = 2 (N - 1) (ceil(s / 8) + 4)``, measured from
       the segment payload.
@@ -427,4 +427,4 @@ def cascading_sign(axis_name: Any, *, lr: float, seed: int = 0) -> optax.Gradien
         new_state = worker_state(new_state, axis_name)
         return unflatten(-lr * direction), new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return whole_optimizer("jaxcomm.cascading_sign", "lr", init_fn, update_fn)
