@@ -132,17 +132,22 @@ def test_the_summary_reads_as_text():
     text = format_summary(
         {
             "name": "dp_default", "steps": 300, "resumed": False, "final_loss": 2.5591,
-            "valid_loss": 2.58, "params": 867328, "sent_bytes_per_step": 6071296,
+            "valid_loss": 2.58, "params": 867328, "sent_bytes_mean": 202376.0,
+            "sent_bytes_peak": 6071296, "sent_bytes_total": 12142592,
+            "dense_ring_bytes_per_step": 6071296, "sent_vs_dense_ring": 0.03333,
             "sim_time_s": 18.95, "network": "1ms,1Gbps", "compute": "v100", "wall_s": 104.2,
             "sim_compute_s_per_step": 0.00059, "comm_s_per_step": 0.0626,
-            "total_sent_bytes": 1821388800,
+            "schedule": "every 30 steps",
         }
     )  # fmt: skip
     assert "== dp_default: 300 steps ==" in text
     assert "2.559 training, 2.58 validation" in text
-    assert "867,328" in text and "6,071,296 B (6.07 MB)" in text
+    assert "867,328" in text
+    assert "202,376 B (202.38 kB) mean, 6,071,296 B (6.07 MB) peak" in text
+    assert "12,142,592 B (12.14 MB) by a worker" in text
+    assert "0.03333x the bytes of a dense float32 ring" in text
     assert "0.59 ms compute + 62.60 ms communication a step" in text
-    assert "total_sent_bytes" in text and "1,821,388,800" in text
+    assert "schedule" in text and "every 30 steps" in text
 
 
 def test_a_run_writes_its_summary_as_text_beside_the_json(tmp_path):

@@ -62,8 +62,14 @@ def test_diloco_synchronises_each_period_and_evaluates_theta_sync(tmp_path):
     rows = _rows(cfg)
     sent = [r["sent_bytes"] for r in rows]
     assert [s > 0 for s in sent] == [False, False, True, False, False, True, False]
-    assert summary["peak_sent_bytes_per_step"] == max(sent)
-    assert summary["total_sent_bytes"] == sum(sent)
+    # The summary's bytes are the log's: mean, peak and total over every step (the last
+    # step sends nothing, so a summary of the last step's bytes would say 0).
+    assert summary["sent_bytes_peak"] == max(sent) > 0
+    assert summary["sent_bytes_total"] == sum(sent)
+    assert summary["sent_bytes_mean"] == pytest.approx(sum(sent) / 7, rel=1e-12)
+    dense = 2 * 7 * 4 * summary["params"] / 8
+    assert summary["dense_ring_bytes_per_step"] == pytest.approx(dense, abs=1)
+    assert summary["sent_vs_dense_ring"] == pytest.approx(sum(sent) / 7 / dense, rel=1e-6)
     assert [r["sync_fragment"] for r in rows] == [-1, -1, 0, -1, -1, 0, -1]
     # Right after a synchronisation every worker holds theta_sync (to a cast).
     assert rows[2]["divergence"] < 1e-10 < rows[3]["divergence"]
@@ -131,7 +137,7 @@ def test_resume_is_bit_exact_with_fragments_overlap_and_compression(tmp_path):
     assert [r["sync_fragment"] for r in a] == [0, 1, 2, 0, 1, 2, 0]
     summary_a = json.loads((full.cfg.run_dir / "summary.json").read_text())
     summary_b = json.loads((resumed.cfg.run_dir / "summary.json").read_text())
-    for key in ("peak_sent_bytes_per_step", "total_sent_bytes", "valid_loss"):
+    for key in ("sent_bytes_peak", "sent_bytes_total", "sent_bytes_mean", "valid_loss"):
         assert summary_a[key] == summary_b[key], key
 
 

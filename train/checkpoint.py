@@ -21,9 +21,9 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import socket
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ __all__ = [
     "Checkpoints",
     "RunFolderBusy",
     "run_lock",
+    "lock_holder",
     "write_checksums",
     "write_atomically",
     "verify_checksums",
@@ -55,6 +56,8 @@ __all__ = [
 # Aggregator settings that are step sizes: they change no state's shape, so a resumed run
 # may change them (e.g. a smaller step after a non-finite stop).
 STEP_SIZES = ("lr", "local_lr", "global_lr", "momentum")
+# The file of a run folder naming the run that owns it: every checkpoint stores the same id.
+RUN_FILE = "run.json"
 
 
 def _changed_step_sizes(old: Any, new: Any) -> dict[str, tuple[Any, Any]] | None:
@@ -112,32 +115,117 @@ def write_checksums(run_dir: Any, step: int, kept: Any = ()) -> None:
             old.unlink(missing_ok=True)
 
 
+class Unverified(str):
+    """A reason a checkpoint cannot be verified (as opposed to found damaged): it has no
+    checksum file, or it predates the run identity. Resumed only when asked
+    (``allow_unverified``)."""
+
+
 def verify_checksums(run_dir: Any, step: int) -> str | None:
-    """None when checkpoint ``step``'s files match the sums written at its commit (or it has
-    no sums, said on stderr); otherwise what is wrong, naming the first bad file."""
+    """None when checkpoint ``step``'s files are exactly the files its checksum file lists,
+    each with the SHA-256 written at its commit; otherwise what is wrong, naming the first
+    bad file. The reason is an :class:`Unverified` when there is no checksum file at all
+    (its writer stopped between the commit and the sums)."""
     path = run_dir / "checksums" / f"{step}.json"
     try:
         sums = json.loads(path.read_text())
     except FileNotFoundError:
-        print(
-            f"checkpoint step {step} has no checksums ({path}): using it unverified",
-            file=sys.stderr,
-            flush=True,
-        )
-        return None
+        return Unverified(f"it has no checksum file {path}")
     except (json.JSONDecodeError, UnicodeDecodeError):
         return f"its checksum file {path} is unreadable"
+    if not isinstance(sums, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in sums.items()
+    ):
+        return f"its checksum file {path} does not hold a file -> SHA-256 mapping"
     files = _checkpoint_files(run_dir, step)
-    for name, digest in sums.items():
+    if not files:
+        return "it holds no files"
+    for name, digest in sorted(sums.items()):
         if name not in files:
             return f"file {name} is missing"
         if _sha256(files[name]) != digest:
             return f"file {name} differs from what was written"
+    extra = sorted(set(files) - set(sums))
+    if extra:
+        return f"file {extra[0]} is not among the files its checksum file lists"
     return None
+
+
+def read_run_id(run_dir: Any) -> str | None:
+    """The identity of the run that owns ``run_dir`` (``run.json``), or None."""
+    try:
+        found = json.loads((Path(run_dir) / RUN_FILE).read_text()).get("run_id")
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return None
+    return found if isinstance(found, str) and found else None
+
+
+def _identity_problem(
+    run_dir: Any, step: int, run_id: str | None, mine: dict | None = None
+) -> str | None:
+    """None when checkpoint ``step`` proves it belongs to run ``run_id`` and to step
+    ``step`` (both are stored in its ``meta`` item at the save); else why not (an
+    :class:`Unverified` when it or the folder predates run identities). ``mine``, this
+    run's fingerprint, names the settings a foreign checkpoint's run differs in."""
+    path = Path(run_dir) / "checkpoints" / str(step) / "meta" / "metadata"
+    try:
+        meta = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        return f"its run description {path} is missing or unreadable"
+    if not isinstance(meta, dict):
+        return f"its run description {path} is not a mapping"
+    if "run_id" not in meta or "step" not in meta:
+        return Unverified("it was written without a run identity (an older format)")
+    if meta["step"] != step:
+        return f"its folder is named {step} but it holds step {meta['step']!r}"
+    if run_id is None:
+        return Unverified(f"the run folder has no {RUN_FILE} to match it against")
+    if meta["run_id"] != run_id:
+        return (
+            f"it belongs to another run (run id {meta['run_id']!r}; this folder's run is "
+            f"{run_id!r}){_setting_differences(meta, mine)}"
+        )
+    return None
+
+
+def _reason(step: int, problem: str) -> str:
+    """``step N (problem)``, an :class:`Unverified` when the problem is one."""
+    text = f"step {step} ({problem})"
+    return Unverified(text) if isinstance(problem, Unverified) else text
+
+
+def _setting_differences(meta: dict, mine: dict | None) -> str:
+    """The settings in which a foreign checkpoint's run differs from this one, for the
+    refusal's message ("" when none is known)."""
+    diff = [
+        f"{k}: checkpoint {meta[k]!r} vs config {v!r}"
+        for k, v in (mine or {}).items()
+        if k != "param_shapes" and k in meta and meta[k] != v
+    ]
+    return "; " + "; ".join(diff) if diff else ""
 
 
 class RunFolderBusy(RuntimeError):
     """Another live run holds the run folder's lock."""
+
+
+def lock_holder(run_dir: Any) -> str | None:
+    """Who holds ``run_dir``'s lock (``pid on host``, as :func:`run_lock` writes it) while a
+    live run holds it; None when nobody does. Creates nothing."""
+    import fcntl
+
+    path = Path(run_dir) / ".lock"
+    try:
+        f = open(path)
+    except OSError:
+        return None
+    with f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return f.read().strip() or "unknown"
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    return None
 
 
 @contextlib.contextmanager
@@ -365,6 +453,21 @@ class Checkpoints:
         self.manager = ocp.CheckpointManager(self.folder.absolute(), options=options)
         self.saved_step: int | None = None
 
+    def start_run(self) -> str:
+        """Give the run folder a new identity (``run.json``, on process 0): a run started
+        from scratch. Every checkpoint saved after it stores the identity, and only
+        checkpoints that store it are resumed into this folder. Returns the id."""
+        run_id = uuid.uuid4().hex
+        if is_primary():
+            write_atomically(self.run_dir / RUN_FILE, json.dumps({"run_id": run_id}) + "\n")
+        return run_id
+
+    @property
+    def set_aside(self) -> Path:
+        """Where damaged, foreign or unverifiable checkpoints are moved: inside the
+        checkpoint folder, so the move is a rename on the same filesystem."""
+        return self.folder / "damaged"
+
     def latest_step(self) -> int | None:
         """The newest step on disk (None: none)."""
         return self.manager.latest_step()
@@ -380,13 +483,18 @@ class Checkpoints:
     def save(self, step: int, state: Any, fingerprint: dict, extras: dict) -> None:
         """Write checkpoint ``step`` (atomic: a crash leaves the previous one) and, on
         process 0, its SHA-256 sums. Arrays identical on every worker are written once
-        (:func:`collapse_rows`)."""
+        (:func:`collapse_rows`). The run's identity and the step are stored beside the
+        fingerprint: a checkpoint proves which run and step it is."""
         saved, once = collapse_rows(state)
+        run_id = read_run_id(self.run_dir) if is_primary() else ""
+        if run_id is None:  # a folder written before run identities, or a bare store
+            run_id = self.start_run()
+        meta = {**fingerprint, "run_id": run_id, "step": int(step)}
         self.manager.save(
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(saved),
-                meta=ocp.args.JsonSave(fingerprint),
+                meta=ocp.args.JsonSave(meta),
                 extras=ocp.args.JsonSave(extras),
                 rows=ocp.args.JsonSave({"once": once}),
             ),
@@ -478,53 +586,90 @@ class Checkpoints:
 
         return jax.tree_util.tree_map_with_path(place, state, template)
 
-    def _newest_intact(self, steps: list[int]) -> tuple[int, list[str]]:
-        """``(step, damaged)``: the newest checkpoint of ``steps`` (newest first) whose files
-        match their sums, or -1, and a line per damaged one; the damaged ones newer than
-        the step are moved to ``<run>/damaged/`` (kept for inspection, out of the way of
-        the steps about to be saved)."""
-        damaged: list[str] = []
+    def _problem(self, step: int, mine: dict | None) -> str | None:
+        """Why checkpoint ``step`` cannot be resumed into this run folder (files against
+        their sums, then the run and step it stores), or None."""
+        return verify_checksums(self.run_dir, step) or _identity_problem(
+            self.run_dir, step, read_run_id(self.run_dir), mine
+        )
+
+    def _move_aside(self, step: int, why: str) -> Path:
+        """Move checkpoint ``step`` into :attr:`set_aside`, with a note of why, and its sums
+        to ``checksums/<name>.set-aside``; nothing is deleted. Returns where it went."""
+        self.set_aside.mkdir(exist_ok=True)
+        aside, n = self.set_aside / str(step), 1
+        while aside.exists() or aside.with_suffix(".why").exists():
+            aside, n = self.set_aside / f"{step}.{n}", n + 1
+        os.replace(self.folder / str(step), aside)
+        sums = self.run_dir / "checksums" / f"{step}.json"
+        if sums.exists():  # beside the others (checkpoints/ may be another filesystem)
+            os.replace(sums, sums.with_name(f"{aside.name}.set-aside"))
+        write_atomically(aside.with_name(aside.name + ".why"), why + "\n")
+        return aside
+
+    def _newest_intact(
+        self, steps: list[int], mine: dict | None = None, allow_unverified: bool = False
+    ) -> tuple[int, list[str]]:
+        """``(step, refused)``: the newest checkpoint of ``steps`` (newest first) whose
+        files match their sums and which proves it belongs to this run and step, or -1, and
+        a line per one refused. Unverifiable ones (:class:`Unverified`) are taken only with
+        ``allow_unverified``. The refused ones newer than the step are moved into
+        :attr:`set_aside` (kept for inspection, out of the way of the steps about to be
+        saved); when none is usable nothing is moved."""
+        refused: list[tuple[int, str]] = []
         for step in steps:
-            problem = verify_checksums(self.run_dir, step)
+            problem = self._problem(step, mine)
             if problem is None:
                 break
-            damaged.append(f"step {step} ({problem})")
+            if isinstance(problem, Unverified) and allow_unverified:
+                print(
+                    f"checkpoint step {step} cannot be verified ({problem}); using it as "
+                    "--allow-unverified asks",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                break
+            refused.append((step, problem))
+            hint = (
+                " (resume with --allow-unverified to use it anyway)"
+                if isinstance(problem, Unverified)
+                else ""
+            )
             print(
-                f"checkpoint step {step} in {str(self.folder)!r} is damaged ({problem}); "
-                "trying the next older one",
+                f"checkpoint step {step} in {str(self.folder)!r} is not resumed: {problem}"
+                f"{hint}; trying the next older one",
                 file=sys.stderr,
                 flush=True,
             )
         else:
-            return -1, damaged
-        for s in steps:
-            if s > step:
-                aside = self.run_dir / "damaged" / str(s)
-                aside.parent.mkdir(exist_ok=True)
-                shutil.rmtree(aside, ignore_errors=True)
-                os.replace(self.folder / str(s), aside)
-                (self.run_dir / "checksums" / f"{s}.json").unlink(missing_ok=True)
-        if damaged:
-            print(
-                f"resuming from checkpoint step {step}; the damaged one(s) moved to "
-                f"{str(self.run_dir / 'damaged')!r}",
-                file=sys.stderr,
-                flush=True,
-            )
-        return step, damaged
+            return -1, [_reason(s, p) for s, p in refused]
+        for s, problem in refused:
+            aside = self._move_aside(s, f"checkpoint step {s} not resumed: {problem}")
+            print(f"checkpoint step {s} set aside in {str(aside)!r}", file=sys.stderr, flush=True)
+        if refused:
+            print(f"resuming from checkpoint step {step}", file=sys.stderr, flush=True)
+        return step, [_reason(s, p) for s, p in refused]
 
     def restore(
-        self, template: Any, fingerprint: dict, per_worker: tuple[str, ...] = ()
+        self,
+        template: Any,
+        fingerprint: dict,
+        per_worker: tuple[str, ...] = (),
+        *,
+        allow_unverified: bool = False,
     ) -> tuple[int, Any, dict] | None:
         """``(step, state, extras)`` of the newest intact checkpoint, the state in
         ``template``'s structure, shapes and shardings; None when there is none. Raises
         on a different run's checkpoint (naming what differs), or when every checkpoint
         is damaged.
 
-        Each checkpoint's files are checked against the SHA-256 sums written when it was
-        committed (``<run>/checksums/<step>.json``); a damaged one is named in one line and
-        the next older one is tried. A checkpoint without sums (its writer stopped between
-        the commit and the sums) is used as it is, with a line saying so.
+        Each checkpoint's files must be exactly those its SHA-256 sums, written when it
+        was committed (``<run>/checksums/<step>.json``), list, with those sums; it must
+        store this folder's run identity (``run.json``) and its own folder's step. One that
+        fails is named in one line, with what differs, and the next older one is tried;
+        the refused ones are moved into ``checkpoints/damaged/``. A checkpoint that cannot
+        be verified (no sums: its writer stopped between the commit and the sums; or one
+        written before run identities) is used only with ``allow_unverified``.
 
         ``per_worker`` names the entries of ``template`` stacked over workers (a leading
         axis of ``fingerprint["workers"]`` rows). When given, a checkpoint that differs from
@@ -542,24 +687,33 @@ class Checkpoints:
             from jax.experimental import multihost_utils
         damaged: list[str] = []
         latest = -1
+        mine = json.loads(json.dumps(fingerprint))
         if is_primary():
-            latest, damaged = self._newest_intact(steps)
+            latest, damaged = self._newest_intact(steps, mine, allow_unverified)
         if multi:
             latest = int(multihost_utils.broadcast_one_to_all(np.asarray(latest, np.int64)))
         if latest < 0:
+            unverified = any(isinstance(d, Unverified) for d in damaged)
             raise ValueError(
-                f"no intact checkpoint in {str(self.folder)!r}"
+                f"no checkpoint in {str(self.folder)!r} can be resumed into this run"
                 + (": " + "; ".join(damaged) if damaged else " (see process 0's log)")
+                + (unverified and "; --allow-unverified resumes an unverifiable one" or "")
             )
         if latest != steps[0]:  # the newer ones were damaged and are moved aside now
             if multi:
                 multihost_utils.sync_global_devices("jaxcomm_damaged_checkpoints_moved")
             manager.reload()
         meta = manager.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        mine = json.loads(json.dumps(fingerprint))
+        meta = {k: v for k, v in meta.items() if k not in ("run_id", "step")}
         changed = _changed_step_sizes(meta.get("aggregator_args"), mine.get("aggregator_args"))
         if changed is not None:  # step sizes may change on resume; nothing else may
             meta = {**meta, "aggregator_args": mine.get("aggregator_args")}
+        changed = {f"aggregator_args.{k}": v for k, v in (changed or {}).items()}
+        if "lr" in meta and "lr" in mine and meta["lr"] != mine["lr"]:
+            changed["lr"] = (meta["lr"], mine["lr"])
+            meta = {**meta, "lr": mine["lr"]}
+        if "lr" in mine and "lr" not in meta:  # written before the lr was part of it
+            meta = {**meta, "lr": mine["lr"]}
         diff = {k: (meta.get(k), v) for k, v in mine.items() if meta.get(k) != v}
         # A different number of workers (and nothing else) is a resize: see resize_workers.
         diff_world = {k: diff.pop(k) for k in ("workers",) if k in diff and per_worker}
@@ -573,8 +727,9 @@ class Checkpoints:
                 f"checkpoint directory {str(self.folder)!r} holds a different run "
                 f"({details}); resume with its settings, or use --set name=<new name>"
             )
-        for key, (old, new) in (changed or {}).items():
-            print(f"resuming with aggregator_args.{key} changed: {old!r} -> {new!r}", flush=True)
+        for key, (old, new) in changed.items():
+            if is_primary():
+                print(f"resuming with {key} changed: {old!r} -> {new!r}", flush=True)
         try:
             once = manager.restore(latest, args=ocp.args.Composite(rows=ocp.args.JsonRestore()))[
                 "rows"
@@ -617,6 +772,7 @@ def run_fingerprint(t: Any) -> dict[str, Any]:
         "global_batch": cfg.global_batch,
         "seed": cfg.seed,
         "optimizer": cfg.optimizer,
+        "lr": cfg.lr,
         "aggregator": cfg.aggregator,
         "aggregator_args": cfg.aggregator_args,
         **{k: v for part in t.parts for k, v in part.fingerprint().items()},
@@ -648,15 +804,26 @@ def save_run(t: Any, store: Checkpoints) -> None:
     t.layout.after_save(t, store)
 
 
-def restore_run(t: Any, store: Checkpoints) -> bool:
+def restore_run(t: Any, store: Checkpoints, *, allow_unverified: bool = False) -> bool:
     """Load the newest intact checkpoint of ``store`` into trainer ``t`` (see
     :meth:`Checkpoints.restore`): state, parts' extras, step, loader position, clock and
     the layout's host state; False when there is none."""
     t.store = store
-    found = store.restore(_state_tree(t), run_fingerprint(t), per_worker=("params", "opt_state"))
+    found = store.restore(
+        _state_tree(t),
+        run_fingerprint(t),
+        per_worker=("params", "opt_state"),
+        allow_unverified=allow_unverified,
+    )
     if found is None:
         return False
     step, state, extras = found
+    if int(state["step"]) != step:
+        raise ValueError(
+            f"checkpoint {str(store.folder / str(step))!r} holds the state of step "
+            f"{int(state['step'])}, not {step}: it was renamed; move it back to "
+            f"{str(store.folder / str(int(state['step'])))!r} or out of the folder"
+        )
     t.layout.set_state(t, state["params"], state["opt_state"])
     for part in t.parts:
         part.restore_extras(t, extras)

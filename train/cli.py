@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def _configs_dir() -> Path:
@@ -80,7 +82,22 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a config key, e.g. --set steps=50 --set model.width=64 (repeatable)",
     )
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="DIR",
+        help="continue a run from its newest checkpoint: the run folder DIR (or the one --set "
+        "name=/out_dir= names, or --config's); without --config its saved config.json is "
+        "used, with --set applied on top (e.g. --set steps=600 to go further)",
+    )
+    p.add_argument(
+        "--allow-unverified",
+        action="store_true",
+        help="with --resume: also resume a checkpoint that cannot be verified (no checksum "
+        "file, or written before run identities); a damaged or foreign one is never used",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument(
         "--list-keys", action="store_true", help="print every config key, its default and meaning"
@@ -164,6 +181,33 @@ def reference_page() -> str:
     return "\n".join(parts).rstrip() + "\n"
 
 
+def config_from_args(args: argparse.Namespace) -> Any:
+    """The run's :class:`~train.config.Config` from parsed arguments. ``--resume DIR`` means
+    ``--set out_dir=DIR --resume``; resuming without ``--config`` starts from the run
+    folder's saved ``config.json`` (then ``--set`` on top), so a run continues with the
+    settings it was started with. Normalises ``args.resume`` to a bool and
+    ``args.overrides`` to the full list."""
+    from train.config import config_from_dict, load_config
+
+    if isinstance(args.resume, str):
+        args.overrides = [f"out_dir={args.resume}", *args.overrides]
+        args.resume = True
+    args.config = resolve_config(args.config)
+    if args.resume and args.config is None:
+        where = [o for o in args.overrides if o.split("=", 1)[0].strip() in ("name", "out_dir")]
+        saved = load_config(None, where).run_dir / "config.json"
+        if saved.is_file():
+            try:
+                data = json.loads(saved.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise ValueError(f"{str(saved)!r} is not a readable config") from None
+            if not isinstance(data, dict):
+                raise ValueError(f"{str(saved)!r} does not hold a config mapping")
+            data["progress"] = True  # the bar is this invocation's choice (--no-progress)
+            return config_from_dict(data, args.overrides)
+    return load_config(args.config, args.overrides)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, run one training job, print its summary."""
     args = _parser().parse_args(argv)
@@ -173,16 +217,23 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:  # e.g. piped into head
             sys.stderr.close()
         return 0
-    from train.config import load_config
-
-    args.config = resolve_config(args.config)
+    if args.no_progress:
+        args.overrides = [*args.overrides, "progress=false"]
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = config_from_args(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.no_progress:
-        cfg = load_config(args.config, [*args.overrides, "progress=false"])
+    if args.allow_unverified and not args.resume:
+        print("error: --allow-unverified applies to --resume", file=sys.stderr)
+        return 2
+    if args.resume:
+        from train.trainer import nothing_to_resume
+
+        why = nothing_to_resume(cfg)
+        if why is not None:
+            print(f"error: {why}", file=sys.stderr)
+            return 1
     from train import distributed
 
     if distributed.requested():
@@ -201,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     from train.trainer import Interrupted, RunFolderBusy, Trainer
 
     try:
-        summary = Trainer(cfg).run(resume=args.resume)
+        summary = Trainer(cfg).run(resume=args.resume, allow_unverified=args.allow_unverified)
     except KeyboardInterrupt:  # before the run's handlers, or a second Ctrl-C
         print("interrupted; nothing was saved beyond the newest checkpoint", file=sys.stderr)
         if distributed.requested():
@@ -216,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + e.signum
     except (ValueError, FloatingPointError, FileNotFoundError, RunFolderBusy) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a read-only or full disk, a folder that vanished
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"error: {e.strerror or e}{where}; the newest checkpoint is kept", file=sys.stderr)
         return 1
     if distributed.is_primary():
         from train.summary import format_summary

@@ -58,7 +58,8 @@ class Config:
     """Everything one training run needs.
 
     Attributes:
-      name: run name; ``out_dir`` defaults to ``runs/<name>``.
+      name: run name, one folder name (no ``/``, not ``.`` or ``..``); ``out_dir``
+        defaults to ``runs/<name>``.
       task: model family, one of ``gpt``, ``mlp``, ``cnn``.
       model: keyword arguments of the model (e.g. ``num_layers``, ``width`` for ``gpt``).
       dataset: ``shakespeare`` (byte-level text, for ``gpt``), ``digits`` (8x8 images) or
@@ -67,7 +68,7 @@ class Config:
       workers: data-parallel workers (devices on the ``data`` mesh axis).
       global_batch: samples per step over all workers (a multiple of ``workers``).
       steps: optimizer steps to run (the final step count, also when resuming).
-      seed: seeds parameter init and the data order.
+      seed: seeds parameter init and the data order (an integer in [0, 2**32 - 1]).
       optimizer: ``sgd``, ``momentum``, ``adam`` or ``adamw`` after a dense aggregator;
         ``none`` with an aggregator that is the whole optimizer; ``lr`` its learning rate.
       aggregator: gradient aggregation: ``psum``, ``ring`` or ``tree`` (dense),
@@ -100,7 +101,7 @@ class Config:
       checkpoint_every: steps between Orbax checkpoints (0: only at the end);
         ``keep_checkpoints`` newest kept.
       out_dir: where metrics, plots and checkpoints go ("" means ``runs/<name>``).
-      progress: show a progress bar.
+      progress: show a progress bar (false: a plain line every 30 seconds instead).
       async_steps: dispatch step ``t + 1`` before reading step ``t``'s metrics on the host
         (read one step late; a checkpoint or evaluation step is read before the next is
         dispatched). ``false`` waits for every step. Trainers whose host work feeds the
@@ -160,7 +161,7 @@ class Config:
         briefly pre-trained model; the architecture must match ("" = random init).
     """
 
-    name: str = "dp_default"
+    name: str = "default"
     task: str = "gpt"
     model: dict = dataclasses.field(default_factory=dict)
     dataset: str = "shakespeare"
@@ -209,6 +210,10 @@ class Config:
         for name in ("eval_every", "checkpoint_every", "seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.seed > MAX_SEED:
+            raise ValueError(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed}")
+        _check_name(self.name)
+
         if self.global_batch % self.workers:
             raise ValueError(
                 f"global_batch must be a multiple of workers={self.workers}, "
@@ -250,6 +255,11 @@ class Config:
             raise ValueError(f"train_samples must be >= 0, got {self.train_samples}")
         _positive("stages", self.stages)
         _positive("microbatches", self.microbatches)
+        if self.workers * self.stages > MAX_DEVICES:
+            raise ValueError(
+                f"workers x stages must be at most {MAX_DEVICES} devices, got {self.workers} x "
+                f"{self.stages}"
+            )
         _choice("boundary", self.boundary, ("fp32", "directq", "aqsgd"))
         for name, lo in (("fw_bits", 1), ("bw_bits", 0), ("buffer_bits", 0)):
             value = getattr(self, name)
@@ -546,6 +556,28 @@ def key_docs() -> list[tuple[str, Any, str]]:
     return out
 
 
+# The largest seed: NumPy's and JAX's generators take any value below it on every platform.
+MAX_SEED = 2**32 - 1
+# More devices than any host or simulated CPU mesh the trainer runs on (a simulated CPU
+# mesh of 4,096 devices fails inside XLA; 1,024 compile and run).
+MAX_DEVICES = 1024
+
+
+def _check_name(name: Any) -> None:
+    """A run name is one folder name: ``runs/<name>`` stays inside ``runs/``."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or any(c in name for c in "/\\\0")
+        or len(name) > 255
+    ):
+        raise ValueError(
+            f"name must be one folder name (no '/', not '.' or '..', at most 255 characters), "
+            f"got {name!r}; to write the run elsewhere, set out_dir=<folder>"
+        )
+
+
 def _positive(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -613,10 +645,15 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     """Apply ``key=value`` strings (``a.b=value`` reaches into mapping fields) to ``cfg``."""
     data = cfg.to_dict()
     for item in overrides:
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = item.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+            raise ValueError(f"override {shown!r} is not valid UTF-8 text") from None
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like key=value (e.g. steps=100)")
         key, text = item.split("=", 1)
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = _load_yaml(text, f"override {item!r}") if text.strip() else ""
         head, _, rest = key.strip().partition(".")
         if head not in _FIELDS:
             raise _unknown(head, list(_FIELDS))
@@ -629,8 +666,60 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     return Config(**data)
 
 
+# The most values a config may expand to (YAML aliases repeat a value without its size).
+MAX_YAML_VALUES = 100_000
+
+
+def _yaml_values(node: Any, memo: dict[int, int], open_: set[int]) -> int:
+    """How many values ``node`` expands to, aliases counted at their full size."""
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    if key in open_:
+        raise RecursionError
+    open_.add(key)
+    n = 1
+    if isinstance(node, yaml.SequenceNode):
+        n += sum(_yaml_values(v, memo, open_) for v in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        n += sum(_yaml_values(k, memo, open_) + _yaml_values(v, memo, open_) for k, v in node.value)
+    open_.discard(key)
+    memo[key] = n
+    return n
+
+
+def _load_yaml(text: str, what: str) -> Any:
+    """``yaml.safe_load(text)``, refusing text that is not YAML, refers to itself or expands
+    to more than :data:`MAX_YAML_VALUES` values (one line naming ``what``)."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is not None:
+            try:
+                size = _yaml_values(node, {}, set())
+            except RecursionError:
+                raise ValueError(
+                    f"{what} refers to itself (a YAML alias inside its anchor)"
+                ) from None
+            if size > MAX_YAML_VALUES:
+                raise ValueError(
+                    f"{what} expands to {size:,} values (YAML aliases); a config holds at most "
+                    f"{MAX_YAML_VALUES:,}"
+                )
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ValueError(f"{what} is not valid YAML{at}: {problem}") from None
+
+
 # The configs shipped beside the package (a source checkout or an editable install).
 _CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None) -> Config:
+    """A config from a mapping of its keys (a run's saved ``config.json``), with overrides."""
+    return apply_overrides(Config(**_merge(Config().to_dict(), data)), list(overrides or []))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -649,15 +738,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             text = path.read_text()
         except UnicodeDecodeError:
             raise ValueError(f"config file {str(path)!r} is not text (YAML expected)") from None
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            where = getattr(e, "problem_mark", None)
-            at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
-            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise ValueError(
-                f"config file {str(path)!r} is not valid YAML{at}: {problem}"
-            ) from None
+        loaded = _load_yaml(text, f"config file {str(path)!r}")
         if loaded is None:
             raise ValueError(
                 f"config file {str(path)!r} is empty; give the keys to change (see "

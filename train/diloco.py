@@ -117,10 +117,8 @@ class DiLoCo(Sync):
         self.sync = cfg.sync_settings()
         self.schedule: jaxcomm.Schedule | None = None
         self._steps: list[tuple[int, tuple[int, ...]]] = []
-        # The clock's link: when it frees, when each fragment's transfer arrives; and the
-        # bytes a worker sent, peak (one step) and total.
+        # The clock's link: when it frees, when each fragment's transfer arrives.
         self._wire: dict[str, Any] = {"t": 0.0, "free": 0.0, "arrive": {}}
-        self._bytes = {"peak": 0, "total": 0}
 
     def fingerprint(self) -> dict[str, Any]:
         return {"sync": self.sync}
@@ -266,14 +264,12 @@ class DiLoCo(Sync):
     # ------------------------------------------------------------------ state
 
     def checkpoint_extras(self) -> dict[str, Any]:
-        return {"diloco_wire": dict(self._wire), "diloco_bytes": dict(self._bytes)}
+        return {"diloco_wire": dict(self._wire)}
 
     def restore_extras(self, trainer: Trainer, extras: dict[str, Any]) -> None:
         if "diloco_wire" in extras:
             w = extras["diloco_wire"]
             self._wire = {"t": w["t"], "free": w["free"], "arrive": dict(w["arrive"])}
-        if "diloco_bytes" in extras:
-            self._bytes = {k: int(v) for k, v in extras["diloco_bytes"].items()}
 
     # ------------------------------------------------------------------ the synchronised model
 
@@ -289,9 +285,6 @@ class DiLoCo(Sync):
                 f"step {trainer.step}: theta_sync became non-finite (a worker's "
                 f"pseudo-gradient held NaN or Inf); {trainer._checkpoint_note()}"
             )
-        sent = int(trainer.last_traffic.sent.max())
-        self._bytes["peak"] = max(self._bytes["peak"], sent)
-        self._bytes["total"] += sent
         h = (trainer.step - 1) % self.sync["period"]
         return {"divergence": float(report["divergence"]), "sync_fragment": self._steps[h][0]}
 
@@ -322,8 +315,6 @@ class DiLoCo(Sync):
     def summary_extras(self) -> dict[str, Any]:
         return {
             "schedule": str(self.schedule),
-            "peak_sent_bytes_per_step": self._bytes["peak"],
-            "total_sent_bytes": self._bytes["total"],
         }
 
 

@@ -10,7 +10,8 @@ __all__ = ["format_summary"]
 # Keys shown in the lines above; the rest follow as "key: value".
 _SHOWN = (
     "name", "steps", "resumed", "final_loss", "valid_loss", "valid_accuracy", "params",
-    "sent_bytes_per_step", "sim_time_s", "network", "compute", "wall_s",
+    "sent_bytes_mean", "sent_bytes_peak", "sent_bytes_total", "dense_ring_bytes_per_step",
+    "sent_vs_dense_ring", "sim_time_s", "network", "compute", "wall_s",
     "sim_compute_s_per_step", "comm_s_per_step", "already_complete",
 )  # fmt: skip
 
@@ -35,9 +36,10 @@ def _value(v: Any) -> str:
 
 
 def format_summary(s: dict[str, Any]) -> str:
-    """Readable lines of a trainer's summary: losses, model size, bytes per step (with
-    thousands separators and MB), simulated time split into compute and communication a
-    step, then every other entry."""
+    """Readable lines of a trainer's summary: losses, model size, bytes a worker sent (mean
+    and peak a step, the run's total, and against a dense float32 ring; thousands separators
+    and MB), simulated time split into compute and communication a step, then every other
+    entry."""
     resumed = " (resumed)" if s.get("resumed") else ""
     lines = [f"== {s.get('name', 'run')}: {s.get('steps')} steps{resumed} =="]
     if s.get("already_complete"):
@@ -50,10 +52,18 @@ def format_summary(s: dict[str, Any]) -> str:
     lines.append(f"{'loss':<16}{', '.join(train + valid) or '-'}")
     if s.get("params") is not None:
         lines.append(f"{'parameters':<16}{s['params']:,}")
-    if s.get("sent_bytes_per_step") is not None:
+    if s.get("sent_bytes_mean") is not None:
         lines.append(
-            f"{'sent per step':<16}{_bytes(s['sent_bytes_per_step'])} by the busiest worker"
+            f"{'sent a step':<16}{_bytes(s['sent_bytes_mean'])} mean, "
+            f"{_bytes(s['sent_bytes_peak'])} peak, by the busiest worker of each step"
         )
+        lines.append(f"{'sent in all':<16}{_bytes(s['sent_bytes_total'])} by a worker")
+        if s.get("sent_vs_dense_ring") is not None:
+            lines.append(
+                f"{'vs float32 ring':<16}{s['sent_vs_dense_ring']:.4g}x the bytes of a dense "
+                f"float32 ring all-reduce of this model ({_bytes(s['dense_ring_bytes_per_step'])}"
+                " a step)"
+            )
     if s.get("sim_time_s") is not None:
         where = f" ({s.get('compute')} compute, {s.get('network')} network)"
         line = f"{'simulated time':<16}{_seconds(s['sim_time_s'])}{where}"

@@ -55,6 +55,7 @@ from train.checkpoint import (
     Checkpoints,
     RunFolderBusy,
     load_model_params,
+    lock_holder,
     restore_run,
     resume_note,
     run_fingerprint,
@@ -83,6 +84,7 @@ __all__ = [
     "RunFolderBusy",
     "Interrupted",
     "NothingToResume",
+    "nothing_to_resume",
     "AXIS",
 ]
 
@@ -204,10 +206,10 @@ class Trainer:
         store = getattr(self, "store", None)
         return resume_note(store.folder if store else None, store.saved_step if store else None)
 
-    def restore(self, store: Checkpoints) -> bool:
+    def restore(self, store: Checkpoints, *, allow_unverified: bool = False) -> bool:
         """Load the newest intact checkpoint of ``store`` (:func:`train.checkpoint.restore_run`);
         False when there is none."""
-        return restore_run(self, store)
+        return restore_run(self, store, allow_unverified=allow_unverified)
 
     # ------------------------------------------------------------------ programs and time
 
@@ -336,8 +338,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ run
 
-    def run(self, *, resume: bool = False, metrics_cb: Callable | None = None) -> dict[str, Any]:
-        """Train to ``cfg.steps``; returns a summary. ``resume`` continues the newest checkpoint.
+    def run(
+        self,
+        *,
+        resume: bool = False,
+        metrics_cb: Callable | None = None,
+        allow_unverified: bool = False,
+    ) -> dict[str, Any]:
+        """Train to ``cfg.steps``; returns a summary. ``resume`` continues the newest checkpoint
+        that proves it belongs to this run (``allow_unverified``: also one that cannot be
+        verified, see :meth:`train.checkpoint.Checkpoints.restore`).
 
         The run folder is locked for the run (``<out_dir>/<name>/.lock``, by process 0): a
         second run into the same folder while this one lives is refused, naming this one's
@@ -348,18 +358,18 @@ class Trainer:
         once). Resuming a finished run returns its summary and changes nothing (raise
         ``steps`` to train further); resuming a folder without checkpoints raises
         :class:`NothingToResume`."""
-        folder = self.cfg.run_dir / "checkpoints"
-        if resume and not (folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())):
+        if resume:
             # Said before anything is made: an empty folder stays as it was.
-            raise NothingToResume(
-                f"nothing to resume in {str(self.cfg.run_dir)!r}: it holds no checkpoint; run "
-                "without --resume to start this run there"
-            )
+            why = nothing_to_resume(self.cfg)
+            if why is not None:
+                raise NothingToResume(why)
         self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
         with run_lock(self.cfg.run_dir) if is_primary() else contextlib.nullcontext():
             with _stop_signals() as stop:
                 self._stop = stop
-                return self._run(resume=resume, metrics_cb=metrics_cb)
+                return self._run(
+                    resume=resume, metrics_cb=metrics_cb, allow_unverified=allow_unverified
+                )
 
     def _stopping(self) -> bool:
         """Whether a stop signal arrived here or (several processes) at any process: every
@@ -375,14 +385,24 @@ class Trainer:
         return bool(signum)
 
     def _finished_summary(self, summary_path: Any) -> dict[str, Any] | None:
-        """The stored summary of a run already at (or past) ``cfg.steps``; None when it has
-        none (stopped between its last checkpoint and its summary: it is written again)."""
+        """The stored summary of a run already at (or past) ``cfg.steps`` whose outputs are
+        all in place; None when any is missing (stopped between its last checkpoint and the
+        end of its outputs: they are written again)."""
         try:
             summary = json.loads(summary_path.read_text())
         except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
             return None
         if not isinstance(summary, dict) or summary.get("steps") != self.step:
             return None  # an earlier, shorter run's summary: this step's is written now
+        missing = [n for n in OUTPUTS if not (summary_path.parent / n).is_file()]
+        if missing:
+            if is_primary():
+                print(
+                    f"{self.cfg.name} reached step {self.step} but {', '.join(missing)} "
+                    f"{'is' if len(missing) == 1 else 'are'} missing: writing its outputs again",
+                    flush=True,
+                )
+            return None
         if is_primary():
             print(
                 f"{self.cfg.name} is already complete at step {self.step}; its summary "
@@ -392,22 +412,27 @@ class Trainer:
             )
         return {**summary, "resumed": True, "already_complete": True}
 
-    def _run(self, *, resume: bool, metrics_cb: Callable | None) -> dict[str, Any]:
+    def _run(
+        self, *, resume: bool, metrics_cb: Callable | None, allow_unverified: bool = False
+    ) -> dict[str, Any]:
         cfg = self.cfg
         run_dir = cfg.run_dir
         manager = self.store = Checkpoints(run_dir, cfg.keep_checkpoints)
         if manager.latest_step() is not None and not resume:
             raise ValueError(
                 f"{str(run_dir)!r} already holds a run's checkpoints (newest: step "
-                f"{manager.latest_step()}): continue it with --resume, or write this run to "
-                "another folder with --set name=<new name> (or --set out_dir=<folder>)"
+                f"{manager.latest_step()}): continue it with python -m train --resume "
+                f"{str(run_dir)} (its saved settings), or write this run to another folder "
+                "with --set name=<new name> (or --set out_dir=<folder>)"
             )
         if resume and manager.latest_step() is None:
             raise NothingToResume(
                 f"nothing to resume in {str(run_dir)!r}: it holds no checkpoint; run without "
                 "--resume to start this run there"
             )
-        resumed = self.restore(manager) if resume else False
+        if not resume:
+            manager.start_run()
+        resumed = self.restore(manager, allow_unverified=allow_unverified) if resume else False
         if resumed and self.step >= cfg.steps:
             done = self._finished_summary(run_dir / "summary.json")
             if done is not None:
@@ -417,17 +442,10 @@ class Trainer:
         metrics_path = run_dir / "metrics.jsonl"
         kept = _kept_rows(metrics_path, self.step) if resumed else []
         if primary:  # files are written once, by process 0
-            if resumed and (run_dir / "config.json").is_file():
-                try:
-                    before = json.loads((run_dir / "config.json").read_text())
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    before = {}
-                if "lr" in before and before["lr"] != cfg.lr:
-                    print(f"resuming with lr changed: {before['lr']!r} -> {cfg.lr!r}", flush=True)
             write_atomically(metrics_path, "".join(line + "\n" for line in kept))
             write_atomically(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
 
-        if primary and cfg.progress:
+        if primary:
             print(
                 f"{cfg.name}: compiling the training step (the first run on this machine takes "
                 "the longest)...",
@@ -440,8 +458,9 @@ class Trainer:
         self._last_ready = None
         # A resumed run's last logged step, so a run resumed at its end still reports it.
         self._last: dict[str, Any] = json.loads(kept[-1]) if kept else {}
-        self._times = [(r.get("sim_compute_s", 0.0), r.get("comm_s", 0.0)) for r in map(
-            json.loads, kept)]  # fmt: skip
+        rows = [json.loads(r) for r in kept]
+        self._times = [(r.get("sim_compute_s", 0.0), r.get("comm_s", 0.0)) for r in rows]
+        self._sent = [int(r.get("sent_bytes", 0)) for r in rows]
         bar = _progress(cfg, self.step) if primary else None
         flights: collections.deque[Flight] = collections.deque()
         dispatched = start = self.step
@@ -486,7 +505,7 @@ class Trainer:
                 f"{manager.folder / str(self.step)}; continue with --resume",
                 self._stop.signum,
             )
-        if primary and cfg.progress:
+        if primary:
             print(f"{cfg.name}: final evaluation and summary...", file=sys.stderr, flush=True)
         valid = self.evaluate()
         summary = {
@@ -498,7 +517,7 @@ class Trainer:
             "final_loss": last.get("loss"),
             **{f"valid_{k}": v for k, v in valid.items()},
             "params": self.num_params(),
-            "sent_bytes_per_step": last.get("sent_bytes"),
+            **self._bytes_summary(),
             "sim_time_s": self.clock.now,
             "sim_compute_s_per_step": float(np.mean([c for c, _ in self._times]))
             if self._times
@@ -511,15 +530,32 @@ class Trainer:
         }
         model = self.model_params()  # on every process: a collective read when multi-process
         if primary:
+            from train.plot import plot_metrics
             from train.summary import format_summary
 
-            write_atomically(run_dir / "summary.json", json.dumps(summary, indent=2))
-            write_atomically(run_dir / "summary.txt", format_summary(summary) + "\n")
+            # summary.json last: its presence (with every other output) marks the run
+            # complete, so a crash or a full disk before it leaves a run that --resume ends.
             save_model_params(run_dir / "params.msgpack", model)
-            from train.plot import plot_metrics
-
             plot_metrics(metrics_path, run_dir / "loss.png", title=cfg.name)
+            write_atomically(run_dir / "summary.txt", format_summary(summary) + "\n")
+            write_atomically(run_dir / "summary.json", json.dumps(summary, indent=2))
         return summary
+
+    def _bytes_summary(self) -> dict[str, Any]:
+        """Bytes sent per worker over the run (the busiest worker of each step, as
+        ``metrics.jsonl``'s ``sent_bytes``): mean, peak and total, and the mean against a
+        dense float32 ring all-reduce of this model's gradient over the workers."""
+        sent = self._sent
+        total = int(sum(sent))
+        dense = 2 * (self.n - 1) * 4 * self.num_params() // self.n
+        mean = total / len(sent) if sent else None
+        return {
+            "sent_bytes_mean": mean,
+            "sent_bytes_peak": max(sent) if sent else None,
+            "sent_bytes_total": total,
+            "dense_ring_bytes_per_step": dense,
+            "sent_vs_dense_ring": mean / dense if mean is not None and dense else None,
+        }
 
     def _needs_state(self, step: int) -> bool:
         """Whether step ``step``'s accepted state is read on the host (checkpoint, eval)."""
@@ -583,6 +619,7 @@ class Trainer:
         out.flush()
         self._last = last
         self._times.append((step_s, comm_s))
+        self._sent.append(last["sent_bytes"])
         if metrics_cb is not None:
             metrics_cb(last)
         if bar is not None:
@@ -605,6 +642,27 @@ class Trainer:
         return self.layout.model_params(self, to_host(self.eval_params()))
 
 
+def nothing_to_resume(cfg: Config) -> str | None:
+    """Why ``cfg``'s run folder holds nothing to resume (no checkpoint yet: none was ever
+    written, or a run in progress there has not written its first), or None."""
+    folder = cfg.run_dir / "checkpoints"
+    if folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir()):
+        return None
+    holder = lock_holder(cfg.run_dir)
+    if holder is not None:
+        every = cfg.checkpoint_every
+        return (
+            f"nothing to resume in {str(cfg.run_dir)!r} yet: a run is in progress there "
+            f"(process {holder}) and has not written its first checkpoint"
+            + (f" (one every {every} steps)" if every else "")
+            + "; wait for it, or stop it (Ctrl-C saves one)"
+        )
+    return (
+        f"nothing to resume in {str(cfg.run_dir)!r}: it holds no checkpoint; run without "
+        "--resume to start this run there"
+    )
+
+
 def _kept_rows(path: Any, step: int) -> list[str]:
     """The metrics rows of steps up to ``step`` (a resumed run's history). A line that does
     not parse (the last one, torn by a crash mid-write) is dropped with a line saying so."""
@@ -622,6 +680,10 @@ def _kept_rows(path: Any, step: int) -> list[str]:
         if row.get("step", 0) <= step:
             kept.append(line)
     return kept
+
+
+# What a finished run leaves in its folder; summary.json is written last.
+OUTPUTS = ("summary.json", "summary.txt", "params.msgpack", "loss.png")
 
 
 class Interrupted(RuntimeError):
@@ -675,9 +737,40 @@ def _stop_signals():
             signal.signal(sig, h)
 
 
+class PlainProgress:
+    """Progress without a bar (``progress: false``, ``--no-progress``): one plain line on
+    stderr every ``every_s`` seconds of the run (and for the last step), for logs and
+    terminals where a bar does not belong."""
+
+    def __init__(self, name: str, total: int, start: int, every_s: float = 30.0):
+        self.name, self.total, self.n, self.every_s = name, total, start, every_s
+        self.t0 = self.last = time.monotonic()
+        self.postfix: dict[str, str] = {}
+
+    def update(self, n: int = 1) -> None:
+        """Count ``n`` more steps; print a line when ``every_s`` passed or the run ends."""
+        self.n += n
+        now = time.monotonic()
+        if now - self.last >= self.every_s or self.n >= self.total:
+            self.last = now
+            extra = "".join(f", {k} {v}" for k, v in self.postfix.items())
+            print(
+                f"{self.name}: step {self.n}/{self.total}{extra} ({now - self.t0:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def set_postfix(self, **values: str) -> None:
+        """Values shown on the next line (as tqdm's ``set_postfix``)."""
+        self.postfix = dict(values)
+
+    def close(self) -> None:
+        """Nothing to tear down (the interface of a bar)."""
+
+
 def _progress(cfg: Config, start: int):
     if not cfg.progress:
-        return None
+        return PlainProgress(cfg.name, cfg.steps, start)
     from tqdm.auto import tqdm
 
     return tqdm(total=cfg.steps, initial=start, desc=cfg.name, unit="step", dynamic_ncols=True)
