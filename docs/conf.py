@@ -26,8 +26,10 @@ autodoc_typehints = "description"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_ivar = True  # NamedTuple fields are documented once, by autodoc
-html_theme = "alabaster"
+html_theme = "sphinx_book_theme"  # JAX's and Flax's
 html_title = "jaxcomm"
+html_static_path = ["_static"]
+html_css_files = ["wrap-code.css"]  # code blocks wrap long lines
 
 
 def _write_cli_page(app) -> None:

@@ -37,7 +37,7 @@ class CNN(nn.Module):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--bits", type=int, default=4)
     args = parser.parse_args(argv)

@@ -45,7 +45,7 @@ def loss_fn(params, batch):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sync", default="dreamddp", choices=["local_sgd", "dreamddp"])
     parser.add_argument("--period", type=int, default=5)
     parser.add_argument("--steps", type=int, default=200)
@@ -90,20 +90,31 @@ def main(argv=None):
     train_step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
 
     rng, losses = np.random.default_rng(0), []
+    sent = np.zeros(8, np.int64)  # bytes each worker sent, over all steps
     for i in range(args.steps):
         ids = rng.choice(len(labels), 256, replace=False)
         x, y = jax.device_put((images[ids], labels[ids]), sharded)
         if i == 0:
             unlogged = jaxcomm.unlogged_traffic(train_step.lower(params, opt_state, x, y).compile())
         params, opt_state, loss = train_step(params, opt_state, x, y)
+        # The state's traffic logs hold what this step sent (nothing on a purely local step).
+        for log in jaxcomm.find_logs(opt_state):
+            sent += jaxcomm.as_bytes(np.asarray(log.sent_bytes)).reshape(-1)
         losses.append(float(jnp.mean(loss)))
         if i % 50 == 0 or i == args.steps - 1:
             spread = max(float(jnp.max(jnp.std(a, axis=0))) for a in jax.tree.leaves(params))
             print(
                 f"step {i:4d}  loss {losses[-1]:.3f}  largest spread between workers {spread:.2e}"
             )
+    d = sum(a.size for a in jax.tree.leaves(params)) // 8
+    ring = 2 * 7 * 4 * -(-d // 8)  # bytes per worker of a float32 ring all-reduce
+    per_step = int(sent.max()) / args.steps
+    print(
+        f"bytes sent per worker per step: {per_step:,.0f} (mean over {args.steps} steps; "
+        f"a float32 ring all-reduce every step: {ring:,})"
+    )
     print(f"{args.sync}: unlogged collectives: {len(unlogged)}")
-    return {"losses": losses, "unlogged": unlogged}
+    return {"losses": losses, "unlogged": unlogged, "sent_per_step": per_step, "ring": ring}
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ def spawn(processes: int, devices: int, argv: list[str]) -> int:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--coordinator")
     parser.add_argument("--num-processes", type=int, default=2)
     parser.add_argument("--process-id", type=int)
@@ -85,6 +85,7 @@ def main(argv=None):
     labels = digits.target.astype(np.int32)
     rng, batch = np.random.default_rng(0), 256  # the same draws on every process
     me, n = jax.process_index(), jax.process_count()
+    sent = 0  # bytes sent by this process's busiest worker, over all steps
     for i in range(args.steps):
         ids = rng.choice(len(labels), batch, replace=False)
         mine = ids.reshape(n, -1)[me]  # this process's workers' rows, in mesh order
@@ -93,10 +94,16 @@ def main(argv=None):
         if i == 0:
             unlogged = jaxcomm.unlogged_traffic(train_step.lower(params, opt_state, x, y).compile())
         params, opt_state = train_step(params, opt_state, x, y)
+        (log,) = jaxcomm.find_logs(opt_state)
+        # A process reads only its own workers' rows of the per-worker log.
+        words = [np.asarray(shard.data) for shard in log.sent_bytes.addressable_shards]
+        sent += int(jaxcomm.as_bytes(np.concatenate(words)).max())
         if i % 25 == 0 or i == args.steps - 1:
             host = jax.tree.map(np.asarray, params)  # replicated: each process holds it all
             print(f"[process {me}] step {i:4d}  loss {float(loss_fn(host, images, labels)):.3f}",
                   flush=True)  # fmt: skip
+    print(f"[process {me}] bytes sent per worker per step: {sent / args.steps:,.0f} "
+          f"(mean over {args.steps} steps)", flush=True)  # fmt: skip
     print(f"[process {me}] unlogged collectives: {len(unlogged)}", flush=True)
     jax.distributed.shutdown()
     return 0

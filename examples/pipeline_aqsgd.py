@@ -53,7 +53,7 @@ def init_stage(key):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fw-bits", type=int, default=2)
     parser.add_argument("--bw-bits", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=6)

@@ -42,7 +42,7 @@ def loss_fn(params, x, y):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ratio", type=float, default=0.01)
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args(argv)

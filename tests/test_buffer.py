@@ -132,16 +132,15 @@ def test_reads_wait_for_slow_pending_writes_of_their_ids(monkeypatch):
     release = threading.Event()
 
     def slow_commit(ids, data):  # a slow disk: the commit lands when the test says so
-        release.wait(10)
+        release.wait(120)  # only so that a read which wrongly waits cannot hang the test
         commit(ids, data)
 
     monkeypatch.setattr(buf, "_commit", slow_commit)
     vals = _values(rng, 3)
     fut = buf.write_async([5, 6, 7], vals)
-    # Other ids do not wait for it (a read that did would block until the 10 s timeout).
-    t = time.perf_counter()
+    # Other ids do not wait for it: the read returns while the commit is still held back.
     assert not buf.seen([1, 2]).any()
-    assert not fut.done() and time.perf_counter() - t < 5
+    assert not fut.done()
     # These ids do: flags and values are the new ones.
     release.set()
     assert buf.seen([7, 1]).tolist() == [True, False]
@@ -308,49 +307,52 @@ def _work(a):
     return a
 
 
-def test_async_reads_progress_during_compute_and_overlap_a_wait():
-    """Reads run on tensorstore's threads while the caller computes or waits.
-
-    Non-timed property: a ``read_async`` completes while the caller only runs jitted matmuls
-    and never calls ``result``. Timed property: while the host waits on (simulated)
-    accelerator compute, the read is hidden: read + wait together take less than their sum.
-    (On this 2-core CPU a jitted matmul and the read's memcpy contend for the same cores, so
-    the timed check uses a sleep as the compute; see the report for the matmul timings.)
-    """
+def test_async_reads_progress_during_compute_and_during_a_wait():
+    """Reads run on tensorstore's threads while the caller computes or waits: a
+    ``read_async`` completes while the caller only runs jitted matmuls, or only sleeps (as
+    a host waiting on accelerator compute does), and never calls ``result``. Nothing is
+    timed: the deadlines only stop a read that makes no progress from hanging the test."""
     rng = np.random.default_rng(8)
     shape, n, k = (128, 256), 512, 384  # 128 KiB per sample, 48 MiB per read
     buf = MessageBuffer(n, shape)
     for s in range(0, n, 128):
         buf.write(np.arange(s, s + 128), rng.standard_normal((128, *shape), dtype=np.float32))
-    batches = [rng.choice(n, k, replace=False) for _ in range(16)]
+    batches = [rng.choice(n, k, replace=False) for _ in range(2)]
     a = jnp.full((256, 256), 0.01)
     _work(a).block_until_ready()
 
     h = buf.read_async(batches[0])
-    deadline = time.perf_counter() + 20.0
-    steps = 0
+    deadline = time.perf_counter() + 60.0
     while not h.done() and time.perf_counter() < deadline:
         _work(a).block_until_ready()
-        steps += 1
     assert h.done(), "read_async made no progress while the caller computed"
     np.testing.assert_array_equal(h.result(), buf.read(batches[0]))
 
-    def timed(f) -> float:
-        t = time.perf_counter()
-        f()
-        return time.perf_counter() - t
+    h = buf.read_async(batches[1])
+    deadline = time.perf_counter() + 60.0
+    while not h.done() and time.perf_counter() < deadline:
+        time.sleep(0.005)
+    assert h.done(), "read_async made no progress while the caller waited"
+    np.testing.assert_array_equal(h.result(), buf.read(batches[1]))
 
-    t_read = float(np.median([timed(lambda i=i: buf.read(batches[i])) for i in range(1, 6)]))
-    wait = max(0.05, 3 * t_read)
-    t_wait = float(np.median([timed(lambda: time.sleep(wait)) for _ in range(3)]))
 
-    def both(i: int) -> None:
-        handle = buf.read_async(batches[i])
-        time.sleep(wait)
-        handle.result()
+def test_read_async_returns_before_its_values_are_ready(monkeypatch):
+    """The caller gets the handle while the values are still on their way (here their
+    decode is held back), so it can overlap the read with its own work."""
+    rng = np.random.default_rng(13)
+    buf = MessageBuffer(N, SHAPE, storage_bits=8)
+    buf.write(np.arange(4), _values(rng, 4))
+    decode, release = buf._decode, threading.Event()
 
-    t_both = min(timed(lambda i=i: both(i)) for i in range(6, 11))
-    assert t_both < t_wait + 0.5 * t_read, (t_read, t_wait, t_both)
+    def held(raw):
+        release.wait(120)  # only so that a broken test cannot hang
+        return decode(raw)
+
+    monkeypatch.setattr(buf, "_decode", held)
+    h = buf.read_async([1, 3])
+    assert not h.done()
+    release.set()
+    np.testing.assert_array_equal(h.result(), buf.read([1, 3]))
 
 
 # --------------------------------------------------------------------------- snapshots

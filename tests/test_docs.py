@@ -83,6 +83,9 @@ def test_the_docs_build_with_warnings_as_errors(tmp_path):
     api = (tmp_path / "html" / "api.html").read_text()
     for name in ("ec_quantized_allreduce", "diloco", "wire_audit", "ring_all_reduce"):
         assert name in api
+    # Code blocks wrap long lines (a command cut off at the page's edge cannot be copied).
+    assert "_static/wrap-code.css" in api
+    assert "pre-wrap" in (tmp_path / "html" / "_static" / "wrap-code.css").read_text()
 
 
 # ```py fragments: each runs here in the setting its page describes, its free names given

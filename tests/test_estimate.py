@@ -64,6 +64,9 @@ def test_estimate_equals_what_a_run_logs(tmp_path, extra):
     assert est["step_s"] == pytest.approx(steady["sim_step_s"], rel=1e-9)
     if cfg.stages == 1:  # (a pipeline's stages differ, so its step is its timeline)
         assert est["step_s"] == pytest.approx(est["compute_s"] + est["comm_s"])
+        assert est["step_time"] == "compute + communication: no overlap"
+    else:
+        assert est["step_time"].startswith("GPipe's timeline")
     assert est["samples_per_s"] == pytest.approx(16 / est["step_s"])
     assert est["flops_per_device"] > 0
 
@@ -76,7 +79,9 @@ def test_cli_writes_json_and_names_what_it_cannot_cost(tmp_path, capsys):
     for key in ("step_s", "compute_s", "comm_s", "samples_per_s", "flops_per_device"):
         assert np.isfinite(est[key]) and est[key] > 0
     assert est["sent_bytes_per_device"] > 0
-    assert "samples_per_s" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "samples_per_s" in printed
+    assert "\nnote: step " in printed and " = compute " in printed
     assert main(args) == 1  # compute=measured cannot be estimated
     assert "needs compute=<device>" in capsys.readouterr().err
     marsit = [*args, "--set", "compute=v100", "--set", "aggregator=marsit"]
@@ -94,6 +99,22 @@ def test_cli_writes_json_and_names_what_it_cannot_cost(tmp_path, capsys):
     assert 20 * sent[0] < sent[1] < 40 * sent[0]
     assert main([*marsit, "--branch", "cond"]) == 2
     assert "NAME=INDEX" in capsys.readouterr().err
+
+
+def test_the_printout_says_how_the_step_time_is_made():
+    """The step time is printed with how it comes from compute and communication: their
+    sum, their max with overlap, or the layout's timeline when it is neither."""
+    from train.estimate import _step_note
+
+    how = {"step_time": "GPipe's timeline: (the layout's words)"}
+    added = _step_note({**how, "step_s": 0.003, "compute_s": 0.001, "comm_s": 0.002})
+    assert added == "step 3 ms = compute 1 ms + communication 2 ms"
+    hidden = _step_note({**how, "step_s": 0.002, "compute_s": 0.001, "comm_s": 0.002})
+    assert hidden.startswith("step 2 ms = max(compute 1 ms, communication 2 ms)")
+    assert "overlapped" in hidden
+    neither = _step_note({**how, "step_s": 0.0025, "compute_s": 0.001, "comm_s": 0.002})
+    assert neither.startswith("step 2.5 ms, not compute 1 ms + communication 2 ms = 3 ms")
+    assert neither.endswith("GPipe's timeline: (the layout's words)")
 
 
 def test_shipped_gpt2xl_config_is_the_papers_setting():

@@ -29,11 +29,28 @@ def _falls(losses, k=3):
     assert losses[-k:].mean() < 0.9 * losses[:k].mean(), losses
 
 
+@pytest.mark.parametrize("name", sorted(p.stem for p in EXAMPLES.glob("*.py")))
+def test_help_gives_the_whole_first_sentence(name, capsys, monkeypatch):
+    """``--help`` shows the docstring's first paragraph, not its first line, which can end
+    mid-sentence."""
+    monkeypatch.setenv("COLUMNS", "1000")  # one line: argparse also breaks at hyphens
+    with pytest.raises(SystemExit) as done:
+        _load(name).main(["--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    first = " ".join(_load(name).__doc__.split("\n\n")[0].split())
+    assert first.endswith(".") and first in out
+
+
 @pytest.mark.parametrize("aggregator", ["ar_topk", "ec_quantized", "marsit"])
 def test_nnx_digits(aggregator):
     out = _load("nnx_digits").main(["--aggregator", aggregator, "--steps", "20"])
     _falls(out["losses"])
     assert out["unlogged"] == ()
+    # The accuracy is taken on digits the batches never drew from.
+    assert len(out["held_out"]) > 300 and not set(out["held_out"]) & set(out["train"])
+    assert 0 <= out["accuracy"] <= 1
+    assert out["sent_per_step"] > 0
 
 
 def test_nnx_flag_offers_every_aggregator():
@@ -64,6 +81,8 @@ def test_local_sgd(sync):
     out = _load("local_sgd").main(["--sync", sync, "--steps", "12", "--period", "3"])
     _falls(out["losses"])
     assert out["unlogged"] == ()
+    # Every layer is averaged once per period of 3 steps.
+    assert out["sent_per_step"] == pytest.approx(out["ring"] / 3, rel=0.01)
 
 
 def test_pipeline_aqsgd():
@@ -86,4 +105,6 @@ def test_multiprocess():
         lines = [x for x in run.stdout.splitlines() if x.startswith(f"[process {p}]")]
         losses = [float(x.split("loss")[1]) for x in lines if "loss" in x]
         assert len(losses) == 2 and losses[-1] < 0.6 * losses[0], lines
+        assert "bytes sent per worker per step" in lines[-2]
+        assert float(lines[-2].split("step: ")[1].split()[0].replace(",", "")) > 0
         assert lines[-1].endswith("unlogged collectives: 0")

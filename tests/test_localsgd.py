@@ -200,9 +200,13 @@ def test_measured_profile_is_positive():
     params = task.init(jax.random.key(0), batch)
     names = list(params)
     prof = jaxcomm.profile_layers(lambda p, b: task.loss(p, b)[0], params, batch, names, repeats=5)
-    assert prof.method == "measured" and prof.forward_s == prof.prefix_s[-1] > 0
-    # The full backward is measured (T_0 > T_L), and the per-layer parts add up to at least
-    # it (clipping a negative difference only adds).
-    assert prof.prefix_s[0] > prof.prefix_s[-1]
+    assert prof.method == "measured" and prof.forward_s == prof.prefix_s[-1]
+    # Wall times of separate runs are not compared with each other (load on the host can
+    # reorder them); which prefix costs more is checked on the roofline above.
+    assert len(prof.prefix_s) == len(prof.spread_s) == len(names) + 1
+    assert min(prof.prefix_s) > 0 and min(prof.spread_s) >= 0
+    # Each layer's backward is the difference of its two prefixes, clipped at 0, so the
+    # parts add up to at least the full forward and backward.
+    for i, b in enumerate(prof.backward_s):
+        assert b == max(prof.prefix_s[i] - prof.prefix_s[i + 1], 0.0)
     assert prof.forward_s + sum(prof.backward_s) >= prof.prefix_s[0] * (1 - 1e-9)
-    assert len(prof.spread_s) == len(names) + 1

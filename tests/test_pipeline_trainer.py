@@ -145,26 +145,65 @@ def test_logged_traffic_equals_the_audit_for_every_aggregator(
     assert (audit.sent > 0).all()
 
 
-def test_slow_prefetch_is_exposed_and_not_compute(tmp_path):
+def test_slow_prefetch_is_exposed_and_not_compute(tmp_path, monkeypatch):
     """A buffer prefetch that outlasts the step it overlaps is charged to
-    ``buffer_exposed_s``, and the step's ``compute_s`` stops where the devices did."""
+    ``buffer_exposed_s``, and the step's ``compute_s`` stops where the devices did.
+
+    The delay is held back until the step program's outputs are ready, so all of it lies
+    past the devices' end whatever the machine's load; the checks compare stamps of the
+    same step rather than bounding any measured time."""
+    import threading
+
+    import train.pipeline_layout as pipeline_layout
+
+    delay = 0.5
     cfg = _cfg(tmp_path, boundary="aqsgd", fw_bits=2, train_samples=32, steps=4)
     trainer = Trainer(cfg)
     prepare = trainer.layout.feed.prepare
+    launch = trainer.layout.launch
+    stamps, flights, step_done = [], [], threading.Event()
+    ready_at = pipeline_layout.ready_at
+
+    def stamped(tree):
+        # One waiting thread runs these in order: the step program's outputs, then the
+        # whole step's (see PipelineLayout.launch).
+        at = ready_at(tree)
+        stamps.append(at)
+        step_done.set()
+        return at
 
     def slow(position):
         prep = prepare(position)
         if position > 0:  # the prefetches (step 0 is prepared before the loop)
-            time.sleep(0.5)
-            prep = prep._replace(seconds=prep.seconds + 0.5)
+            assert step_done.wait(60), "the step program never finished"
+            time.sleep(delay)
+            prep = prep._replace(seconds=prep.seconds + delay)
         return prep
 
+    def launched(t, step, lagging):
+        step_done.clear()
+        first = len(stamps)
+        flight = launch(t, step, lagging)
+        flights.append((flight, stamps[first:]))
+        return flight
+
+    monkeypatch.setattr(pipeline_layout, "ready_at", stamped)
     trainer.layout.feed.prepare = slow
+    trainer.layout.launch = launched
     trainer.run()
     rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
-    for r in rows[:3]:  # steps 0-2 each overlap the prefetch of the next one
-        assert r["buffer_prefetch_s"] >= 0.5
-        assert r["compute_s"] < 0.5 and r["buffer_exposed_s"] > 0.5 - r["compute_s"] - 0.05
+    assert len(rows) == len(flights) == 4
+    for r, (flight, (main_end, device_end)) in zip(rows[:3], flights, strict=False):
+        # steps 0-2 each overlap the prefetch of the next one
+        assert r["buffer_prefetch_s"] >= delay
+        # The whole delay came after the step program's end: all of it is exposed.
+        assert r["buffer_exposed_s"] >= delay
+        # The step's span is split between compute and exposed buffer time, not counted
+        # twice, so compute leaves the delay out.
+        span = device_end - flight.dispatched_at
+        assert r["compute_s"] + r["buffer_exposed_s"] == pytest.approx(span, abs=1e-6)
+        assert r["compute_s"] <= span - delay + 1e-6
+        assert r["compute_s"] >= main_end - flight.dispatched_at
     assert rows[3]["buffer_prefetch_s"] == 0.0  # nothing left to prefetch
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -209,14 +210,58 @@ def estimates(
             out["branches"] = dict(branches)
         if aqsgd:
             out["first_epoch"] = _mode(trainer, False, network, overlap, cfg.global_batch, branches)
+        out["step_time"] = _step_time(out, cfg, overlap)
         out["estimate_wall_s"] = time.perf_counter() - t0
         results.append(out)
     return results
 
 
+def _step_time(est: dict[str, Any], cfg: Any, overlap: bool) -> str:
+    """How ``step_s`` is made of ``compute_s`` and ``comm_s``, in words (the timeline the
+    layout lays them on)."""
+    if cfg.sync_settings().get("method") == "diloco":
+        tau = cfg.sync_settings()["overlap"]
+        return (
+            f"the mean step of a period on DiLoCo's link clock: a synchronisation's transfer "
+            f"runs while the next {tau} inner steps compute, and only a merge waits for it"
+            if tau
+            else "the mean step of a period on DiLoCo's link clock: each synchronising step "
+            "waits for its transfer"
+        )
+    if cfg.stages > 1:
+        how = "beside the compute (overlap: true)" if overlap else "between the ticks"
+        return (
+            f"GPipe's timeline: each stage's compute per microbatch with the pipeline's "
+            f"bubbles and its boundary messages {how}, then the data-parallel collectives"
+        )
+    if overlap:
+        return "max(compute, communication): communication overlapped with compute"
+    return "compute + communication: no overlap"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.4g} ms"
+
+
+def _step_note(est: dict[str, Any]) -> str:
+    """One line saying how the step time relates to its compute and communication."""
+    step, compute, comm = est["step_s"], est["compute_s"], est["comm_s"]
+    if math.isclose(step, compute + comm, rel_tol=1e-9):
+        return f"step {_ms(step)} = compute {_ms(compute)} + communication {_ms(comm)}"
+    if math.isclose(step, max(compute, comm), rel_tol=1e-9):
+        return (
+            f"step {_ms(step)} = max(compute {_ms(compute)}, communication {_ms(comm)}): "
+            "communication overlapped with compute, not added"
+        )
+    return (
+        f"step {_ms(step)}, not compute {_ms(compute)} + communication {_ms(comm)} = "
+        f"{_ms(compute + comm)}: the step is {est['step_time']}"
+    )
+
+
 def _format(est: dict[str, Any]) -> str:
     lines = ["", "== estimate =="]
-    flat = {k: v for k, v in est.items() if not isinstance(v, dict)}
+    flat = {k: v for k, v in est.items() if not isinstance(v, dict) and k != "step_time"}
     for part in ("first_epoch", "diloco"):
         for k, v in est.get(part, {}).items():
             flat[f"{part}.{k}"] = v
@@ -227,6 +272,10 @@ def _format(est: dict[str, Any]) -> str:
         elif isinstance(value, int) and not isinstance(value, bool):
             value = f"{value:,}"
         lines.append(f"{key:>{width}}: {value}")
+    lines.append(f"note: {_step_note(est)}")
+    if "first_epoch" in est:
+        first = {**est["first_epoch"], "step_time": est["step_time"]}
+        lines.append(f"note (first epoch): {_step_note(first)}")
     return "\n".join(lines)
 
 
