@@ -58,16 +58,17 @@ def _params(run_dir):
 
 def _kill_after_checkpoint(proc, run_dir, *, process, step):
     """``kill -9`` launched ``process`` of ``proc`` (read from the launcher's stderr) as soon
-    as checkpoint ``step`` of ``run_dir`` exists."""
+    as checkpoint ``step`` of ``run_dir`` is committed: its checksum file is written (a
+    checkpoint folder without one is unverifiable and not resumed)."""
     pid = None
     while pid is None:
         line = proc.stderr.readline()
         assert line, f"launcher ended before starting process {process}"
         if line.startswith(f"[launch] process {process}: pid "):
             pid = int(line.split()[-1])
-    ckpt = run_dir / "checkpoints"
+    sums = run_dir / "checksums" / f"{step}.json"
     deadline = time.monotonic() + 300
-    while not (ckpt.exists() and any(p.name == str(step) for p in ckpt.iterdir())):
+    while not sums.exists():
         assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint appeared"
         time.sleep(0.02)
     os.kill(pid, signal.SIGKILL)
@@ -89,7 +90,7 @@ def test_two_processes_end_where_one_process_ends(tmp_path):
         args += ["--set", s]
     proc = _launch(args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "[p0]" in proc.stdout and "sent per step" in proc.stdout
+    assert "[p0]" in proc.stdout and "sent a step" in proc.stdout
     assert "final_loss" not in "".join(
         line for line in proc.stdout.splitlines(True) if line.startswith("[p1]")
     )
@@ -117,21 +118,28 @@ def test_two_processes_end_where_one_process_ends(tmp_path):
     np.testing.assert_allclose(_rows(two)[-1]["loss"], _rows(one)[-1]["loss"], rtol=1e-6)
 
 
-def _sleeper(seconds=120):
-    return [sys.executable, "-c", f"import time; time.sleep({seconds})"]
+def _sleeper(seconds=120, woke=None):
+    """A process that sleeps; with ``woke``, it creates that file if it sleeps to the end."""
+    code = f"import time; time.sleep({seconds})"
+    if woke is not None:
+        code += f"; open({str(woke)!r}, 'w').close()"
+    return [sys.executable, "-c", code]
 
 
-def test_a_failing_process_stops_the_others(capsys):
-    t0 = time.monotonic()
+def test_a_failing_process_stops_the_others(capsys, tmp_path):
+    woke = tmp_path / "woke"
     rc = launch_mod.launch(
         2,
         [],
         devices_per_process=1,
         grace_s=2.0,
-        commands=[_sleeper(), [sys.executable, "-c", "import sys; print('bye'); sys.exit(3)"]],
+        commands=[
+            _sleeper(woke=woke),
+            [sys.executable, "-c", "import sys; print('bye'); sys.exit(3)"],
+        ],
     )
     assert rc == 3
-    assert time.monotonic() - t0 < 30  # not the sleeper's two minutes
+    assert not woke.exists()  # stopped, not waited out
     captured = capsys.readouterr()
     assert "[p1] bye" in captured.out
     assert "process 1 failed (exit code 3); stopping the other processes" in captured.err
@@ -142,6 +150,88 @@ def test_sigkill_is_reported_as_128_plus_signal(capsys):
     rc = launch_mod.launch(2, [], devices_per_process=1, grace_s=2.0, commands=[_sleeper(), kill])
     assert rc == 128 + signal.SIGKILL
     assert "process 1 failed (signal 9)" in capsys.readouterr().err
+
+
+def test_the_first_process_to_report_an_error_is_blamed(capsys, tmp_path):
+    """Process 0 reports an error and then waits (as in JAX's shutdown, for the others),
+    while process 1 would fail later on its own (as on gloo's timeout): the launcher stops
+    both on process 0's report and names it, not process 1."""
+    woke = tmp_path / "woke"
+    said_then_waits = [
+        sys.executable,
+        "-c",
+        "import time; print('error: the folder is taken', flush=True); time.sleep(120); "
+        f"open({str(woke)!r}, 'w').close()",
+    ]
+    fails_later = [
+        sys.executable,
+        "-c",
+        f"import sys, time; time.sleep(60); open({str(woke)!r}, 'w').close(); "
+        "print('timed out'); sys.exit(1)",
+    ]
+    rc = launch_mod.launch(
+        2, [], devices_per_process=1, grace_s=2.0, commands=[said_then_waits, fails_later]
+    )
+    assert rc == 1
+    assert not woke.exists()  # both stopped, neither waited out
+    captured = capsys.readouterr()
+    assert "[p0] error: the folder is taken" in captured.out
+    assert "timed out" not in captured.out
+    assert "process 0 failed: the folder is taken; stopping the other processes" in captured.err
+    assert "process 1 failed" not in captured.err
+
+
+def test_a_reported_error_keeps_the_process_exit_code(capsys):
+    """A process that reports an error and exits by itself: its own exit code."""
+    code = "import sys; print('error: bad key', flush=True); sys.exit(2)"
+    rc = launch_mod.launch(
+        2, [], devices_per_process=1, grace_s=2.0,
+        commands=[[sys.executable, "-c", code], _sleeper()],
+    )  # fmt: skip
+    assert rc == 2
+    assert "process 0 failed (exit code 2): bad key; stopping" in capsys.readouterr().err
+
+
+_HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from train.checkpoint import run_lock
+with run_lock(Path(sys.argv[1])):
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_launch_into_a_busy_run_folder_reports_process_0s_refusal(tmp_path):
+    """Another live run holds the run folder's lock: process 0 refuses it, and the launcher
+    reports that refusal at once instead of process 1's failure when gloo gives up waiting
+    for process 0 (which waits for process 1 in JAX's shutdown meanwhile)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(run)],
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        args = ["--processes", "2", "--config", "configs/dp_default.yaml", *SMALL_GPT]
+        for s in ["workers=2", "global_batch=8", "model.seq_len=16", "steps=2",
+                  "progress=false", f"out_dir={run}"]:  # fmt: skip
+            args += ["--set", s]
+        proc = _launch(args)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"[p0] error: another run is writing to {str(run)!r} (process {holder.pid}" in (
+        proc.stdout
+    )
+    assert f"[launch] process 0 failed: another run is writing to {str(run)!r}" in proc.stderr
+    assert "process 1 failed" not in proc.stderr
+    assert "timed out" not in proc.stdout  # gloo's wait was not what ended it
 
 
 def test_launcher_rejects_a_process_count_that_does_not_divide_the_mesh(capsys):
@@ -166,7 +256,7 @@ def test_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGKILL
     assert "process 1 failed (signal 9)" in err
-    done = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+    done = sorted(int(p.stem) for p in (run / "checksums").glob("*.json"))
     assert done and done[-1] >= 10
     before = _rows(run)  # steps run before the kill, some past the newest checkpoint
     # A checkpoint that was being written when the process died is never picked up.
@@ -247,15 +337,23 @@ def test_sigterm_to_the_launcher_exits_143_and_stops_everything(tmp_path):
 def test_a_local_coordinator_listens_on_loopback_only(monkeypatch):
     from train import distributed
 
-    seen = {}
+    seen, gloo = {}, []
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: seen.update(kw))
     monkeypatch.setattr(jax.config, "update", lambda *a: None)
+    # This process's own backends are not touched: where gloo would listen is recorded.
+    monkeypatch.setattr(distributed, "_gloo_listener", lambda *where: lambda: gloo.append(where))
     env = {"JAXCOMM_COORDINATOR": "127.0.0.1:4321", "JAXCOMM_NUM_PROCESSES": "2",
            "JAXCOMM_PROCESS_ID": "0"}  # fmt: skip
     assert distributed.initialize(env)
     assert seen["coordinator_bind_address"] == "127.0.0.1:4321"
+    assert gloo == [("127.0.0.1", None)]  # gloo on loopback too
     distributed.initialize({**env, "JAXCOMM_COORDINATOR": "10.1.2.3:4321"})
     assert seen["coordinator_bind_address"] is None  # a cluster: JAX's default
+    assert gloo == [("127.0.0.1", None)]  # and gloo on the host name's address, JAX's default
+    distributed.initialize(
+        {**env, "JAXCOMM_COORDINATOR": "10.1.2.3:4321", "JAXCOMM_GLOO_INTERFACE": "eth1"}
+    )
+    assert gloo[-1] == (None, "eth1")
 
 
 _PIPE = ["workers=2", "stages=2", "boundary=aqsgd", "fw_bits=3", "global_batch=8",

@@ -132,7 +132,8 @@ def test_a_signal_saves_every_process_and_resume_ends_as_one_run(tmp_path, targe
     (which asks every process to stop) or SIGTERM to process 1 alone (which only it sees:
     without agreement process 0 would go on alone and hang in the next collective): the
     processes agree on the step, save it together, exit naming --resume; the resumed
-    run's losses equal one uninterrupted process's."""
+    run (``--resume DIR`` alone, or the settings repeated) equals one uninterrupted
+    process's."""
     sets = ["task=mlp", "dataset=digits", "model.features=[16]", "workers=4",
             "global_batch=16", "aggregator=ec_quantized", "checkpoint_every=100",
             "eval_every=0", "progress=false", "steps=40"]  # fmt: skip
@@ -157,7 +158,10 @@ def test_a_signal_saves_every_process_and_resume_ends_as_one_run(tmp_path, targe
     assert "continue with --resume" in out
     saved = [int(p.name) for p in (two / "checkpoints").iterdir() if p.name.isdigit()]
     assert len(saved) == 1 and 4 <= saved[0] < 40
-    again = _start([*args, "--resume"])
+    # Resumed from the folder alone (its saved config), or with every setting repeated.
+    again = _start(
+        ["--processes", "2", "--resume", str(two)] if target == "launcher" else [*args, "--resume"]
+    )
     out, err = again.communicate(timeout=300)
     assert again.returncode == 0, out[-2000:] + err[-2000:]
     one = tmp_path / "one"

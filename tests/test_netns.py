@@ -38,7 +38,7 @@ def test_hosts_have_test_addresses_only_and_are_torn_down():
         assert hosts.startswith("198.18.0.2 ")
         ping = subprocess.run(
             [*c.exec_prefix(0), sys.executable, "-c",
-             "import socket; s = socket.create_connection(('198.18.0.1', 9), timeout=1)"],
+             "import socket; s = socket.create_connection(('198.18.0.1', 9), timeout=10)"],
             capture_output=True, text=True,
         )  # fmt: skip
         assert "ConnectionRefused" in ping.stderr  # reachable, nothing listening

@@ -9,9 +9,11 @@ port (``JAXCOMM_COORDINATOR``, ``JAXCOMM_NUM_PROCESSES``, ``JAXCOMM_PROCESS_ID``
 :mod:`train.distributed`). Every line the processes print comes out here prefixed with
 ``[p<i>]``. When a process fails, the others are stopped at once (they cannot go on
 without it) and the launcher exits with the first failing exit code (``128 + n`` for a
-process killed by signal ``n``). Ctrl-C (or SIGTERM, SIGHUP to the launcher) asks every
-process to stop: they finish the step under way, save a checkpoint together and exit, and
-what is left after ``--grace`` seconds is killed.
+process killed by signal ``n``), naming that process and the error it reported. A process
+that prints ``error: ...`` (how ``python -m train`` reports a failure) has failed, also
+while it still waits in JAX's shutdown for the others (exit code 1 then). Ctrl-C (or
+SIGTERM, SIGHUP to the launcher) asks every process to stop: they finish the step under way,
+save a checkpoint together and exit, and what is left after ``--grace`` seconds is killed.
 
 Elastic (``--min-processes M``): when a process is lost (killed by a signal, as a lost
 machine is), the others are stopped and the survivors restart from the newest checkpoint
@@ -237,6 +239,8 @@ def _generation(
     first_fail: tuple[int, int] | None = None
     open_streams = processes
     relay = _Relay()
+    # The first `error: ...` line of each process, in the order they came.
+    errors: dict[int, str] = {}
 
     class _Stopped(KeyboardInterrupt):
         def __init__(self, signum: int):
@@ -258,7 +262,28 @@ def _generation(
                     open_streams -= 1
                 else:
                     relay.write(i, line)
+                    if i not in errors and line.startswith(_ERROR):
+                        errors[i] = line[len(_ERROR) :].strip()
             codes = [p.poll() for p in procs]
+            if first_fail is None and errors and not any((c or 0) < 0 for c in codes):
+                # `python -m train` reports a failure as `error: ...` and exits, but a process
+                # of a multi-process run then waits in JAX's shutdown for the others, which
+                # wait for it in a collective until gloo's timeout fails them: the first
+                # process to report an error is the one that failed.
+                i = next(iter(errors))
+                try:
+                    rc = procs[i].wait(timeout=_REPORTED_EXIT_S)
+                except subprocess.TimeoutExpired:
+                    rc = None
+                first_fail = (i, rc or 1)
+                how = f" ({_how(rc)})" if rc else ""
+                print(
+                    f"[launch] process {i} failed{how}: {errors[i]}; stopping the other processes",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                _stop(procs, 0.0)
+                continue
             # A process killed by a signal first: when one dies, a survivor may fail on its
             # own (a broken collective) within the same poll; the death is what happened.
             for i in sorted(range(len(procs)), key=lambda j: not (codes[j] or 0) < 0):
@@ -276,11 +301,10 @@ def _generation(
                         )
                         _stop_after(procs, grace_s)
                         continue
-                    how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
-                    if rc == STOPPED_AT_ONCE:
-                        how = f"stopped at once by a second Ctrl-C: exit code {rc}"
+                    said = f": {errors[i]}" if i in errors else ""
                     print(
-                        f"[launch] process {i} failed ({how}); stopping the other processes",
+                        f"[launch] process {i} failed ({_how(rc)}){said}; stopping the other "
+                        "processes",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -319,6 +343,19 @@ def _generation(
     if first_fail is not None:
         return Ended(_exit_code(first_fail[1]), first_fail)
     return Ended(0, None)
+
+
+def _how(rc: int) -> str:
+    """How a process ended, from its raw return code."""
+    if rc == STOPPED_AT_ONCE:
+        return f"stopped at once by a second Ctrl-C: exit code {rc}"
+    return f"signal {-rc}" if rc < 0 else f"exit code {rc}"
+
+
+# How `python -m train` reports a failure before it exits non-zero, and how long a process
+# that said so gets to exit by itself (its own exit code) before it is stopped.
+_ERROR = "error: "
+_REPORTED_EXIT_S = 3.0
 
 
 def _signal(procs: list[subprocess.Popen], sig: int) -> None:
@@ -505,6 +542,24 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _resume_folder_as_out_dir(train_args: list[str], folder: str) -> list[str]:
+    """``train_args`` with ``--resume DIR`` (or ``--resume=DIR``) written as ``--resume --set
+    out_dir=DIR`` (what it means), so a restart can drop and add ``--resume`` alone."""
+    out: list[str] = []
+    skip = False
+    for i, a in enumerate(train_args):
+        if skip:
+            skip = False
+        elif a == "--resume" and i + 1 < len(train_args) and train_args[i + 1] == folder:
+            out += ["--resume", "--set", f"out_dir={folder}"]
+            skip = True
+        elif a == f"--resume={folder}":
+            out += ["--resume", "--set", f"out_dir={folder}"]
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse ``--processes`` (and ``--port``, ``--grace``), check the config, launch."""
     p = _parser()
@@ -516,12 +571,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.grace < 0:
         p.error(f"--grace must be >= 0, got {args.grace}")
     from train.cli import _parser as train_parser
-    from train.cli import resolve_config
-    from train.config import load_config
+    from train.cli import config_from_args
 
     targs = train_parser().parse_args(train_args)
+    if isinstance(targs.resume, str):  # every process, and every restart, resumes that folder
+        train_args = _resume_folder_as_out_dir(train_args, targs.resume)
     try:
-        cfg = load_config(resolve_config(targs.config), targs.overrides)
+        cfg = config_from_args(targs)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
