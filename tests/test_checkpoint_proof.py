@@ -161,3 +161,42 @@ def test_damaged_checkpoints_on_another_filesystem_are_set_aside(tmp_path, refer
         assert (mount / "damaged" / "4").is_dir()
     finally:
         subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_step_set_aside_twice_keeps_both(tmp_path, reference, capsys):
+    """A kill between the commit and the sums, twice at the same step: the second copy is
+    set aside beside the first (nothing overwritten, no endless search for a free name)."""
+    cfg = _four_steps(tmp_path)
+    (cfg.run_dir / "checksums" / "4.json").unlink()
+    _resumes_from(cfg, 2, reference, capsys)  # 4 set aside, then saved again (and 6)
+    for step in (4, 6):
+        (cfg.run_dir / "checksums" / f"{step}.json").unlink()
+    more = _cfg(tmp_path, **{**KW, "steps": 8})
+    Trainer(more).run(resume=True)
+    err = capsys.readouterr().err
+    assert "resuming from checkpoint step 2" in err
+    aside = cfg.run_dir / "checkpoints" / "damaged"
+    assert {p.name for p in aside.iterdir() if p.is_dir()} == {"4", "4.1", "6"}
+
+
+def test_the_flag_does_not_let_a_foreign_checkpoint_in(tmp_path, reference, capsys):
+    """Another run's checkpoint copied in without its sums is still another run's: refused
+    with --allow-unverified too."""
+    cfg = _four_steps(tmp_path / "mine")
+    other = _cfg(tmp_path / "other", **{**KW, "lr": 0.1})
+    Trainer(other).run()
+    shutil.copytree(other.run_dir / "checkpoints" / "6", cfg.run_dir / "checkpoints" / "6")
+    err = _resumes_from(cfg, 4, reference, capsys, allow_unverified=True)
+    assert "belongs to another run" in err and "--allow-unverified" not in err
+
+
+def test_a_folder_resumed_unverified_keeps_its_own_identity(tmp_path, capsys):
+    """run.json lost, resumed with the flag: the folder takes the identity its checkpoints
+    store, so its older checkpoints stay resumable (a later damaged newest one falls back
+    to them, with no flag)."""
+    cfg = _four_steps(tmp_path)
+    (cfg.run_dir / "run.json").unlink()
+    Trainer(cfg).run(resume=True, allow_unverified=True)
+    _flip_a_byte(cfg.run_dir, 6)
+    Trainer(_cfg(tmp_path, **{**KW, "steps": 8})).run(resume=True)
+    assert "resuming from checkpoint step 4" in capsys.readouterr().err

@@ -152,16 +152,15 @@ def test_sigkill_is_reported_as_128_plus_signal(capsys):
     assert "process 1 failed (signal 9)" in capsys.readouterr().err
 
 
-def test_the_first_process_to_report_an_error_is_blamed(capsys, tmp_path):
-    """Process 0 reports an error and then waits (as in JAX's shutdown, for the others),
-    while process 1 would fail later on its own (as on gloo's timeout): the launcher stops
-    both on process 0's report and names it, not process 1."""
+def test_the_first_process_to_fail_is_blamed_with_the_error_it_reported(capsys, tmp_path):
+    """Process 0 reports an error and exits at once (as ``python -m train`` does in a
+    multi-process run), while process 1 would fail later on its own (as on gloo's
+    timeout): the launcher stops process 1 and names process 0 with its error line."""
     woke = tmp_path / "woke"
-    said_then_waits = [
+    said_and_exits = [
         sys.executable,
         "-c",
-        "import time; print('error: the folder is taken', flush=True); time.sleep(120); "
-        f"open({str(woke)!r}, 'w').close()",
+        "import sys; print('error: the folder is taken', flush=True); sys.exit(1)",
     ]
     fails_later = [
         sys.executable,
@@ -170,14 +169,14 @@ def test_the_first_process_to_report_an_error_is_blamed(capsys, tmp_path):
         "print('timed out'); sys.exit(1)",
     ]
     rc = launch_mod.launch(
-        2, [], devices_per_process=1, grace_s=2.0, commands=[said_then_waits, fails_later]
+        2, [], devices_per_process=1, grace_s=2.0, commands=[said_and_exits, fails_later]
     )
     assert rc == 1
-    assert not woke.exists()  # both stopped, neither waited out
+    assert not woke.exists()  # stopped, not waited out
     captured = capsys.readouterr()
     assert "[p0] error: the folder is taken" in captured.out
     assert "timed out" not in captured.out
-    assert "process 0 failed: the folder is taken; stopping the other processes" in captured.err
+    assert "process 0 failed (exit code 1): the folder is taken; stopping" in captured.err
     assert "process 1 failed" not in captured.err
 
 
@@ -229,7 +228,10 @@ def test_a_launch_into_a_busy_run_folder_reports_process_0s_refusal(tmp_path):
     assert f"[p0] error: another run is writing to {str(run)!r} (process {holder.pid}" in (
         proc.stdout
     )
-    assert f"[launch] process 0 failed: another run is writing to {str(run)!r}" in proc.stderr
+    assert (
+        f"[launch] process 0 failed (exit code 1): another run is writing to {str(run)!r}"
+        in proc.stderr
+    )
     assert "process 1 failed" not in proc.stderr
     assert "timed out" not in proc.stdout  # gloo's wait was not what ended it
 

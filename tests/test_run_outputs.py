@@ -156,9 +156,9 @@ def test_a_name_is_one_folder_name(tmp_path, name, capsys, monkeypatch):
     "args, says",
     [
         (["--set", "seed=99999999999999999999"], "seed must be an integer in [0, 4294967295]"),
-        (["--set", "workers=4096", "--set", "global_batch=4096"], "at most 1024 devices"),
+        (["--set", "workers=4096", "--set", "global_batch=4096"], "simulates at most 1024"),
         (["--set", "name=\udcff\udcfe"], "is not valid UTF-8"),
-        (["--config", "BOMB"], "values (YAML aliases); a config holds at most 100,000"),
+        (["--config", "BOMB"], "values (each YAML alias counted at its full size)"),
         (["--config", "SELF"], "refers to itself"),
     ],
 )
@@ -226,3 +226,45 @@ def test_without_a_bar_progress_is_a_plain_line(tmp_path, capsys):
     for _ in range(5):
         quiet.update(1)
     assert capsys.readouterr().err.splitlines() == [line for line in ["x: step 5/5 (0 s)"]]
+
+
+def test_a_finished_run_missing_an_output_gets_it_on_resume(tmp_path, capsys):
+    cfg = _cfg(tmp_path, **MLP, steps=2)
+    Trainer(cfg).run()
+    model = (cfg.run_dir / "params.msgpack").read_bytes()
+    for name in ("params.msgpack", "loss.png"):
+        (cfg.run_dir / name).unlink()
+    Trainer(cfg).run(resume=True)
+    assert "params.msgpack, loss.png are missing" in capsys.readouterr().out
+    assert (cfg.run_dir / "params.msgpack").read_bytes() == model
+    assert (cfg.run_dir / "loss.png").is_file()
+
+
+def test_resume_by_name_resumes_that_folder_even_when_copied(tmp_path, monkeypatch):
+    """A run resumed by its folder records that folder; a copy of it resumed by name
+    writes into the copy, not into the folder its config.json names."""
+    monkeypatch.chdir(tmp_path)
+    sets = ["task=mlp", "dataset=digits", "model.features=[8]", "steps=2", "name=a"]
+    assert main([a for s in sets for a in ("--set", s)] + ["--no-progress"]) == 0
+    assert main(["--resume", "runs/a", "--set", "steps=3", "--no-progress"]) == 0
+    import shutil
+
+    shutil.copytree("runs/a", "runs/b")
+    before = (tmp_path / "runs" / "a" / "metrics.jsonl").read_text()
+    assert main(["--resume", "--set", "name=b", "--set", "steps=4", "--no-progress"]) == 0
+    assert (tmp_path / "runs" / "a" / "metrics.jsonl").read_text() == before
+    rows = (tmp_path / "runs" / "b" / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 4
+
+
+def test_the_dense_ring_follows_each_steps_workers(tmp_path):
+    """Resumed from 8 workers on 4: the ratio to a dense ring counts each step's own ring."""
+    cfg = _cfg(tmp_path, **MLP, aggregator="ring", steps=2, checkpoint_every=2)
+    Trainer(cfg).run()
+    more = _cfg(tmp_path, **MLP, aggregator="ring", steps=4, workers=4, checkpoint_every=2)
+    s = Trainer(more).run(resume=True)
+    rows = [json.loads(r) for r in (more.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["workers"] for r in rows] == [8, 8, 4, 4]
+    dense = [2 * (n - 1) * 4 * s["params"] // n for n in (8, 8, 4, 4)]
+    assert s["sent_vs_dense_ring"] == pytest.approx(sum(_sent(more.run_dir)) / sum(dense))
+    assert s["dense_ring_bytes_per_step"] == pytest.approx(np.mean(dense))

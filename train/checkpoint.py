@@ -23,6 +23,7 @@ import json
 import os
 import socket
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -236,9 +237,14 @@ def run_lock(run_dir: Any):
 
     path = run_dir / ".lock"
     with open(path, "a+") as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        for attempt in range(3):  # lock_holder's probe holds a shared lock for an instant
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if attempt < 2:
+                    time.sleep(0.05)
+        else:
             f.seek(0)
             holder = f.read().strip() or "unknown"
             raise RunFolderBusy(
@@ -587,18 +593,37 @@ class Checkpoints:
         return jax.tree_util.tree_map_with_path(place, state, template)
 
     def _problem(self, step: int, mine: dict | None) -> str | None:
-        """Why checkpoint ``step`` cannot be resumed into this run folder (files against
-        their sums, then the run and step it stores), or None."""
-        return verify_checksums(self.run_dir, step) or _identity_problem(
-            self.run_dir, step, read_run_id(self.run_dir), mine
-        )
+        """Why checkpoint ``step`` cannot be resumed into this run folder, or None: the run
+        and step it stores, and its files against their sums, all checked; an
+        :class:`Unverified` only when nothing proves it wrong but something cannot be
+        checked (no sums, no run identity)."""
+        problems = [
+            _identity_problem(self.run_dir, step, read_run_id(self.run_dir), mine),
+            verify_checksums(self.run_dir, step),
+        ]
+        wrong = [p for p in problems if p is not None and not isinstance(p, Unverified)]
+        unknown = [p for p in problems if isinstance(p, Unverified)]
+        return wrong[0] if wrong else unknown[0] if unknown else None
+
+    def _adopt_identity(self, step: int) -> None:
+        """Give a run folder without ``run.json`` the identity that checkpoint ``step``
+        (resumed unverified) stores, so its older checkpoints stay this run's."""
+        if read_run_id(self.run_dir) is not None:
+            return
+        path = self.folder / str(step) / "meta" / "metadata"
+        try:
+            run_id = json.loads(path.read_text()).get("run_id")
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            return
+        if isinstance(run_id, str) and run_id:
+            write_atomically(self.run_dir / RUN_FILE, json.dumps({"run_id": run_id}) + "\n")
 
     def _move_aside(self, step: int, why: str) -> Path:
         """Move checkpoint ``step`` into :attr:`set_aside`, with a note of why, and its sums
         to ``checksums/<name>.set-aside``; nothing is deleted. Returns where it went."""
         self.set_aside.mkdir(exist_ok=True)
         aside, n = self.set_aside / str(step), 1
-        while aside.exists() or aside.with_suffix(".why").exists():
+        while aside.exists() or aside.with_name(aside.name + ".why").exists():
             aside, n = self.set_aside / f"{step}.{n}", n + 1
         os.replace(self.folder / str(step), aside)
         sums = self.run_dir / "checksums" / f"{step}.json"
@@ -628,10 +653,12 @@ class Checkpoints:
                     file=sys.stderr,
                     flush=True,
                 )
+                self._adopt_identity(step)
                 break
             refused.append((step, problem))
             hint = (
-                " (resume with --allow-unverified to use it anyway)"
+                " (it is set aside; to resume from it instead, stop this run, move it back "
+                "from checkpoints/damaged/ and resume with --allow-unverified)"
                 if isinstance(problem, Unverified)
                 else ""
             )

@@ -10,6 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# The most simulated CPU devices one process runs (a mesh of 4,096 fails inside XLA; 1,024
+# compile and run).
+MAX_SIMULATED = 1024
+
 
 def _configs_dir() -> Path:
     """The shipped configs: ``configs/`` beside the package (a source checkout)."""
@@ -98,7 +102,11 @@ def _parser() -> argparse.ArgumentParser:
         help="with --resume: also resume a checkpoint that cannot be verified (no checksum "
         "file, or written before run identities); a damaged or foreign one is never used",
     )
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar: a plain line every 30 seconds instead",
+    )
     p.add_argument(
         "--list-keys", action="store_true", help="print every config key, its default and meaning"
     )
@@ -195,7 +203,13 @@ def config_from_args(args: argparse.Namespace) -> Any:
     args.config = resolve_config(args.config)
     if args.resume and args.config is None:
         where = [o for o in args.overrides if o.split("=", 1)[0].strip() in ("name", "out_dir")]
-        saved = load_config(None, where).run_dir / "config.json"
+        run_dir = load_config(None, where).run_dir
+        saved = run_dir / "config.json"
+        if not saved.is_file() and (run_dir / "checkpoints").is_dir():
+            raise ValueError(
+                f"{str(run_dir)!r} holds checkpoints but no config.json: give the run's "
+                "settings with --config (and --set)"
+            )
         if saved.is_file():
             try:
                 data = json.loads(saved.read_text())
@@ -204,8 +218,24 @@ def config_from_args(args: argparse.Namespace) -> Any:
             if not isinstance(data, dict):
                 raise ValueError(f"{str(saved)!r} does not hold a config mapping")
             data["progress"] = True  # the bar is this invocation's choice (--no-progress)
+            # The folder found is the one resumed (a copied folder's config names another).
+            data["out_dir"] = str(run_dir)
             return config_from_dict(data, args.overrides)
     return load_config(args.config, args.overrides)
+
+
+def _failed(message: str, code: int = 1) -> int:
+    """Report a failed run in one line and return its exit code. One process of several
+    exits at once: the others wait for it in a collective, and it would wait for them in
+    JAX's shutdown, so the launcher would see whichever gave up first instead of it."""
+    print(f"error: {message}", file=sys.stderr)
+    from train import distributed
+
+    if distributed.requested():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,8 +262,7 @@ def main(argv: list[str] | None = None) -> int:
 
         why = nothing_to_resume(cfg)
         if why is not None:
-            print(f"error: {why}", file=sys.stderr)
-            return 1
+            return _failed(why)
     from train import distributed
 
     if distributed.requested():
@@ -246,6 +275,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     else:
         # Simulated CPU devices must be requested before JAX initialises its backends.
+        if cfg.workers * cfg.stages > MAX_SIMULATED:
+            print(
+                f"error: workers x stages = {cfg.workers} x {cfg.stages} simulated CPU devices; "
+                f"one process simulates at most {MAX_SIMULATED} (XLA fails beyond): use fewer, "
+                "or several processes (python -m train.launch) or hosts",
+                file=sys.stderr,
+            )
+            return 2
         flag = f"--xla_force_host_platform_device_count={cfg.workers * cfg.stages}"
         if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
             os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
@@ -266,12 +303,9 @@ def main(argv: list[str] | None = None) -> int:
         print(str(e), file=sys.stderr)
         return 128 + e.signum
     except (ValueError, FloatingPointError, FileNotFoundError, RunFolderBusy) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _failed(str(e))
     except OSError as e:  # a read-only or full disk, a folder that vanished
-        where = f" ({e.filename})" if e.filename else ""
-        print(f"error: {e.strerror or e}{where}; the newest checkpoint is kept", file=sys.stderr)
-        return 1
+        return _failed(f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else ""))
     if distributed.is_primary():
         from train.summary import format_summary
 

@@ -239,7 +239,7 @@ def _generation(
     first_fail: tuple[int, int] | None = None
     open_streams = processes
     relay = _Relay()
-    # The first `error: ...` line of each process, in the order they came.
+    # The last `error: ...` line of each process: the failure it reports as it exits.
     errors: dict[int, str] = {}
 
     class _Stopped(KeyboardInterrupt):
@@ -262,28 +262,9 @@ def _generation(
                     open_streams -= 1
                 else:
                     relay.write(i, line)
-                    if i not in errors and line.startswith(_ERROR):
+                    if line.startswith(_ERROR):  # the last one: what it ended on
                         errors[i] = line[len(_ERROR) :].strip()
             codes = [p.poll() for p in procs]
-            if first_fail is None and errors and not any((c or 0) < 0 for c in codes):
-                # `python -m train` reports a failure as `error: ...` and exits, but a process
-                # of a multi-process run then waits in JAX's shutdown for the others, which
-                # wait for it in a collective until gloo's timeout fails them: the first
-                # process to report an error is the one that failed.
-                i = next(iter(errors))
-                try:
-                    rc = procs[i].wait(timeout=_REPORTED_EXIT_S)
-                except subprocess.TimeoutExpired:
-                    rc = None
-                first_fail = (i, rc or 1)
-                how = f" ({_how(rc)})" if rc else ""
-                print(
-                    f"[launch] process {i} failed{how}: {errors[i]}; stopping the other processes",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                _stop(procs, 0.0)
-                continue
             # A process killed by a signal first: when one dies, a survivor may fail on its
             # own (a broken collective) within the same poll; the death is what happened.
             for i in sorted(range(len(procs)), key=lambda j: not (codes[j] or 0) < 0):
@@ -352,10 +333,9 @@ def _how(rc: int) -> str:
     return f"signal {-rc}" if rc < 0 else f"exit code {rc}"
 
 
-# How `python -m train` reports a failure before it exits non-zero, and how long a process
-# that said so gets to exit by itself (its own exit code) before it is stopped.
+# How `python -m train` reports a failure before it exits non-zero (at once, in a
+# multi-process run: it does not wait for the others in JAX's shutdown).
 _ERROR = "error: "
-_REPORTED_EXIT_S = 3.0
 
 
 def _signal(procs: list[subprocess.Popen], sig: int) -> None:

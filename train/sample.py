@@ -29,6 +29,10 @@ class SampleError(ValueError):
     """A run folder that cannot be sampled from (the message says why, in one line)."""
 
 
+# The most bytes one call generates (one compiled step a byte: about a minute on a CPU).
+MAX_LENGTH = 100_000
+
+
 def load_run(run_dir: str | Path) -> tuple[Any, Any]:
     """The :class:`models.Task` and trained parameters of the GPT run in ``run_dir``.
 
@@ -156,12 +160,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, load the run, write the prompt and its continuation to stdout."""
     args = _parser().parse_args(argv)
-    prompt = args.prompt.encode()
+    prompt = args.prompt.encode("utf-8", "surrogateescape")  # the bytes as given
     problem = None
     if not prompt:
         problem = "--prompt must hold at least one character"
-    elif args.length < 0:
-        problem = f"--length must be >= 0, got {args.length}"
+    elif not 0 <= args.length <= MAX_LENGTH:
+        problem = f"--length must be in [0, {MAX_LENGTH:,}], got {args.length}"
     elif not np.isfinite(args.temperature) or args.temperature < 0:
         problem = f"--temperature must be a finite number >= 0, got {args.temperature}"
     elif not 0 <= args.seed < 2**32:

@@ -426,10 +426,7 @@ class Trainer:
                 "with --set name=<new name> (or --set out_dir=<folder>)"
             )
         if resume and manager.latest_step() is None:
-            raise NothingToResume(
-                f"nothing to resume in {str(run_dir)!r}: it holds no checkpoint; run without "
-                "--resume to start this run there"
-            )
+            raise NothingToResume(nothing_to_resume(cfg) or f"nothing to resume in {run_dir}")
         if not resume:
             manager.start_run()
         resumed = self.restore(manager, allow_unverified=allow_unverified) if resume else False
@@ -461,6 +458,7 @@ class Trainer:
         rows = [json.loads(r) for r in kept]
         self._times = [(r.get("sim_compute_s", 0.0), r.get("comm_s", 0.0)) for r in rows]
         self._sent = [int(r.get("sent_bytes", 0)) for r in rows]
+        self._workers = [int(r.get("workers", self.n)) for r in rows]
         bar = _progress(cfg, self.step) if primary else None
         flights: collections.deque[Flight] = collections.deque()
         dispatched = start = self.step
@@ -543,18 +541,19 @@ class Trainer:
 
     def _bytes_summary(self) -> dict[str, Any]:
         """Bytes sent per worker over the run (the busiest worker of each step, as
-        ``metrics.jsonl``'s ``sent_bytes``): mean, peak and total, and the mean against a
-        dense float32 ring all-reduce of this model's gradient over the workers."""
-        sent = self._sent
+        ``metrics.jsonl``'s ``sent_bytes``): mean, peak and total, and the total against a
+        dense float32 ring all-reduce of this model's gradient over each step's workers
+        (a run resumed on another number of workers changes the ring)."""
+        sent, params = self._sent, self.num_params()
         total = int(sum(sent))
-        dense = 2 * (self.n - 1) * 4 * self.num_params() // self.n
+        dense = [2 * (n - 1) * 4 * params // n for n in self._workers]
         mean = total / len(sent) if sent else None
         return {
             "sent_bytes_mean": mean,
             "sent_bytes_peak": max(sent) if sent else None,
             "sent_bytes_total": total,
-            "dense_ring_bytes_per_step": dense,
-            "sent_vs_dense_ring": mean / dense if mean is not None and dense else None,
+            "dense_ring_bytes_per_step": sum(dense) / len(dense) if dense else None,
+            "sent_vs_dense_ring": total / sum(dense) if sum(dense) else None,
         }
 
     def _needs_state(self, step: int) -> bool:
@@ -603,6 +602,7 @@ class Trainer:
             "step": self.step,
             **{k: float(v) for k, v in metrics.items()},
             "sent_bytes": int(traffic.sent.max()),
+            "workers": self.n,
             "compute_s": compute_s,
             "sim_compute_s": step_s,
             "comm_s": comm_s,
@@ -620,6 +620,7 @@ class Trainer:
         self._last = last
         self._times.append((step_s, comm_s))
         self._sent.append(last["sent_bytes"])
+        self._workers.append(self.n)
         if metrics_cb is not None:
             metrics_cb(last)
         if bar is not None:
@@ -646,6 +647,11 @@ def nothing_to_resume(cfg: Config) -> str | None:
     """Why ``cfg``'s run folder holds nothing to resume (no checkpoint yet: none was ever
     written, or a run in progress there has not written its first), or None."""
     folder = cfg.run_dir / "checkpoints"
+    if not cfg.run_dir.is_dir():
+        return (
+            f"nothing to resume in {str(cfg.run_dir)!r}: it does not exist; run without "
+            "--resume to start this run there"
+        )
     if folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir()):
         return None
     holder = lock_holder(cfg.run_dir)
