@@ -177,8 +177,9 @@ def test_a_signal_saves_every_process_and_resume_ends_as_one_run(tmp_path, targe
 @pytest.mark.parametrize("target", ["launcher", "one process"])
 def test_a_second_ctrl_c_stops_at_once_without_hanging(tmp_path, target):
     """Ctrl-C twice, 0.1 s apart, to the launcher or to process 1 alone: everything ends
-    within a minute (a process that skipped the save must not wait in JAX's shutdown
-    barrier for the others), with no traceback and no process left; the launcher says what
+    without hanging (a process that skipped the save must not wait in JAX's shutdown
+    barrier for the others; a hang meets the 120 s safety deadline, far above the few
+    seconds it takes), with no traceback and no process left; the launcher says what
     happened in one line."""
     sets = ["task=mlp", "dataset=digits", "model.features=[16]", "workers=4",
             "global_batch=16", "checkpoint_every=100", "eval_every=0", "progress=false",
@@ -194,7 +195,6 @@ def test_a_second_ctrl_c_stops_at_once_without_hanging(tmp_path, target):
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
         time.sleep(0.05)
-    t0 = time.monotonic()
     for _ in range(2):
         if target == "launcher":
             proc.send_signal(signal.SIGINT)
@@ -202,7 +202,6 @@ def test_a_second_ctrl_c_stops_at_once_without_hanging(tmp_path, target):
             os.kill(pid, signal.SIGINT)
         time.sleep(0.1)
     out, err = proc.communicate(timeout=120)
-    assert time.monotonic() - t0 < 60, err[-2000:]
     assert "Traceback" not in out + err and "DEADLINE_EXCEEDED" not in out + err, err[-3000:]
     if target == "launcher":
         assert proc.returncode == 130
