@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -195,7 +194,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
     folder's saved ``config.json`` (then ``--set`` on top), so a run continues with the
     settings it was started with. Normalises ``args.resume`` to a bool and
     ``args.overrides`` to the full list."""
-    from train.config import config_from_dict, load_config
+    from train.config import config_from_dict, load_config, read_saved_config
 
     if isinstance(args.resume, str):
         args.overrides = [f"out_dir={args.resume}", *args.overrides]
@@ -211,12 +210,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
                 "settings with --config (and --set)"
             )
         if saved.is_file():
-            try:
-                data = json.loads(saved.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise ValueError(f"{str(saved)!r} is not a readable config") from None
-            if not isinstance(data, dict):
-                raise ValueError(f"{str(saved)!r} does not hold a config mapping")
+            data = read_saved_config(saved)
             data["progress"] = True  # the bar is this invocation's choice (--no-progress)
             # The folder found is the one resumed (a copied folder's config names another).
             data["out_dir"] = str(run_dir)

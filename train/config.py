@@ -8,6 +8,7 @@ as YAML and must have the field's type. Unknown keys are errors, never silently 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from pathlib import Path
@@ -730,6 +731,19 @@ def _load_yaml(text: str, what: str) -> Any:
 
 # The configs shipped beside the package (a source checkout or an editable install).
 _CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def read_saved_config(path: str | Path) -> dict[str, Any]:
+    """The mapping a run saved as ``config.json`` at ``path``; ValueError when it is not
+    readable JSON or not a mapping."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValueError(f"{str(path)!r} is not a readable config") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{str(path)!r} does not hold a config mapping")
+    return data
 
 
 def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None) -> Config:

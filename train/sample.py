@@ -12,7 +12,6 @@ The prompt and its continuation are written to standard output as the bytes the 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,7 +43,7 @@ def load_run(run_dir: str | Path) -> tuple[Any, Any]:
 
     from models import build_task
     from train.checkpoint import load_model_params
-    from train.config import config_from_dict
+    from train.config import config_from_dict, read_saved_config
 
     run_dir = Path(run_dir)
     saved = run_dir / "config.json"
@@ -52,13 +51,7 @@ def load_run(run_dir: str | Path) -> tuple[Any, Any]:
         what = "does not exist" if not run_dir.exists() else "has no config.json"
         raise SampleError(f"{str(run_dir)!r} {what}: not a training run's folder")
     try:
-        data = json.loads(saved.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise SampleError(f"{str(saved)!r} is not a readable config") from None
-    if not isinstance(data, dict):
-        raise SampleError(f"{str(saved)!r} does not hold a config mapping")
-    try:
-        cfg = config_from_dict(data)
+        cfg = config_from_dict(read_saved_config(saved))
     except ValueError as e:
         raise SampleError(f"{str(saved)!r}: {str(e).splitlines()[0]}") from None
     if cfg.task != "gpt":
