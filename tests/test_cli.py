@@ -144,7 +144,7 @@ def test_the_summary_reads_as_text():
     assert "2.559 training, 2.58 validation" in text
     assert "867,328" in text
     assert "202,376 B (202.38 kB) mean, 6,071,296 B (6.07 MB) peak" in text
-    assert "12,142,592 B (12.14 MB) by a worker" in text
+    assert "12,142,592 B (12.14 MB), the busiest worker of each step summed" in text
     assert "0.03333x the bytes of a dense float32 ring" in text
     assert "0.59 ms compute + 62.60 ms communication a step" in text
     assert "schedule" in text and "every 30 steps" in text

@@ -413,7 +413,7 @@ def test_new_combinations_on_two_processes_resume_bit_exactly(tmp_path, combo):
         for s in [*sets, f"steps={steps}", f"out_dir={two}"]:
             args += ["--set", s]
         proc = _launch(args + (["--resume"] if resume else []))
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-12000:]
     one = tmp_path / "one"
     cfg = load_config(str(ROOT / "configs/dp_default.yaml"), [*sets, "steps=6", f"out_dir={one}"])
     Trainer(cfg).run()

@@ -48,9 +48,10 @@ def test_a_signal_checkpoints_the_last_step_and_resume_ends_bit_exact(tmp_path, 
     feedback's residuals (the run's per-worker state) alike."""
     kw = dict(MLP, steps=12, checkpoint_every=100, lr=0.05)
     run = _cfg(tmp_path, **kw)
-    with pytest.raises(Interrupted, match="continue with --resume") as stop:
+    with pytest.raises(Interrupted, match="continue with python -m train --resume ") as stop:
         Trainer(run).run(metrics_cb=_stop_at(3, sig))
     assert stop.value.signum == sig
+    assert str(stop.value).endswith(f"--resume {run.run_dir}")  # the folder, named
     saved = sorted(int(p.name) for p in (run.run_dir / "checkpoints").iterdir())
     assert saved in ([3], [4]) and f"at step {saved[0]} of 12" in str(stop.value)
     assert not (run.run_dir / "summary.json").exists()  # a summary is for a finished run
@@ -155,7 +156,7 @@ def test_a_signal_saves_every_process_and_resume_ends_as_one_run(tmp_path, targe
     out, err = proc.communicate(timeout=120)
     want = 130 if target == "launcher" else 128 + signal.SIGTERM
     assert proc.returncode == want, out[-2000:] + err[-2000:]
-    assert "continue with --resume" in out
+    assert f"continue with python -m train --resume {two}" in out
     saved = [int(p.name) for p in (two / "checkpoints").iterdir() if p.name.isdigit()]
     assert len(saved) == 1 and 4 <= saved[0] < 40
     # Resumed from the folder alone (its saved config), or with every setting repeated.

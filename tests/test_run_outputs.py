@@ -49,13 +49,19 @@ def test_the_summary_bytes_are_the_logs(tmp_path, kw):
         assert s["sent_bytes_total"] == sum(sent)
         assert s["sent_bytes_peak"] == max(sent)
         assert s["sent_bytes_mean"] == pytest.approx(np.mean(sent), rel=1e-12)
-        dense = 2 * 7 * 4 * s["params"] // 8
-        assert s["dense_ring_bytes_per_step"] == dense
+        dense = s["dense_ring_bytes_per_step"]
         assert s["sent_vs_dense_ring"] == pytest.approx(np.mean(sent) / dense, rel=1e-12)
     text = (cfg.run_dir / "summary.txt").read_text()
     assert f"{sum(sent):,} B" in text and f"{max(sent):,} B" in text
     if kw["aggregator"] == "marsit":
         assert len(set(sent)) == 2 and sent[-1] < np.mean(sent) < max(sent)
+        # The ratio's denominator is what a dense ring run of the same model sends (its
+        # logged bytes, read from its compiled program), up to the ring's segment padding.
+        ring = _cfg(tmp_path / "ring", **MLP, aggregator="ring", steps=2, checkpoint_every=0)
+        Trainer(ring).run()
+        measured = _sent(ring.run_dir)[0]
+        assert summary["dense_ring_bytes_per_step"] == pytest.approx(measured, rel=1e-2)
+        assert summary["sent_vs_dense_ring"] == pytest.approx(sum(sent) / (10 * measured), rel=1e-2)
         assert summary["sent_vs_dense_ring"] < 0.5
     else:  # the dense ring of this model, every step
         assert min(sent) >= summary["dense_ring_bytes_per_step"]
@@ -268,3 +274,22 @@ def test_the_dense_ring_follows_each_steps_workers(tmp_path):
     dense = [2 * (n - 1) * 4 * s["params"] // n for n in (8, 8, 4, 4)]
     assert s["sent_vs_dense_ring"] == pytest.approx(sum(_sent(more.run_dir)) / sum(dense))
     assert s["dense_ring_bytes_per_step"] == pytest.approx(np.mean(dense))
+
+
+@pytest.mark.parametrize("folder", ["odd #2", "2024", "true", "a: b", "null"])
+def test_resume_takes_the_folder_as_written(tmp_path, folder):
+    """``--resume DIR`` (the CLI's and the launcher's, which rewrites it for its restarts)
+    names that folder whatever YAML would make of its text: no comment, number, boolean or
+    mapping, and never another folder."""
+    from train.cli import _parser, config_from_args
+    from train.config import Config
+    from train.launch import _resume_folder_as_out_dir
+
+    run = tmp_path / folder
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(Config(name="x", steps=3).to_dict()))
+    args = _parser().parse_args(["--resume", str(run), "--set", "steps=5"])
+    cfg = config_from_args(args)
+    assert cfg.run_dir == run and cfg.steps == 5
+    rewritten = _resume_folder_as_out_dir(["--resume", str(run), "--set", "steps=5"], str(run))
+    assert config_from_args(_parser().parse_args(rewritten)).run_dir == run

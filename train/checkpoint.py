@@ -92,15 +92,21 @@ def _checkpoint_files(run_dir: Any, step: int) -> dict[str, Any]:
     return files
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text``: a temporary file beside it, renamed (a crash leaves
-    the old file or the new, never half of one)."""
+def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
+    """Replace ``path`` with ``data`` (text or bytes): a temporary file beside it, renamed
+    (a crash leaves the old file or the new, never half of one; a failed write, e.g. a full
+    disk, removes the temporary file and raises)."""
+    path = Path(path)
     tmp = path.parent / f".{path.name}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())  # on disk before the rename makes it the file
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it the file
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_checksums(run_dir: Any, step: int, kept: Any = ()) -> None:
@@ -263,16 +269,10 @@ def run_lock(run_dir: Any):
 
 def save_model_params(path: str | os.PathLike, params: Any) -> None:
     """Write a parameter tree to ``path`` as msgpack, atomically (temporary file, rename)."""
-    path = os.fspath(path)
     data = serialization.msgpack_serialize(
         serialization.to_state_dict(jax.tree_util.tree_map(np.asarray, params))
     )
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomically(path, data)
 
 
 def load_model_params(path: str | os.PathLike, template: Any) -> Any:
@@ -308,9 +308,12 @@ def resume_note(folder: Path | None, step: int | None) -> str:
     was written), for its error message."""
     if step is None or folder is None:
         return "no checkpoint was written yet: start again (e.g. with a smaller lr)"
+    from train.config import resume_command
+
     return (
         f"the newest checkpoint, step {step} ({folder / str(step)}), is intact: continue it "
-        "with --resume (step sizes such as lr may be changed with --set)"
+        f"with {resume_command(folder.parent)} (step sizes such as lr may be changed with "
+        "--set)"
     )
 
 
@@ -657,8 +660,9 @@ class Checkpoints:
                 break
             refused.append((step, problem))
             hint = (
-                " (it is set aside; to resume from it instead, stop this run, move it back "
-                "from checkpoints/damaged/ and resume with --allow-unverified)"
+                " (it is set aside in checkpoints/damaged/; to resume from it instead, stop "
+                "this run, move it back to checkpoints/, delete the newer steps this run "
+                "wrote there and resume with --allow-unverified)"
                 if isinstance(problem, Unverified)
                 else ""
             )

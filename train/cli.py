@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import re
 import sys
@@ -194,10 +195,10 @@ def config_from_args(args: argparse.Namespace) -> Any:
     folder's saved ``config.json`` (then ``--set`` on top), so a run continues with the
     settings it was started with. Normalises ``args.resume`` to a bool and
     ``args.overrides`` to the full list."""
-    from train.config import config_from_dict, load_config, read_saved_config
+    from train.config import config_from_dict, load_config, out_dir_override, read_saved_config
 
     if isinstance(args.resume, str):
-        args.overrides = [f"out_dir={args.resume}", *args.overrides]
+        args.overrides = [out_dir_override(args.resume), *args.overrides]
         args.resume = True
     args.config = resolve_config(args.config)
     if args.resume and args.config is None:
@@ -262,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     if distributed.requested():
         # One of several processes (train.launch or a cluster's launcher): it owns the
         # devices its environment gives it, and the mesh spans every process's devices.
+        # Where JAX's coordination service ends a process (a peer lost, a barrier timed
+        # out), it aborts: print every thread's Python stack then, to say where it was.
+        faulthandler.enable()
         try:
             distributed.initialize()
         except ValueError as e:

@@ -733,6 +733,19 @@ def _load_yaml(text: str, what: str) -> Any:
 _CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
+def resume_command(run_dir: str | Path, launcher: str = "python -m train") -> str:
+    """The command that continues the run in ``run_dir`` (shell-quoted), for messages."""
+    import shlex
+
+    return f"{launcher} --resume {shlex.quote(str(run_dir))}"
+
+
+def out_dir_override(folder: str) -> str:
+    """The ``--set`` override that names run folder ``folder`` as it is written: quoted, so
+    YAML reads no comment (``#``), mapping (``: ``) or boolean (``true``, ``2024``) in it."""
+    return f"out_dir={json.dumps(str(folder))}"
+
+
 def read_saved_config(path: str | Path) -> dict[str, Any]:
     """The mapping a run saved as ``config.json`` at ``path``; ValueError when it is not
     readable JSON or not a mapping."""

@@ -449,7 +449,7 @@ def elastic(
         if restarts >= max_restarts:
             print(
                 f"[launch] process {lost} lost ({sig}); --max-restarts={max_restarts} reached: "
-                "stopping (continue with --resume)",
+                f"stopping (continue with {_resume_hint(cfg, live)})",
                 file=sys.stderr,
                 flush=True,
             )
@@ -459,7 +459,7 @@ def elastic(
             print(
                 f"[launch] process {lost} lost ({sig}); the {live - 1} survivors cannot form a "
                 f"world of at least --min-processes={min_processes} that divides the global "
-                f"batch {cfg.global_batch}: stopping (continue with --resume)",
+                f"batch {cfg.global_batch}: stopping (continue with {_resume_hint(cfg, live)})",
                 file=sys.stderr,
                 flush=True,
             )
@@ -522,19 +522,28 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _resume_hint(cfg: Any, processes: int) -> str:
+    """The launcher command that continues ``cfg``'s run on ``processes`` processes."""
+    from train.config import resume_command
+
+    return resume_command(cfg.run_dir, f"python -m train.launch --processes {processes}")
+
+
 def _resume_folder_as_out_dir(train_args: list[str], folder: str) -> list[str]:
     """``train_args`` with ``--resume DIR`` (or ``--resume=DIR``) written as ``--resume --set
     out_dir=DIR`` (what it means), so a restart can drop and add ``--resume`` alone."""
+    from train.config import out_dir_override
+
     out: list[str] = []
     skip = False
     for i, a in enumerate(train_args):
         if skip:
             skip = False
         elif a == "--resume" and i + 1 < len(train_args) and train_args[i + 1] == folder:
-            out += ["--resume", "--set", f"out_dir={folder}"]
+            out += ["--resume", "--set", out_dir_override(folder)]
             skip = True
         elif a == f"--resume={folder}":
-            out += ["--resume", "--set", f"out_dir={folder}"]
+            out += ["--resume", "--set", out_dir_override(folder)]
         else:
             out.append(a)
     return out

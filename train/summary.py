@@ -57,7 +57,10 @@ def format_summary(s: dict[str, Any]) -> str:
             f"{'sent a step':<16}{_bytes(s['sent_bytes_mean'])} mean, "
             f"{_bytes(s['sent_bytes_peak'])} peak, by the busiest worker of each step"
         )
-        lines.append(f"{'sent in all':<16}{_bytes(s['sent_bytes_total'])} by a worker")
+        lines.append(
+            f"{'sent in all':<16}{_bytes(s['sent_bytes_total'])}, the busiest worker of each "
+            "step summed over the steps"
+        )
         if s.get("sent_vs_dense_ring") is not None:
             lines.append(
                 f"{'vs float32 ring':<16}{s['sent_vs_dense_ring']:.4g}x the bytes of a dense "

@@ -65,7 +65,7 @@ from train.checkpoint import (
     write_atomically,
 )
 from train.clock import StepTraffic, step_traffic, wire_time
-from train.config import Config
+from train.config import Config, resume_command
 from train.data import Loader, Subset, get_dataset
 from train.distributed import is_primary, to_host
 from train.layout import Flight, make_layout
@@ -493,14 +493,16 @@ class Trainer:
                 + (" (the newest checkpoint is unchanged)" if start else ""),
                 self._stop.signum,
             )
-        if manager.latest_step() != self.step:
+        # The step this store wrote or restored last, the same on every process (a listing
+        # of the folder could differ between processes while one finishes a commit).
+        if manager.saved_step != self.step:
             self.save(manager)
         manager.close()
         if stopped and self.step < cfg.steps:
             name = signal.Signals(self._stop.signum).name
             raise Interrupted(
                 f"stopped by {name} at step {self.step} of {cfg.steps}; checkpoint saved in "
-                f"{manager.folder / str(self.step)}; continue with --resume",
+                f"{manager.folder / str(self.step)}; continue with {resume_command(run_dir)}",
                 self._stop.signum,
             )
         if primary:
