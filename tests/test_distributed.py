@@ -318,6 +318,29 @@ def _start_wrapper(tmp_path):
     return proc, pids
 
 
+_LOUD_FAILURE = """
+import sys
+from train import launch
+loud = [sys.executable, "-c", "import os, sys\\nfor i in range(3000): print('line', i)\\n"
+        "print('error: boom', flush=True)\\nos._exit(1)"]
+quiet = [sys.executable, "-c", "import time; time.sleep(60)"]
+sys.exit(launch.launch(2, [], devices_per_process=1, grace_s=2.0, commands=[loud, quiet]))
+"""
+
+
+def test_a_failure_is_reported_with_the_error_its_process_wrote_last():
+    """A process that writes much and then its error as it exits: its exit is seen while
+    its lines still wait to be relayed; the launcher reads them out first, so it names
+    the error (it once said only "failed (exit code 1)", under load)."""
+    proc = subprocess.run([sys.executable, "-c", _LOUD_FAILURE], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "[launch] process 0 failed (exit code 1): boom; stopping" in proc.stderr, proc.stderr[
+        -2000:
+    ]
+    assert proc.stdout.count("[p0] line ") == 3000
+
+
 def test_children_die_with_a_killed_launcher(tmp_path):
     """``kill -9`` of the launcher, which no handler sees, still ends its processes."""
     proc, pids = _start_wrapper(tmp_path)

@@ -241,6 +241,27 @@ def _generation(
     relay = _Relay()
     # The last `error: ...` line of each process: the failure it reports as it exits.
     errors: dict[int, str] = {}
+    closed: set[int] = set()
+
+    def take(i: int, line: str | None) -> None:
+        nonlocal open_streams
+        if line is None:
+            open_streams -= 1
+            closed.add(i)
+        else:
+            relay.write(i, line)
+            if line.startswith(_ERROR):  # the last one: what it ended on
+                errors[i] = line[len(_ERROR) :].strip()
+
+    def read_out(i: int, within_s: float = 5.0) -> None:
+        """Relay what process ``i`` (which has exited) wrote before it ended: its output
+        may still sit in the pipe or the queue when its exit is seen."""
+        end = time.monotonic() + within_s
+        while i not in closed and time.monotonic() < end:
+            try:
+                take(*lines.get(timeout=0.05))
+            except queue.Empty:
+                pass
 
     class _Stopped(KeyboardInterrupt):
         def __init__(self, signum: int):
@@ -254,16 +275,9 @@ def _generation(
     try:
         while open_streams or any(p.poll() is None for p in procs):
             try:
-                i, line = lines.get(timeout=0.2)
+                take(*lines.get(timeout=0.2))
             except queue.Empty:
                 pass
-            else:
-                if line is None:
-                    open_streams -= 1
-                else:
-                    relay.write(i, line)
-                    if line.startswith(_ERROR):  # the last one: what it ended on
-                        errors[i] = line[len(_ERROR) :].strip()
             codes = [p.poll() for p in procs]
             # A process killed by a signal first: when one dies, a survivor may fail on its
             # own (a broken collective) within the same poll; the death is what happened.
@@ -282,6 +296,7 @@ def _generation(
                         )
                         _stop_after(procs, grace_s)
                         continue
+                    read_out(i)
                     said = f": {errors[i]}" if i in errors else ""
                     print(
                         f"[launch] process {i} failed ({_how(rc)}){said}; stopping the other "
@@ -303,13 +318,9 @@ def _generation(
         try:
             while time.monotonic() < end and (open_streams or any(p.poll() is None for p in procs)):
                 try:
-                    i, line = lines.get(timeout=0.2)
+                    take(*lines.get(timeout=0.2))
                 except queue.Empty:
                     continue
-                if line is None:
-                    open_streams -= 1
-                else:
-                    relay.write(i, line)
         except KeyboardInterrupt:
             print(
                 "\n[launch] stopped at once; the newest complete checkpoint is kept",
