@@ -156,7 +156,8 @@ def test_a_signal_saves_every_process_and_resume_ends_as_one_run(tmp_path, targe
     out, err = proc.communicate(timeout=120)
     want = 130 if target == "launcher" else 128 + signal.SIGTERM
     assert proc.returncode == want, out[-2000:] + err[-2000:]
-    assert f"continue with python -m train --resume {two}" in out
+    # Each process names the launcher's command (it was started by one).
+    assert f"continue with python -m train.launch --processes 2 --resume {two}" in out
     saved = [int(p.name) for p in (two / "checkpoints").iterdir() if p.name.isdigit()]
     assert len(saved) == 1 and 4 <= saved[0] < 40
     # Resumed from the folder alone (its saved config), or with every setting repeated.

@@ -733,10 +733,18 @@ def _load_yaml(text: str, what: str) -> Any:
 _CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
-def resume_command(run_dir: str | Path, launcher: str = "python -m train") -> str:
-    """The command that continues the run in ``run_dir`` (shell-quoted), for messages."""
+def resume_command(run_dir: str | Path, launcher: str | None = None) -> str:
+    """The command that continues the run in ``run_dir`` (shell-quoted), for messages: by
+    ``launcher``, else ``python -m train``, or ``python -m train.launch --processes N`` in a
+    process that ``train.launch`` started."""
+    import os
     import shlex
 
+    from train.distributed import ENV_LAUNCHED
+
+    if launcher is None:
+        n = os.environ.get(ENV_LAUNCHED)
+        launcher = f"python -m train.launch --processes {n}" if n else "python -m train"
     return f"{launcher} --resume {shlex.quote(str(run_dir))}"
 
 

@@ -47,6 +47,8 @@ ENV_PROCESS_ID = "JAXCOMM_PROCESS_ID"
 ENV_AUTO = "JAXCOMM_DISTRIBUTED"
 ENV_GLOO_HOST = "JAXCOMM_GLOO_HOST"
 ENV_GLOO_INTERFACE = "JAXCOMM_GLOO_INTERFACE"
+# Set by train.launch on the processes it starts: messages then name its command.
+ENV_LAUNCHED = "JAXCOMM_LAUNCHED"
 # Exit code of a process of a multi-process run stopped at once by a second Ctrl-C: it
 # skips JAX's shutdown barrier (the others are not coming to it), and the launcher stops the
 # others at once on seeing it.

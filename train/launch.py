@@ -48,6 +48,7 @@ from typing import Any, NamedTuple
 
 from train.distributed import (
     ENV_COORDINATOR,
+    ENV_LAUNCHED,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     STOPPED_AT_ONCE,
@@ -220,6 +221,7 @@ def _generation(
             ENV_NUM_PROCESSES: str(processes),
             ENV_PROCESS_ID: str(i),
             "PYTHONUNBUFFERED": "1",
+            ENV_LAUNCHED: str(processes),
         }
         cmd = list(commands[i]) if commands else [sys.executable, "-m", "train", *train_args]
         if i and not commands and "--no-progress" not in cmd:
