@@ -34,8 +34,14 @@ def _launch(args, timeout=600):
     )
 
 
-def _start(args):
-    """``python -m train.launch args`` started in the background (pipes for its output)."""
+def _start(args, *, sigint_ignored=False):
+    """``python -m train.launch args`` started in the background (pipes for its output);
+    ``sigint_ignored``: with SIGINT ignored, as a shell starts a background job."""
+    import signal
+
+    def ignore():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     env = child_env()
     return subprocess.Popen(
         [sys.executable, "-m", "train.launch", *args],
@@ -44,6 +50,7 @@ def _start(args):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=ignore if sigint_ignored else None,
     )
 
 

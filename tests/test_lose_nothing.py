@@ -48,6 +48,7 @@ def test_a_signal_checkpoints_the_last_step_and_resume_ends_bit_exact(tmp_path, 
     feedback's residuals (the run's per-worker state) alike."""
     kw = dict(MLP, steps=12, checkpoint_every=100, lr=0.05)
     run = _cfg(tmp_path, **kw)
+    before = signal.getsignal(signal.SIGINT)  # the default, or ignored in a background job
     with pytest.raises(Interrupted, match="continue with python -m train --resume ") as stop:
         Trainer(run).run(metrics_cb=_stop_at(3, sig))
     assert stop.value.signum == sig
@@ -56,7 +57,7 @@ def test_a_signal_checkpoints_the_last_step_and_resume_ends_bit_exact(tmp_path, 
     assert saved in ([3], [4]) and f"at step {saved[0]} of 12" in str(stop.value)
     assert not (run.run_dir / "summary.json").exists()  # a summary is for a finished run
     # The handlers are gone with the run: the test process keeps its own.
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
     resumed = Trainer(run)
     summary = resumed.run(resume=True)
     ref = Trainer(_cfg(tmp_path / "ref", **kw))
@@ -142,7 +143,9 @@ def test_a_signal_saves_every_process_and_resume_ends_as_one_run(tmp_path, targe
     args = ["--processes", "2"]
     for s in [*sets, f"out_dir={two}"]:
         args += ["--set", s]
-    proc = _start(args)
+    # Started as a shell's background job (SIGINT ignored): a SIGINT sent on purpose still
+    # stops the run.
+    proc = _start(args, sigint_ignored=target == "launcher")
     metrics = two / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):

@@ -274,6 +274,9 @@ def _generation(
         raise _Stopped(signum)
 
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # Ctrl-C stops the run even where the launcher started with SIGINT ignored (a shell's
+    # background job): a KeyboardInterrupt, as the trainer's own handler does for a process.
+    old[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         while open_streams or any(p.poll() is None for p in procs):
             try:
