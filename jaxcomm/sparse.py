@@ -37,10 +37,12 @@ from jaxcomm.aggregate import worker_state
 from jaxcomm.codecs import (
     AUTO_THRESHOLD_ABOVE,
     SELECTIONS,
+    ChunkTopK,
     TopK,
     chunk_topk_decode,
     chunk_topk_encode,
     topk_indices,
+    unpack_uints,
 )
 from jaxcomm.collectives import (
     all_gather,
@@ -418,6 +420,22 @@ class ChunkTopkState(NamedTuple):
     layout: Layout
 
 
+def _sent_mask(p: ChunkTopK) -> jax.Array:
+    """``f32[d]``: 1 at the entries a :class:`ChunkTopK` payload sends, else 0 (from its
+    indices alone: a sent entry counts whatever value it decodes to)."""
+    d = math.prod(p.shape)
+    chunks = -(-d // p.chunk)
+    idx = unpack_uints(p.indices, p.index_bits, chunks * p.k).astype(jnp.int32)
+    rows = jnp.zeros((chunks, p.chunk), jnp.float32)
+    rows = jax.vmap(lambda r, i: r.at[i].set(1.0, unique_indices=True))(
+        rows, idx.reshape(chunks, p.k)
+    )
+    return rows.reshape(-1)[:d]
+
+
+AVERAGES = ("workers", "senders")
+
+
 def chunk_topk(
     axis_name: Any,
     *,
@@ -425,6 +443,7 @@ def chunk_topk(
     k: int = 64,
     bits: int | None = 2,
     decay: float = 1.0,
+    average: str = "workers",
 ) -> optax.GradientTransformation:
     """Chunk-wise top-k with error feedback and an all-gather (SparseLoCo's compressor).
 
@@ -434,8 +453,19 @@ def chunk_topk(
     ``ceil(log2 chunk)`` bits, values in ``bits`` bits on each chunk's max-abs grid, see
     :func:`jaxcomm.chunk_topk_encode`) and keeps ``e_w <- e_w - c_w``: what was sent
     leaves the buffer exactly as the receivers decode it. Every worker all-gathers the
-    ``N`` payloads and the updates are ``mean_w(c_w)``, summed in rank order (bit-identical
-    on every worker).
+    ``N`` payloads and sums them in rank order (bit-identical on every worker); the
+    updates are that sum divided by
+
+    * ``average="workers"`` (default): ``N``, ``mean_w(c_w)``: SparseLoCo's aggregation as
+      its paper writes it, ``Delta = (1 / R) sum_r Delta_hat_r`` over the ``R`` replicas
+      (arXiv 2508.15706, the outer step of its Algorithm 1), an entry sent by few workers
+      counting for less;
+    * ``average="senders"``: at each entry, the number of workers that sent it (entries
+      no one sent stay 0): the mean over senders that the authors' code computes
+      (``scatter_reduce(..., reduce="mean", include_self=False)`` in the DeMo-derived
+      compressors of their CCLoco and templar repositories). Every worker has every
+      payload's indices after the all-gather, so it counts the senders itself: the wire
+      carries the same bytes as ``"workers"``.
 
     Chunks run over the whole fused vector (the leaves of the pytree one after another), so
     a chunk may span the end of one tensor and the start of the next under one scale;
@@ -453,6 +483,7 @@ def chunk_topk(
       k: entries sent per chunk, ``1 <= k <= chunk``.
       bits: value width 1..8, or None for float32 values.
       decay: ``beta`` in ``[0, 1]``, the error buffer's decay (1.0: plain error feedback).
+      average: ``"workers"`` or ``"senders"``, the divisor of the summed payloads (above).
 
     Returns:
       A ``GradientTransformation`` with :class:`ChunkTopkState`; its log holds one
@@ -463,6 +494,7 @@ def chunk_topk(
     if bits is not None:
         bits = check_int("bits", bits, lo=1, hi=8)
     decay = check_float("decay", decay, lo=0.0, hi=1.0)
+    check_choice("average", average, AVERAGES)
 
     def init_fn(params):
         layout, d = init_layout("chunk_topk", params)
@@ -482,11 +514,22 @@ def chunk_topk(
             one = jax.tree_util.tree_map(lambda a: a[w], gathered)
             return total + chunk_topk_decode(one)
 
-        total = lax.fori_loop(0, n, add, jnp.zeros_like(e))
+        def add_counted(w, carry):
+            # the sum, and how many workers sent each entry (from the gathered indices)
+            total, count = carry
+            one = jax.tree_util.tree_map(lambda a: a[w], gathered)
+            return total + chunk_topk_decode(one), count + _sent_mask(one)
+
+        if average == "workers":
+            total = lax.fori_loop(0, n, add, jnp.zeros_like(e))
+            mean = total / n
+        else:
+            total, count = lax.fori_loop(0, n, add_counted, (jnp.zeros_like(e),) * 2)
+            mean = total / jnp.maximum(count, 1.0)
         wire = all_gather_wire(jax.eval_shape(lambda: payload), n)
         log = log_wire(empty_log(), wire)
         new = ChunkTopkState(residual, log, state.layout)
-        mean = replicated(total / n, axis_name)
+        mean = replicated(mean, axis_name)
         return unflatten(mean), worker_state(new, axis_name)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -128,6 +128,9 @@ CASES = {
         local=True,
     ),
     "chunk_topk": Case(lambda ax: jaxcomm.chunk_topk(ax, chunk=16, k=4, decay=0.9)),
+    "chunk_topk_senders": Case(
+        lambda ax: jaxcomm.chunk_topk(ax, chunk=16, k=4, decay=0.9, average="senders")
+    ),
     # Synchronises after step 1 (Nesterov outer step of the averaged pseudo-gradient).
     "diloco": Case(
         lambda ax: jaxcomm.diloco(optax.sgd(0.1), ax, period=2),

@@ -465,6 +465,65 @@ def test_chunk_topk_error_feedback_keeps_what_it_did_not_send():
         assert np.all(u[:, t] == u[0:1, t])  # identical on every worker
 
 
+def _chunk_positions(x, chunk, k):
+    """Per chunk, where the k largest magnitudes are (ties to the lower index): bool."""
+    flat = np.asarray(x, np.float32).reshape(-1)
+    d = flat.size
+    padded = np.concatenate([flat, np.zeros((-d) % chunk, np.float32)]).reshape(-1, chunk)
+    out = np.zeros(padded.shape, bool)
+    for c, row in enumerate(padded):
+        out[c, sorted(range(chunk), key=lambda i: (-abs(row[i]), i))[:k]] = True
+    return out.reshape(-1)[:d]
+
+
+@pytest.mark.parametrize("bits", [None, 2])
+def test_chunk_topk_averages_over_all_workers_or_over_the_senders(bits):
+    """``average="workers"`` divides the summed payloads by N (SparseLoCo's equation);
+    ``"senders"`` divides each entry by the number of workers that sent it (the authors'
+    code): checked against numpy with an entry only worker 0 sends, one every worker sends
+    and entries no one sends. Both send the same payload: the same logged and compiled
+    bytes."""
+    mesh = jax.make_mesh((N,), ("data",))
+    g = np.random.default_rng(3).normal(size=(N, 21)).astype(np.float32)
+    g[:, 3] = 1e-4
+    g[0, 3] = 50.0  # only worker 0 sends entry 3
+    g[:, 12] = 40.0 + np.arange(N)  # every worker sends entry 12
+    put = jax.device_put(g, NamedSharding(mesh, P("data")))
+    out, sent_bytes = {}, {}
+    for average in ("workers", "senders"):
+        tx = jaxcomm.chunk_topk("data", chunk=8, k=2, bits=bits, average=average)
+
+        def per_worker(g, tx=tx):
+            u, state = tx.update({"x": g[0]}, tx.init({"x": g[0]}))
+            return u["x"][None], jnp.asarray(merge_logs(*find_logs(state)).sent_bytes)[None]
+
+        f = jax.jit(jax.shard_map(per_worker, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+        u, logged = f(put)
+        out[average] = np.asarray(u)
+        audit = jaxcomm.wire_audit(f.lower(put)).traffic().sent
+        sent_bytes[average] = (as_bytes(np.asarray(logged)).tolist(), audit.tolist())
+        assert np.all(out[average] == out[average][0:1])  # identical on every worker
+    assert sent_bytes["workers"] == sent_bytes["senders"]
+    masks = np.stack([_chunk_positions(x, 8, 2) for x in g])
+    sent = np.stack(
+        [
+            np.where(m, x, 0.0)
+            if bits is None
+            else _two_bit_reference(_chunk_reference(x, 8, 2), 8)
+            for x, m in zip(g, masks, strict=True)
+        ]
+    )
+    count = masks.sum(0)
+    assert count[3] == 1 and count[12] == N and np.any(count == 0) and np.any(count > 1)
+    total = sent.sum(0)
+    np.testing.assert_allclose(out["workers"][0], total / N, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        out["senders"][0], np.where(count > 0, total / np.maximum(count, 1), 0.0), atol=1e-5
+    )
+    assert out["senders"][0, 3] == pytest.approx(N * out["workers"][0, 3], rel=1e-6)
+    assert out["senders"][0, 3] == pytest.approx(sent[0, 3], rel=1e-6)  # worker 0's own value
+
+
 def test_sparseloco_wire_is_141x_below_fp32_in_the_compiled_program():
     """The all-gather in the compiled DiLoCo step carries SparseLoCo's packed payload:
     per worker and chunk of 4096, 96 bytes of positions, 16 of codes and a 4-byte scale."""
