@@ -104,9 +104,11 @@ from jaxcomm.aqsgd import (
 )
 from jaxcomm.diloco import (
     DILOCO_SCOPE,
+    DILOCO_WARMUP_SCOPE,
     DiLoCoState,
     diloco,
     diloco_branch,
+    diloco_branches,
     diloco_steps,
     streaming_schedule,
 )

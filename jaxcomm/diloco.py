@@ -54,8 +54,19 @@ synchronisations, so a trainer keeps them with a leading worker axis)::
 
     eval_params = state.anchor               # theta_sync, the synchronised model
 
+**Warm start** (``warmup=N``): the DiLoCo paper starts its workers from a pre-trained
+model. With ``warmup`` the first ``N`` steps are synchronous data parallelism: every
+worker's gradient is averaged by a dense float32 all-reduce (``reduce``) before the inner
+optimizer steps on it, so every worker takes the same step, and ``theta_sync`` follows the
+parameters. DiLoCo's periods start at step ``N`` from the model reached: the anchor is
+that model, the outer optimizer and the aggregators' error feedback are as initialised
+(they never ran), and the inner optimizer keeps the state (and step count, e.g. of a
+learning-rate schedule) it built during the warm start.
+
 The ``lax.switch`` over the step's kind is named :data:`DILOCO_SCOPE` for
-:func:`jaxcomm.wire_audit`'s ``branches=`` (:func:`diloco_branch` gives a step's branch).
+:func:`jaxcomm.wire_audit`'s ``branches=`` (:func:`diloco_branch` gives a step's branch);
+the warm start's all-reduce sits in a ``lax.switch`` named :data:`DILOCO_WARMUP_SCOPE`
+(branch 1 on warm-start steps, 0 after; :func:`diloco_branches` gives both).
 """
 
 from __future__ import annotations
@@ -78,15 +89,19 @@ from jaxcomm.worker import Layout, check_grads, check_layout, init_layout, layou
 
 __all__ = [
     "DILOCO_SCOPE",
+    "DILOCO_WARMUP_SCOPE",
     "DiLoCoState",
     "diloco",
     "diloco_branch",
+    "diloco_branches",
     "diloco_steps",
     "streaming_schedule",
 ]
 
 # jax.named_scope of the lax.switch over the step's kind (a ``branches=`` key).
 DILOCO_SCOPE = "diloco_sync"
+# jax.named_scope of the warm start's lax.switch (0: pass the gradient, 1: average it).
+DILOCO_WARMUP_SCOPE = "diloco_warmup"
 
 PATTERNS = ("strided", "sequential")
 
@@ -101,7 +116,9 @@ class DiLoCoState(NamedTuple):
         structure); identical on every worker.
       outer: one outer-optimizer state per fragment (identical on every worker).
       reduce: one aggregator state per fragment (its error feedback is per worker); the
-        logs in them are what this step sent (empty for fragments not synchronised).
+        logs in them are what this step sent (empty for fragments not synchronised). With
+        a warm start (``warmup > 0``) one more, last: the warm start's all-reduce, whose
+        log is what a warm-start step sent.
       layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.Layout`).
     """
 
@@ -213,12 +230,41 @@ def diloco_branch(
     fragments: int = 1,
     schedule: Schedule | None = None,
     overlap: int = 0,
+    warmup: int = 0,
 ) -> int:
     """The :data:`DILOCO_SCOPE` branch that 0-based step ``step`` takes (for ``branches=``);
-    ``fragments`` or ``schedule`` and ``overlap`` as given to :func:`diloco`."""
+    ``fragments`` or ``schedule``, ``overlap`` and ``warmup`` as given to :func:`diloco`.
+    A warm-start step takes the last branch (one after the period's kinds)."""
     sched = _steps_schedule(period, schedule, fragments)
     _, steps = _fragments(sched)
-    return _kinds(len(sched.groups), steps, overlap)[1][check_int("step", step, lo=0) % period]
+    kinds, index = _kinds(len(sched.groups), steps, overlap)
+    step = check_int("step", step, lo=0)
+    warmup = check_int("warmup", warmup, lo=0)
+    if step < warmup:
+        return len(kinds)
+    return index[(step - warmup) % period]
+
+
+def diloco_branches(
+    period: int,
+    step: int,
+    *,
+    fragments: int = 1,
+    schedule: Schedule | None = None,
+    overlap: int = 0,
+    warmup: int = 0,
+) -> dict[str, int]:
+    """``branches=`` for :func:`jaxcomm.wire_audit` of a step of :func:`diloco` (0-based
+    ``step``): :data:`DILOCO_SCOPE`'s branch and, with a warm start,
+    :data:`DILOCO_WARMUP_SCOPE`'s (1 while ``step < warmup``, else 0)."""
+    out = {
+        DILOCO_SCOPE: diloco_branch(
+            period, step, fragments=fragments, schedule=schedule, overlap=overlap, warmup=warmup
+        )
+    }
+    if warmup:
+        out[DILOCO_WARMUP_SCOPE] = int(step < warmup)
+    return out
 
 
 def diloco_steps(
@@ -226,7 +272,9 @@ def diloco_steps(
 ) -> list[tuple[int, tuple[int, ...]]]:
     """For each local step ``h`` of a period: ``(fragment synchronised or -1, fragments
     merged)`` (a merge at step ``t`` happens only once ``t >= overlap``); ``fragments`` or
-    ``schedule`` and ``overlap`` as given to :func:`diloco`."""
+    ``schedule`` and ``overlap`` as given to :func:`diloco`. With a warm start of ``N``
+    steps, step ``t >= N`` is local step ``(t - N) mod period`` (and a merge needs
+    ``t - N >= overlap``)."""
     sched = _steps_schedule(period, schedule, fragments)
     _, steps = _fragments(sched)
     kinds, index = _kinds(len(sched.groups), steps, overlap)
@@ -264,6 +312,7 @@ def diloco(
     alpha: float | None = None,
     aggregate: optax.GradientTransformation | None = None,
     reduce: str | None = None,
+    warmup: int = 0,
 ) -> optax.GradientTransformation:
     """DiLoCo / Streaming DiLoCo around ``inner`` (see the module docstring).
 
@@ -295,7 +344,11 @@ def diloco(
       aggregate: a jaxcomm aggregator over ``axis_name`` that averages the pseudo-gradient
         (default :func:`jaxcomm.dense_allreduce` with ``reduce``); one state per fragment.
       reduce: the default aggregator's all-reduce: ``ring`` (default), ``tree`` or
-        ``psum``; not with ``aggregate``.
+        ``psum``; not with ``aggregate``. The warm start's all-reduce is the same.
+      warmup: ``N >= 0`` steps of synchronous data parallelism before the first period
+        (see the module docstring): each step averages the workers' gradients with a
+        dense float32 all-reduce before the inner optimizer, and ``theta_sync`` follows
+        the parameters; the periods count from step ``N``.
 
     Between synchronisations every worker's parameters differ: keep them per worker
     (``out_specs=P(axis_name)`` from ``shard_map``), never ``P()``.
@@ -348,8 +401,11 @@ def diloco(
             f"fragments={fragments} splits the model by layers: pass layers= (the top-level "
             "parameter keys, input to output)"
         )
+    warmup = check_int("warmup", warmup, lo=0)
     outer = outer if outer is not None else optax.sgd(0.7, momentum=0.9, nesterov=True)
     agg = aggregate if aggregate is not None else dense_allreduce(axis_name, reduce=reduce)
+    # The warm start's all-reduce of the gradients (float32, the default aggregator's).
+    warm_agg = dense_allreduce(axis_name, reduce=reduce) if warmup else None
 
     def plan(params):
         names = layer_names(params, layers)
@@ -393,7 +449,8 @@ def diloco(
             count=jnp.zeros([], jnp.int32),
             anchor=anchor,
             outer=tuple(outer.init(p) for p in parts),
-            reduce=tuple(_quiet(agg.init(p)) for p in parts),
+            reduce=tuple(_quiet(agg.init(p)) for p in parts)
+            + ((_quiet(warm_agg.init(params)),) if warmup else ()),
             layout=layout,
         )
         return worker_state(state, axis_name)
@@ -405,9 +462,30 @@ def diloco(
         check_layout("diloco", state.layout, layout_of(grads))
         names, frags, steps = plan(params)
         kinds, kind_of = _kinds(period, steps, overlap)
+        # The fragments' aggregator states, and the warm start's all-reduce state after them.
+        frag_reduce = list(state.reduce[: len(frags)])
+        warm_reduce = list(state.reduce[len(frags) :])
+        if warmup:
+            # Warm start: every worker steps on the mean gradient (a dense all-reduce),
+            # afterwards on its own; a switch, so the bytes go out on warm steps only.
+            def own(operand):
+                g, s = operand
+                return as_varying((g, _quiet(s)), axis_name)
+
+            def average(operand):
+                g, s = operand
+                return as_varying(warm_agg.update(g, s), axis_name)
+
+            with jax.named_scope(DILOCO_WARMUP_SCOPE):
+                warm = state.count < warmup
+                grads, warm_reduce[0] = lax.switch(
+                    warm.astype(jnp.int32), [own, average], (grads, warm_reduce[0])
+                )
         inner_updates, inner_state = inner.update(grads, state.inner, params)
         local = optax.apply_updates(params, inner_updates)
-        ready = state.count >= overlap  # a merge needs its synchronisation to have happened
+        # Steps since the periods began (the warm start's steps are not in a period).
+        local_count = state.count - warmup
+        ready = local_count >= overlap  # a merge needs its synchronisation to have happened
 
         def branch(kind):
             sync, merges = kind
@@ -436,6 +514,13 @@ def diloco(
 
             return run
 
+        def warm_branch(operand):
+            # theta_sync follows the (identical) parameters; nothing synchronises.
+            _, u_parts, l_parts, _, outers, reduces = map(list, operand)
+            anchors = [_f32(part) for part in l_parts]
+            reduces = [_quiet(r) for r in reduces]
+            return as_varying((u_parts, anchors, outers, reduces), axis_name)
+
         p_parts = split(params, names, frags)
         operand = (
             p_parts,
@@ -443,17 +528,26 @@ def diloco(
             split(local, names, frags),
             split(state.anchor, names, frags),
             list(state.outer),
-            list(state.reduce),
+            frag_reduce,
         )
         with jax.named_scope(DILOCO_SCOPE):
             table = jnp.asarray(kind_of, jnp.int32)
-            u_parts, anchors, outers, reduces = lax.switch(
-                table[state.count % period], [branch(k) for k in kinds], operand
-            )
+            branches = [branch(k) for k in kinds]
+            if warmup:
+                index = jnp.where(warm, len(kinds), table[jnp.maximum(local_count, 0) % period])
+                branches.append(warm_branch)
+            else:
+                index = table[state.count % period]
+            u_parts, anchors, outers, reduces = lax.switch(index, branches, operand)
         updates = join(u_parts, names, params)
         anchor = join(anchors, names, state.anchor)
         new_state = DiLoCoState(
-            inner_state, state.count + 1, anchor, tuple(outers), tuple(reduces), state.layout
+            inner_state,
+            state.count + 1,
+            anchor,
+            tuple(outers),
+            tuple(reduces) + tuple(warm_reduce),
+            state.layout,
         )
         return updates, worker_state(new_state, axis_name)
 

@@ -70,12 +70,15 @@ def _sync(schedule):
     return branches
 
 
-def _diloco(period, schedule=None, overlap=0, root=False):
+def _diloco(period, schedule=None, overlap=0, root=False, warmup=0):
     def branches(step, state):
         out = {}
-        if period > 1:  # period 1 has one kind of step: no conditional
-            branch = jaxcomm.diloco_branch(period, step, schedule=schedule, overlap=overlap)
-            out[jaxcomm.DILOCO_SCOPE] = branch
+        if period > 1 or warmup:  # period 1 has one kind of step: no conditional
+            out.update(
+                jaxcomm.diloco_branches(
+                    period, step, schedule=schedule, overlap=overlap, warmup=warmup
+                )
+            )
         if root:  # AR-Topk inside: the root the synchronised fragment's state logged
             synced = jaxcomm.diloco_steps(period, schedule=schedule, overlap=overlap)
             out.update(_root(step, state.reduce[synced[step % period][0]]))
@@ -154,6 +157,14 @@ CASES = {
         branches=_diloco(2, jaxcomm.streaming_schedule(2, 2, 2), overlap=1),
         local=True,
         spreads=lambda step: False,
+    ),
+    # A data-parallel warm start of one step (the gradients averaged by a ring), then
+    # periods of 2 from step 1: synchronises after step 2.
+    "diloco_warmup": Case(
+        lambda ax: jaxcomm.diloco(optax.adam(0.01), ax, period=2, warmup=1),
+        branches=_diloco(2, warmup=1),
+        local=True,
+        spreads=lambda step: step % 2 == 0,
     ),
     # SparseLoCo: chunk-wise top-k, 2-bit values, decayed error feedback, outer SGD 1.0.
     "diloco_sparseloco": Case(
