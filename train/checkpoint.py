@@ -804,6 +804,9 @@ def run_fingerprint(t: Any) -> dict[str, Any]:
         "seed": cfg.seed,
         "optimizer": cfg.optimizer,
         "lr": cfg.lr,
+        # The schedule, weight decay and clipping, when set (a run without them keeps the
+        # fingerprint it always had).
+        **cfg.optimizer_settings(),
         "aggregator": cfg.aggregator,
         "aggregator_args": cfg.aggregator_args,
         **{k: v for part in t.parts for k, v in part.fingerprint().items()},

@@ -23,6 +23,7 @@ __all__ = ["Config", "load_config", "apply_overrides"]
 TASKS = ("gpt", "mlp", "cnn")
 DATASETS = {"gpt": ("shakespeare",), "mlp": ("digits",), "cnn": ("digits", "synthetic_imagenet")}
 OPTIMIZERS = ("none", "sgd", "momentum", "adam", "adamw")
+LR_SCHEDULES = ("constant", "cosine", "linear")
 DENSE_AGGREGATORS = ("psum", "ring", "tree")
 # Gradient aggregators followed by an optimizer.
 # Top-k sparsifiers (error-fed), also followed by an optimizer.
@@ -71,7 +72,30 @@ class Config:
       steps: optimizer steps to run (the final step count, also when resuming).
       seed: seeds parameter init and the data order (an integer in [0, 2**32 - 1]).
       optimizer: ``sgd``, ``momentum``, ``adam`` or ``adamw`` after a dense aggregator;
-        ``none`` with an aggregator that is the whole optimizer; ``lr`` its learning rate.
+        ``none`` with an aggregator that is the whole optimizer; ``lr`` its learning rate
+        (the peak of ``lr_schedule``).
+      lr_schedule: the learning rate over the optimizer's steps: ``constant`` (``lr``
+        throughout, after any warm-up), ``cosine`` or ``linear`` (after the warm-up, a
+        decay from ``lr`` to ``lr_floor * lr`` over ``lr_decay_steps``, then the floor).
+        The step is the optimizer's own update count, so a resumed run continues the
+        schedule where it stopped. Not with ``optimizer: none`` (an aggregator that is the
+        whole optimizer applies the step sizes of its own arguments).
+      lr_warmup_steps: optimizer steps of linear warm-up from ``lr_warmup_from * lr`` to
+        ``lr`` (0: none).
+      lr_warmup_from: the warm-up's first learning rate as a fraction of ``lr``, in [0, 1].
+      lr_floor: the learning rate at the end of a ``cosine`` or ``linear`` decay as a
+        fraction of ``lr``, in [0, 1].
+      lr_decay_steps: steps of the decay after the warm-up (0: to the run's final step,
+        ``steps - 1 - lr_warmup_steps``, so the last step runs at the floor).
+      weight_decay: ``adamw``'s decoupled weight decay (scaled by the scheduled learning
+        rate, as ``optax.adamw``; unset: optax's 1e-4); with ``sgd`` or ``momentum`` added
+        to the gradient as ``optax.add_decayed_weights`` (SGD's classic weight decay,
+        through the momentum); refused with ``adam`` (use ``adamw``) and ``none``.
+      clip_norm: clip the gradient to this global L2 norm before the optimizer (0: off):
+        after the aggregator, so on the averaged gradient; with a ``sync`` wrapper (local
+        SGD, DiLoCo) on each worker's own gradient, which is what its inner optimizer
+        steps on. Not with ``optimizer: none`` nor ``stages > 1`` (each stage would clip
+        its own layers).
       aggregator: gradient aggregation: ``psum``, ``ring`` or ``tree`` (dense),
         ``ec_quantized`` (error-compensated ``bits``-bit, default 4) or the top-k
         sparsifiers ``ar_topk`` (``{ratio, select: star|var, reduce:
@@ -172,6 +196,13 @@ class Config:
     seed: int = 0
     optimizer: str = "adam"
     lr: float = 3e-3
+    lr_schedule: str = "constant"
+    lr_warmup_steps: int = 0
+    lr_warmup_from: float = 0.0
+    lr_floor: float = 0.1
+    lr_decay_steps: int = 0
+    weight_decay: float | None = None
+    clip_norm: float = 0.0
     aggregator: str = "ring"
     aggregator_args: dict = dataclasses.field(default_factory=dict)
     network: str = "1ms,1Gbps"
@@ -280,6 +311,7 @@ class Config:
             raise ValueError(f"init_params must name an existing file, got {self.init_params!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        self.optimizer_settings()  # a clear error for a bad schedule, decay or clip
         self.network_schedule()  # a clear error for a bad network
         blocked = next((p for p in (self.run_dir, *self.run_dir.parents) if p.is_file()), None)
         if blocked is not None:
@@ -494,6 +526,80 @@ class Config:
             )
         return out
 
+    def lr_settings(self) -> dict[str, Any] | None:
+        """The learning-rate schedule, resolved (``decay_steps`` counted), or None for a
+        constant ``lr`` with no warm-up; checks the ``lr_*`` keys."""
+        _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        for key in ("lr_warmup_steps", "lr_decay_steps"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{key} must be an integer >= 0, got {v!r}")
+        for key in ("lr_warmup_from", "lr_floor"):
+            v = getattr(self, key)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"{key} must be a fraction of lr in [0, 1], got {v!r}")
+        warmup, kind = self.lr_warmup_steps, self.lr_schedule
+        if kind == "constant" and not warmup:
+            return None
+        out: dict[str, Any] = {"kind": kind, "warmup_steps": warmup}
+        if warmup:
+            out["warmup_from"] = self.lr_warmup_from
+        if kind != "constant":
+            decay = self.lr_decay_steps or self.steps - 1 - warmup
+            if decay < 1:
+                raise ValueError(
+                    f"lr_schedule={kind!r} decays over the steps after the warm-up, but "
+                    f"steps={self.steps} leaves none after lr_warmup_steps={warmup} (the "
+                    f"last step is {self.steps - 1}); lower lr_warmup_steps or set "
+                    "lr_decay_steps"
+                )
+            out.update(decay_steps=decay, floor=self.lr_floor)
+        return out
+
+    def optimizer_settings(self) -> dict[str, Any]:
+        """The optimizer's settings beyond ``optimizer`` and ``lr`` that are not the
+        defaults (a resumed run must match them): ``lr_schedule`` (:meth:`lr_settings`),
+        ``weight_decay``, ``clip_norm``; checked against ``optimizer`` and ``stages``."""
+        out: dict[str, Any] = {}
+        schedule = self.lr_settings()
+        if schedule is not None:
+            out["lr_schedule"] = schedule
+        wd, clip = self.weight_decay, self.clip_norm
+        if wd is not None:
+            if not 0.0 <= wd < math.inf:
+                raise ValueError(f"weight_decay must be a finite number >= 0, got {wd!r}")
+            out["weight_decay"] = wd
+        if clip is not None and clip != 0:
+            if not 0.0 < clip < math.inf:
+                raise ValueError(f"clip_norm must be a finite number >= 0 (0: off), got {clip!r}")
+            out["clip_norm"] = clip
+        if self.optimizer == "none":
+            for key, given in (
+                ("lr_schedule", self.lr_schedule != "constant"),
+                ("lr_warmup_steps", self.lr_warmup_steps != 0),
+                ("weight_decay", wd is not None),
+                ("clip_norm", "clip_norm" in out),
+            ):
+                if given:
+                    raise ValueError(
+                        f"{key}={getattr(self, key)!r} with aggregator={self.aggregator!r}: "
+                        f"{self.aggregator} is the whole optimizer (optimizer='none') and "
+                        "applies its own step sizes from aggregator_args; the trainer has no "
+                        f"optimizer to give a {key} to; leave {key} unset"
+                    )
+        if wd is not None and self.optimizer == "adam":
+            raise ValueError(
+                f"weight_decay={wd!r} with optimizer='adam': Adam's L2 penalty is not "
+                "decoupled weight decay; use optimizer='adamw' (or leave weight_decay unset)"
+            )
+        if "clip_norm" in out and self.stages > 1:
+            raise ValueError(
+                f"clip_norm={clip!r} with stages={self.stages}: each pipeline stage steps its "
+                "own layers, so the global norm of the gradient is not on any one device; "
+                "clip with stages=1"
+            )
+        return out
+
     def roofline(self) -> Any:
         """The :class:`jaxcomm.Roofline` of ``compute`` (``None`` when ``measured``)."""
         return None if self.compute == "measured" else _roofline(self)
@@ -591,7 +697,9 @@ def _unknown(key: str, allowed: list[str]) -> ValueError:
 
 # A number as people write it; YAML 1.1 reads 1e-3 and 1e30 (no dot) as strings.
 _NUMBER = re.compile(r"^\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*$")
-_OPTIONAL_FLOAT = ("mfu",)  # float or None (None: the device's calibration or 0.5)
+# float or None (mfu: None is the device's calibration or 0.5; weight_decay: the
+# optimizer's own; clip_norm: off).
+_OPTIONAL_FLOAT = ("mfu", "weight_decay", "clip_norm")
 
 
 def _numbers(value: Any) -> Any:

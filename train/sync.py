@@ -39,19 +39,53 @@ __all__ = [
     "make_sync",
     "make_controller",
     "make_optimizer",
+    "make_schedule",
     "make_aggregator",
 ]
 
 
+def make_schedule(cfg: Config) -> float | optax.Schedule:
+    """The learning rate of ``cfg``: ``cfg.lr`` (a constant, as it always was) or the
+    ``optax`` schedule of its ``lr_*`` keys (:meth:`train.config.Config.lr_settings`),
+    a function of the optimizer's own update count (0 at the first step)."""
+    settings = cfg.lr_settings()
+    if settings is None:
+        return cfg.lr
+    peak, warmup = cfg.lr, settings["warmup_steps"]
+    kind = settings["kind"]
+    if kind == "constant":
+        after = optax.constant_schedule(peak)
+    elif kind == "cosine":
+        after = optax.cosine_decay_schedule(peak, settings["decay_steps"], alpha=settings["floor"])
+    else:
+        after = optax.linear_schedule(peak, settings["floor"] * peak, settings["decay_steps"])
+    if not warmup:
+        return after
+    rise = optax.linear_schedule(settings["warmup_from"] * peak, peak, warmup)
+    return optax.join_schedules([rise, after], [warmup])
+
+
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
-    """The inner optimizer named by ``cfg.optimizer`` at learning rate ``cfg.lr``."""
-    return {
+    """The inner optimizer named by ``cfg.optimizer`` at the learning rate of
+    :func:`make_schedule`, behind ``clip_norm``'s clipping and (``sgd``, ``momentum``)
+    ``weight_decay``; ``adamw`` takes ``weight_decay`` as its decoupled decay. With the
+    defaults it is exactly ``optax.adam(cfg.lr)`` (etc.), as before these settings."""
+    lr = make_schedule(cfg)
+    wd = cfg.weight_decay
+    adamw = (lambda: optax.adamw(lr)) if wd is None else (lambda: optax.adamw(lr, weight_decay=wd))
+    base = {
         "none": lambda: optax.identity(),
-        "sgd": lambda: optax.sgd(cfg.lr),
-        "momentum": lambda: optax.sgd(cfg.lr, momentum=0.9),
-        "adam": lambda: optax.adam(cfg.lr),
-        "adamw": lambda: optax.adamw(cfg.lr),
+        "sgd": lambda: optax.sgd(lr),
+        "momentum": lambda: optax.sgd(lr, momentum=0.9),
+        "adam": lambda: optax.adam(lr),
+        "adamw": adamw,
     }[cfg.optimizer]()
+    before = []
+    if cfg.clip_norm:
+        before.append(optax.clip_by_global_norm(cfg.clip_norm))
+    if wd is not None and cfg.optimizer in ("sgd", "momentum"):
+        before.append(optax.add_decayed_weights(wd))
+    return optax.chain(*before, base) if before else base
 
 
 def make_aggregator(cfg: Config) -> optax.GradientTransformation:
