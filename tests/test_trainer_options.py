@@ -1,5 +1,5 @@
-"""The trainer's optimizer options: learning-rate schedules, weight decay and gradient
-clipping by global norm."""
+"""The trainer's optimizer options: learning-rate schedules, weight decay, gradient clipping
+by global norm, and DiLoCo's data-parallel warm start (``sync.warmup_steps``)."""
 
 import json
 import math
@@ -9,6 +9,8 @@ import numpy as np
 import optax
 import pytest
 
+import jaxcomm
+from jaxcomm.diloco import DiLoCoState
 from train.config import Config, key_docs
 from train.data import shard
 from train.sync import make_optimizer, make_schedule
@@ -35,6 +37,10 @@ def _cfg(tmp_path, **kw):
     )
     base.update(kw)
     return Config(**base)
+
+
+def _diloco(tmp_path, sync, **kw):
+    return _cfg(tmp_path, aggregator="none", sync={"method": "diloco", **sync}, **kw)
 
 
 def _rows(cfg):
@@ -240,6 +246,91 @@ def test_a_resume_that_would_change_the_schedule_is_refused(tmp_path):
         longer.run(resume=True)
 
 
+# --------------------------------------------------------------------------- warm start
+
+
+def _state(trainer):
+    (state,) = [
+        s
+        for s in jax.tree_util.tree_leaves(
+            trainer.opt_state, is_leaf=lambda x: isinstance(x, DiLoCoState)
+        )
+        if isinstance(s, DiLoCoState)
+    ]
+    return state
+
+
+def test_the_warm_start_is_data_parallel_then_diloco_starts_from_it(tmp_path):
+    """Four warm-start steps: a dense ring all-reduce each (the bytes and the blocking link
+    time of data parallelism, the same losses as a data-parallel run), theta_sync equal to
+    the model reached and a fresh outer momentum at the switch; then DiLoCo's periods of 3
+    from step 5, with their own bytes and pattern."""
+    sync = {"period": 3, "warmup_steps": 4}
+    dp = Trainer(_cfg(tmp_path / "dp", steps=5))
+    dp.run()
+    first = Trainer(_diloco(tmp_path / "w", sync, steps=4, checkpoint_every=4))
+    first.run()
+    state = _state(first)
+    for a, p in zip(_host(state.anchor), _host(first.params), strict=True):
+        np.testing.assert_array_equal(a, p.astype(np.float32))
+        assert np.all(p == p[0:1])  # every worker holds the same model
+    assert all(np.all(x == 0) for x in _host(state.outer))  # the outer momentum never ran
+    trainer = Trainer(_diloco(tmp_path / "w", sync, steps=10))
+    trainer.run(resume=True)
+    rows, ref = _rows(trainer.cfg), _rows(dp.cfg)
+    # The warm start is data parallelism: its losses (and the first DiLoCo step's, from the
+    # model it reached), bytes and link time.
+    assert [r["loss"] for r in rows[:5]] == [r["loss"] for r in ref]
+    assert [r["sent_bytes"] for r in rows[:4]] == [r["sent_bytes"] for r in ref[:4]]
+    d = sum(x.size for x in _host(trainer.params)) // 8
+    assert rows[0]["sent_bytes"] == 2 * 7 * (-(-d // 8)) * 4  # a float32 ring of the gradient
+    for r, q in zip(rows[:4], ref[:4], strict=True):
+        assert r["comm_s"] == q["comm_s"] > 0
+        assert r["sim_step_s"] == pytest.approx(r["sim_compute_s"] + r["comm_s"], rel=1e-12)
+        assert r["divergence"] < 1e-10  # identical workers (to the mean's rounding)
+    # Then DiLoCo: a synchronisation every third step, counted from the switch.
+    assert [r["sync_fragment"] for r in rows] == [-2] * 4 + [-1, -1, 0, -1, -1, 0]
+    assert [r["sent_bytes"] > 0 for r in rows[4:]] == [False, False, True] * 2
+    assert rows[5]["divergence"] > 0
+    # The logged bytes are the compiled program's, each step's branches resolved.
+    for step in (0, 3, 4, 6):
+        branches = jaxcomm.diloco_branches(3, step, warmup=4)
+        audit = trainer.step_audit(None, branches)
+        assert int(audit.sent.max()) == rows[step]["sent_bytes"], step
+    # The replayed link clock is the logged one.
+    replayed = trainer.sync.replay(rows, trainer.schedule.at(0))
+    np.testing.assert_allclose(replayed, [r["sim_step_s"] for r in rows], rtol=1e-9)
+
+
+@pytest.mark.parametrize("stop", [2, 5])
+def test_resume_in_and_after_the_warm_start_is_bit_exact(tmp_path, stop):
+    sync = {"period": 3, "warmup_steps": 4}
+    kw = dict(lr_schedule="cosine", lr_warmup_steps=2)
+    full = Trainer(_diloco(tmp_path / "a", sync, steps=9, **kw))
+    full.run()
+    part = _diloco(tmp_path / "b", sync, steps=9, checkpoint_every=stop, **kw)
+    with pytest.raises(_Stop):  # the same run, stopped once step ``stop`` is saved
+        Trainer(part).run(metrics_cb=_stop_after(stop + 1))
+    resumed = Trainer(_diloco(tmp_path / "b", sync, steps=9, **kw))
+    resumed.run(resume=True)
+    _same_run(full, resumed, keys=("step", "loss", "sent_bytes", "sim_time_s", "divergence"))
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop_after(step):
+    """A metrics callback that ends the run when step ``step`` is logged (before it is
+    saved: the newest checkpoint is the one before)."""
+
+    def cb(row):
+        if row["step"] == step:
+            raise _Stop
+
+    return cb
+
+
 # --------------------------------------------------------------------------- settings
 
 
@@ -257,6 +348,14 @@ def test_a_resume_that_would_change_the_schedule_is_refused(tmp_path):
         (dict(lr_floor=1.5), "lr_floor"),
         (dict(lr_warmup_steps=-1), "lr_warmup_steps"),
         (dict(clip_norm=-1.0), "clip_norm"),
+        (
+            dict(aggregator="none", sync={"method": "local_sgd", "period": 2, "warmup_steps": 2}),
+            "unknown keys",
+        ),
+        (
+            dict(aggregator="none", sync={"method": "diloco", "period": 2, "warmup_steps": -1}),
+            "sync.warmup_steps",
+        ),
     ],
 )
 def test_bad_settings_are_refused_naming_the_key(kw, match):
@@ -276,3 +375,23 @@ def test_the_keys_are_documented():
         "clip_norm",
     ):
         assert len(docs[key]) > 40, key
+    assert "warmup_steps" in docs["sync"]
+
+
+def test_sparseloco_averaged_over_senders_sends_the_same_bytes(tmp_path):
+    """``sync.compress: {method: sparseloco, average: senders}`` runs, with the same bytes
+    on the wire as the paper's mean over all workers, and trains to another model."""
+    runs = {}
+    for average in ("workers", "senders"):
+        sync = {
+            "period": 2,
+            "outer_lr": 1.0,
+            "outer_momentum": 0.0,
+            "compress": {"method": "sparseloco", "chunk": 64, "k": 4, "average": average},
+        }
+        runs[average] = Trainer(_diloco(tmp_path / average, sync, steps=4))
+        runs[average].run()
+    a, b = (_rows(runs[k].cfg) for k in ("workers", "senders"))
+    assert [r["sent_bytes"] for r in a] == [r["sent_bytes"] for r in b]
+    assert a[1]["sent_bytes"] > 0
+    assert a[2]["loss"] != b[2]["loss"]

@@ -42,6 +42,7 @@ DILOCO_KEYS = (
     "overlap",
     "alpha",
     "compress",
+    "warmup_steps",
 )
 DILOCO_COMPRESS = ("none", "int8", "int4", "sparseloco", "ar_topk")
 # ``boundary_args`` of ``boundary: aqsgd``: the codec of each direction and of first visits.
@@ -94,8 +95,8 @@ class Config:
       clip_norm: clip the gradient to this global L2 norm before the optimizer (0: off):
         after the aggregator, so on the averaged gradient; with a ``sync`` wrapper (local
         SGD, DiLoCo) on each worker's own gradient, which is what its inner optimizer
-        steps on. Not with ``optimizer: none`` nor ``stages > 1`` (each stage would clip
-        its own layers).
+        steps on (the averaged one during DiLoCo's ``warmup_steps``). Not with
+        ``optimizer: none`` nor ``stages > 1`` (each stage would clip its own layers).
       aggregator: gradient aggregation: ``psum``, ``ring`` or ``tree`` (dense),
         ``ec_quantized`` (error-compensated ``bits``-bit, default 4) or the top-k
         sparsifiers ``ar_topk`` (``{ratio, select: star|var, reduce:
@@ -175,8 +176,11 @@ class Config:
         Nesterov), ``fragments`` (1), ``pattern`` (``strided``), ``overlap`` (0 inner
         steps), ``alpha`` (0.5 with overlap, else 0) and ``compress`` (``none``, ``int8``,
         ``int4``, ``sparseloco`` or ``ar_topk``, or a mapping with ``method`` and that
-        codec's arguments). ``{}`` for none. Layers are ``models.layer_groups`` of
-        the parameters.
+        codec's arguments), and ``warmup_steps`` (0): a data-parallel warm start, that many
+        first steps averaging every step's gradients with a float32 all-reduce (``reduce``,
+        ``ring`` by default) before DiLoCo's periods start from the model reached (the
+        DiLoCo paper starts from a pre-trained model). ``{}`` for none. Layers are
+        ``models.layer_groups`` of the parameters.
       adaptive: AR-Topk's adaptive compression ratio (``aggregator: ar_topk``): the keyword
         arguments of :class:`jaxcomm.adaptive.AdaptiveRatio` (``candidates``,
         ``trial_steps``, ``gain_threshold``, ``network_threshold``, ``min_interval``,
@@ -927,6 +931,12 @@ def _diloco_settings(out: dict[str, Any], given: dict[str, Any]) -> dict[str, An
         raise ValueError("sync.fused is local SGD's; DiLoCo sends each fragment as one message")
     if "fill_bubbles" in given:
         raise ValueError("sync.fill_bubbles is DreamDDP's; DiLoCo's fragments are not filled")
+    warm = out.setdefault("warmup_steps", 0)
+    if isinstance(warm, bool) or not isinstance(warm, int) or warm < 0:
+        raise ValueError(
+            f"sync.warmup_steps must be an integer >= 0 (data-parallel steps before DiLoCo's "
+            f"first period), got {warm!r}"
+        )
     for key in ("outer_lr", "outer_momentum"):
         v = out[key]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:

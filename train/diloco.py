@@ -12,28 +12,37 @@ SGD with ``outer_momentum: 0``). Settings:
   with its own wrapper on its own steps (the DiLoCoX shape: pipeline inside a replica,
   DiLoCo across replicas).
 * ``overlap`` (``tau``) and ``alpha``: the merge ``tau`` steps after the synchronisation.
+* ``warmup_steps`` (``N``): a data-parallel warm start. The first ``N`` steps average
+  every step's gradients with a float32 all-reduce (``reduce``, a ring by default) before
+  the inner optimizer, as synchronous data parallelism; DiLoCo's periods count from step
+  ``N`` and start from the model reached, which is the outer optimizer's anchor
+  (``theta_sync``); the outer state and any codec's error feedback start fresh there; the
+  inner optimizer (and its learning-rate schedule) keeps going.
 * ``compress``: how the pseudo-gradients travel: ``none`` (a float32 all-reduce by
   ``reduce``), ``int8`` / ``int4`` (:func:`jaxcomm.ec_quantized_allreduce`, error-fed,
   as INTELLECT-1 / Streaming DiLoCo), ``sparseloco`` (:func:`jaxcomm.chunk_topk`: top-64
   of every 4,096 entries, 2-bit values, error buffer decay 0.95; SparseLoCo pairs it with
   ``outer_lr: 1.0, outer_momentum: 0``) or ``ar_topk`` (AR-Topk's shared root indices and
   a ring all-reduce of values, ratio 0.01, error-fed); a mapping ``{method: ..., <the
-  codec's arguments>}`` overrides the defaults.
+  codec's arguments>}`` overrides the defaults (e.g. ``{method: sparseloco, average:
+  senders}``: each entry averaged over the workers that sent it instead of all ``N``, see
+  :func:`jaxcomm.chunk_topk`).
 
 **Clock** (data parallel). Each step computes (its program on the roofline with the taken
 branch's outer-step arithmetic, or the host's measured time). A synchronising step's
 transfer starts when its compute ends and the link is free, and takes the logged
 traffic's time on the step's network; the merge ``tau`` steps later waits for it. With
 ``tau = 0`` that is a blocking all-reduce; with ``tau > 0`` up to ``tau`` steps of compute
-hide it. A pipeline keeps GPipe's timeline with the logged traffic added to the
-synchronising step (no overlap credit).
+hide it. A warm-start step's all-reduce blocks (it starts when the compute ends and the link
+is free; the step ends when it lands). A pipeline keeps GPipe's timeline with the logged
+traffic added to the synchronising step (no overlap credit).
 
 Evaluation, the exported ``params.msgpack`` and the summary use ``theta_sync`` (the
 synchronised model of the outer optimizer); each metrics row records the workers'
-divergence and the fragment synchronised (-1: none), the summary the peak and total bytes
-a worker sent in a step and over the run (on a pipeline, with its boundary messages). A
-non-finite ``theta_sync`` stops the run at the synchronisation that made it, not at the
-merge ``overlap`` steps later.
+divergence and the fragment synchronised (-1: none; -2: a warm-start step), the summary
+the peak and total bytes a worker sent in a step and over the run (on a pipeline, with its
+boundary messages). A non-finite ``theta_sync`` stops the run at the synchronisation that
+made it, not at the merge ``overlap`` steps later.
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ import numpy as np
 import optax
 
 import jaxcomm
-from jaxcomm.diloco import DILOCO_SCOPE, DiLoCoState
+from jaxcomm.diloco import DiLoCoState
 from jaxcomm.network import Network
 from models import layer_groups
 from train.clock import wire_time
@@ -79,6 +88,10 @@ def _finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in jax.tree_util.tree_leaves(tree)]))
 
 
+# The kind of a warm-start step for :func:`link_step`: a blocking all-reduce.
+WARM = (-2, ())
+
+
 def link_step(
     wire: dict[str, Any],
     compute: float,
@@ -89,13 +102,18 @@ def link_step(
 ) -> float:
     """Advance the link clock ``wire`` (``t``: now, ``free``: when the link frees,
     ``arrive``: when each fragment's transfer lands) by 0-based step ``step`` of ``kind``
-    (:func:`jaxcomm.diloco_steps`: fragment synchronised, fragments merged) and return its
-    seconds: the step computes; a synchronisation's transfer starts when that compute
-    ends and the link is free and takes ``comm``; a merge (once ``step >= overlap``) waits
-    for its fragment's transfer."""
+    (:func:`jaxcomm.diloco_steps`: fragment synchronised, fragments merged; ``step``
+    counted from the first period) and return its seconds: the step computes; a
+    synchronisation's transfer starts when that compute ends and the link is free and
+    takes ``comm``; a merge (once ``step >= overlap``) waits for its fragment's transfer.
+    A warm-start step (:data:`WARM`) sends its all-reduce the same way and waits for it."""
     sync, merges = kind
     start = wire["t"]
     end = start + compute
+    if kind == WARM:
+        wire["free"] = end = max(end, wire["free"]) + comm
+        wire["t"] = end
+        return end - start
     if sync >= 0:
         send = max(end, wire["free"])
         wire["free"] = send + comm
@@ -121,7 +139,22 @@ class DiLoCo(Sync):
         self._wire: dict[str, Any] = {"t": 0.0, "free": 0.0, "arrive": {}}
 
     def fingerprint(self) -> dict[str, Any]:
-        return {"sync": self.sync}
+        # Without a warm start, the fingerprint runs had before warmup_steps existed.
+        sync = dict(self.sync)
+        if not sync["warmup_steps"]:
+            del sync["warmup_steps"]
+        return {"sync": sync}
+
+    @property
+    def warmup(self) -> int:
+        """Data-parallel steps before the first period (``sync.warmup_steps``)."""
+        return self.sync["warmup_steps"]
+
+    def kind(self, step: int) -> tuple[int, tuple[int, ...]]:
+        """What 0-based step ``step`` does (:func:`link_step`'s ``kind``)."""
+        if step < self.warmup:
+            return WARM
+        return self._steps[(step - self.warmup) % self.sync["period"]]
 
     # ------------------------------------------------------------------ transforms
 
@@ -170,6 +203,7 @@ class DiLoCo(Sync):
             alpha=s["alpha"],
             aggregate=aggregate,
             reduce=s["reduce"] if aggregate is None else None,
+            warmup=s["warmup_steps"],
         )
         return optax.chain(optax.identity(), wrapper)
 
@@ -229,13 +263,15 @@ class DiLoCo(Sync):
             rounds=traffic.rounds.sum(1),
             path_bytes=traffic.path_bytes.sum(1),
         )
-        h = step % self.sync["period"]
         branches = None
-        if len(set(self._steps)) > 1:  # else no conditional
-            branch = jaxcomm.diloco_branch(
-                self.sync["period"], step, schedule=self.schedule, overlap=self.sync["overlap"]
+        if len(set(self._steps)) > 1 or self.warmup:  # else no conditional
+            branches = jaxcomm.diloco_branches(
+                self.sync["period"],
+                step,
+                schedule=self.schedule,
+                overlap=self.sync["overlap"],
+                warmup=self.warmup,
             )
-            branches = {DILOCO_SCOPE: branch}
         _, compute, comm = trainer.simulate_step(
             trainer._program_key(),
             total,
@@ -245,7 +281,9 @@ class DiLoCo(Sync):
             overlap=False,
             branches=branches,
         )
-        seconds = link_step(self._wire, compute, comm, self._steps[h], step, self.sync["overlap"])
+        seconds = link_step(
+            self._wire, compute, comm, self.kind(step), step - self.warmup, self.sync["overlap"]
+        )
         return seconds, compute, comm
 
     def replay(self, rows: list[dict[str, Any]], network: Network) -> np.ndarray:
@@ -256,9 +294,17 @@ class DiLoCo(Sync):
         out = []
         for r in rows:
             step = r["step"] - 1
-            kind = self._steps[step % self.sync["period"]]
             comm = wire_time(r["wire"], network)
-            out.append(link_step(wire, r["sim_compute_s"], comm, kind, step, self.sync["overlap"]))
+            out.append(
+                link_step(
+                    wire,
+                    r["sim_compute_s"],
+                    comm,
+                    self.kind(step),
+                    step - self.warmup,
+                    self.sync["overlap"],
+                )
+            )
         return np.asarray(out)
 
     # ------------------------------------------------------------------ state
@@ -285,8 +331,9 @@ class DiLoCo(Sync):
                 f"step {trainer.step}: theta_sync became non-finite (a worker's "
                 f"pseudo-gradient held NaN or Inf); {trainer._checkpoint_note()}"
             )
-        h = (trainer.step - 1) % self.sync["period"]
-        return {"divergence": float(report["divergence"]), "sync_fragment": self._steps[h][0]}
+        # -1: no fragment synchronised (-2 on a warm-start step, which averages gradients).
+        fragment = self.kind(trainer.step - 1)[0]
+        return {"divergence": float(report["divergence"]), "sync_fragment": fragment}
 
     def eval_params(self, trainer: Trainer, params: Any) -> Any:
         """``theta_sync`` in the parameters' dtypes and placement."""

@@ -100,11 +100,13 @@ def _diloco(
     (:func:`train.diloco.link_step`) for three periods; the last period is the steady
     state. Top-level figures are its per-step means (``sent_bytes_per_device``: the
     busiest step's), ``diloco`` the details: compute utilisation (compute over wall time),
-    peak and per-period bytes."""
+    peak and per-period bytes; with ``sync.warmup_steps`` also a warm-start step's figures
+    (``warmup_step_s``, ``warmup_comm_s``, ``warmup_sent_bytes_per_device``: a
+    data-parallel step, its all-reduce blocking), which the periods' figures leave out."""
     import numpy as np
 
-    from jaxcomm.diloco import DILOCO_SCOPE
-    from train.diloco import link_step
+    from jaxcomm.diloco import DILOCO_SCOPE, DILOCO_WARMUP_SCOPE
+    from train.diloco import WARM, link_step
 
     sync = trainer.sync
     period, tau = sync.sync["period"], sync.sync["overlap"]
@@ -118,8 +120,10 @@ def _diloco(
         # device's bytes; the first is taken unless given.
         if sync._codec()[0] == "ar_topk":
             mine.setdefault(ROOT_SCOPE, 0)
-        if len(kinds) > 1:
+        if len(kinds) > 1 or sync.warmup:
             mine[DILOCO_SCOPE] = b
+        if sync.warmup:
+            mine[DILOCO_WARMUP_SCOPE] = 0
         per_kind[kind] = _mode(trainer, None, network, overlap, batch, mine)
     wire: dict[str, Any] = {"t": 0.0, "free": 0.0, "arrive": {}}
     seconds, compute = [], []
@@ -132,6 +136,18 @@ def _diloco(
     sent = [per_kind[k]["sent_bytes_per_device"] for k in sync._steps]
     round_s = float(sum(seconds[last]))
     busiest = max(per_kind.values(), key=lambda m: m["sent_bytes_per_device"])
+    warm = {}
+    if sync.warmup:
+        mine = {**(branches or {}), DILOCO_SCOPE: len(kinds), DILOCO_WARMUP_SCOPE: 1}
+        m = _mode(trainer, None, network, overlap, batch, mine)
+        step_s = link_step({"t": 0.0, "free": 0.0, "arrive": {}}, m["compute_s"], m["comm_s"],
+                           WARM, 0, tau)  # fmt: skip
+        warm = {
+            "warmup_steps": sync.warmup,
+            "warmup_step_s": step_s,
+            "warmup_comm_s": m["comm_s"],
+            "warmup_sent_bytes_per_device": m["sent_bytes_per_device"],
+        }
     return {
         **busiest,
         "step_s": round_s / period,
@@ -147,6 +163,7 @@ def _diloco(
             "sent_bytes_per_period": int(sum(sent)),
             "sync_comm_s": float(max(per_kind[k]["comm_s"] for k in kinds)),
             "inner_step_s": float(min(per_kind[k]["compute_s"] for k in kinds)),
+            **warm,
         },
     }
 
