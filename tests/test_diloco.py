@@ -64,14 +64,16 @@ class _NumpyDiLoCo:
     Inner: SGD or Adam per worker. Outer: SGD with Nesterov momentum (PyTorch's form:
     ``b <- mu b + delta``, ``theta <- theta - lr (delta + mu b)``). Fragment ``p`` of ``F``
     holds layers ``p, p + F, ...`` and is synchronised at local step ``(p + 1) H // F - 1``;
-    ``tau`` steps later each worker mixes ``alpha * local + (1 - alpha) * theta``.
+    ``tau`` steps later each worker mixes ``alpha * local + (1 - alpha) * theta``. A warm
+    start of ``warmup`` steps steps every worker on the workers' mean gradient and sets
+    ``theta`` to the result; the periods count from its end.
     """
 
-    def __init__(self, p0, *, inner, lr, H, F=1, tau=0, alpha=0.0, outer_lr=0.7, mu=0.9):
+    def __init__(self, p0, *, inner, lr, H, F=1, tau=0, alpha=0.0, outer_lr=0.7, mu=0.9, warmup=0):
         self.theta = {k: v.astype(np.float64) for k, v in p0.items()}
         self.local = [{k: v.copy() for k, v in self.theta.items()} for _ in range(N)]
         self.inner, self.lr, self.H, self.F, self.tau, self.alpha = inner, lr, H, F, tau, alpha
-        self.outer_lr, self.mu = outer_lr, mu
+        self.outer_lr, self.mu, self.warmup = outer_lr, mu, warmup
         self.buf = {k: np.zeros_like(v) for k, v in self.theta.items()}
         self.m = [{k: np.zeros_like(v) for k, v in self.theta.items()} for _ in range(N)]
         self.v = [{k: np.zeros_like(v) for k, v in self.theta.items()} for _ in range(N)]
@@ -81,10 +83,17 @@ class _NumpyDiLoCo:
 
     def step(self, a, y):
         self.t += 1
+        warm = self.t <= self.warmup
+        grads = [
+            {k: a[k][w] * (a[k][w] * self.local[w][k] - y[k][w]) for k in SHAPES} for w in range(N)
+        ]
+        if warm:  # data parallelism: every worker steps on the mean gradient
+            mean = {k: np.mean([g[k] for g in grads], axis=0) for k in SHAPES}
+            grads = [mean] * N
         for w in range(N):
             for k in SHAPES:
                 p = self.local[w][k]
-                g = a[k][w] * (a[k][w] * p - y[k][w])
+                g = grads[w][k]
                 if self.inner == "sgd":
                     self.local[w][k] = p - self.lr * g
                 else:
@@ -92,14 +101,18 @@ class _NumpyDiLoCo:
                     v = self.v[w][k] = 0.999 * self.v[w][k] + 0.001 * g * g
                     mhat, vhat = m / (1 - 0.9**self.t), v / (1 - 0.999**self.t)
                     self.local[w][k] = p - self.lr * mhat / (np.sqrt(vhat) + 1e-8)
-        h = (self.t - 1) % self.H
+        if warm:
+            self.theta = {k: v.copy() for k, v in self.local[0].items()}
+            return
+        t = self.t - 1 - self.warmup  # steps since the periods began
+        h = t % self.H
         for frag, at in zip(self.frags, self.sync_at, strict=True):
             if h == at:
                 for k in frag:
                     delta = self.theta[k] - np.mean([loc[k] for loc in self.local], axis=0)
                     self.buf[k] = self.mu * self.buf[k] + delta
                     self.theta[k] = self.theta[k] - self.outer_lr * (delta + self.mu * self.buf[k])
-            if h == (at + self.tau) % self.H and self.t - 1 >= self.tau:
+            if h == (at + self.tau) % self.H and t >= self.tau:
                 for k in frag:
                     for loc in self.local:
                         loc[k] = self.alpha * loc[k] + (1 - self.alpha) * self.theta[k]
@@ -113,12 +126,14 @@ class _NumpyDiLoCo:
         ("adam", dict(period=4, fragments=2, layers=LAYERS)),
         ("sgd", dict(period=6, fragments=3, layers=LAYERS, overlap=1)),
         ("adam", dict(period=4, fragments=2, layers=LAYERS, overlap=2, alpha=0.25)),
+        ("adam", dict(period=4, warmup=3)),
+        ("sgd", dict(period=4, fragments=2, layers=LAYERS, overlap=1, warmup=2)),
     ],
 )
 def test_diloco_matches_an_independent_numpy_simulation(inner, kw):
     """Every worker's parameters after every step, and theta_sync, equal the numpy
     simulation of the papers' algorithm (DiLoCo's Nesterov outer step, Streaming DiLoCo's
-    staggered strided fragments and delayed mixing)."""
+    staggered strided fragments and delayed mixing, a data-parallel warm start)."""
     steps, lr = 13, 0.02
     make = optax.sgd(lr) if inner == "sgd" else optax.adam(lr)
     hist, state = _run(jaxcomm.diloco(make, "data", **kw), steps)
@@ -132,6 +147,7 @@ def test_diloco_matches_an_independent_numpy_simulation(inner, kw):
         F=kw.get("fragments", 1),
         tau=overlap,
         alpha=kw.get("alpha", 0.5 if overlap else 0.0),
+        warmup=kw.get("warmup", 0),
     )
     for t in range(steps):
         ref.step(a, y)
