@@ -26,6 +26,7 @@ from jaxcomm.codecs import (
     ChunkTopK,
     Quantized,
     SignCode,
+    StatQuantized,
     TopK,
     chunk_topk_decode,
     chunk_topk_encode,
@@ -36,6 +37,8 @@ from jaxcomm.codecs import (
     quantize,
     sign_decode,
     sign_encode,
+    stat_dequantize,
+    stat_quantize,
     topk_decode,
     topk_encode,
     topk_gather,
@@ -76,12 +79,14 @@ from jaxcomm.signsgd import (
 )
 from jaxcomm.sparse import (
     ChunkTopkState,
+    StatQuantizedState,
     TopkState,
     ar_topk,
     chunk_topk,
     compression_gain,
     lw_topk,
     ms_topk,
+    statistical_quantized,
     topk_indices,
 )
 

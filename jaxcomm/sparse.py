@@ -41,6 +41,8 @@ from jaxcomm.codecs import (
     TopK,
     chunk_topk_decode,
     chunk_topk_encode,
+    stat_dequantize,
+    stat_quantize,
     topk_indices,
     unpack_uints,
 )
@@ -73,6 +75,8 @@ __all__ = [
     "SELECTIONS",
     "TopkState",
     "ChunkTopkState",
+    "StatQuantizedState",
+    "statistical_quantized",
     "ar_topk",
     "chunk_topk",
     "compression_gain",
@@ -436,6 +440,16 @@ def _sent_mask(p: ChunkTopK) -> jax.Array:
 AVERAGES = ("workers", "senders")
 
 
+def _gathered_mean(gathered: Any, decode: Any, n: int, like: jax.Array) -> jax.Array:
+    """The mean of the ``n`` all-gathered payloads' decodes, summed in rank order (so the
+    same bits on every worker)."""
+
+    def add(w, total):
+        return total + decode(jax.tree_util.tree_map(lambda a: a[w], gathered))
+
+    return lax.fori_loop(0, n, add, jnp.zeros_like(like)) / n
+
+
 def chunk_topk(
     axis_name: Any,
     *,
@@ -510,10 +524,6 @@ def chunk_topk(
         residual = e - chunk_topk_decode(payload)
         gathered = all_gather(payload, axis_name)
 
-        def add(w, total):
-            one = jax.tree_util.tree_map(lambda a: a[w], gathered)
-            return total + chunk_topk_decode(one)
-
         def add_counted(w, carry):
             # the sum, and how many workers sent each entry (from the gathered indices)
             total, count = carry
@@ -521,8 +531,7 @@ def chunk_topk(
             return total + chunk_topk_decode(one), count + _sent_mask(one)
 
         if average == "workers":
-            total = lax.fori_loop(0, n, add, jnp.zeros_like(e))
-            mean = total / n
+            mean = _gathered_mean(gathered, chunk_topk_decode, n, e)
         else:
             total, count = lax.fori_loop(0, n, add_counted, (jnp.zeros_like(e),) * 2)
             mean = total / jnp.maximum(count, 1.0)
@@ -531,5 +540,79 @@ def chunk_topk(
         new = ChunkTopkState(residual, log, state.layout)
         mean = replicated(mean, axis_name)
         return unflatten(mean), worker_state(new, axis_name)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------- statistical
+
+
+class StatQuantizedState(NamedTuple):
+    """State of :func:`statistical_quantized`, per worker.
+
+    Attributes:
+      residual: ``f32[d]`` this worker's error-feedback buffer ``e``.
+      log: what the last step sent.
+      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.Layout`).
+    """
+
+    residual: jax.Array
+    log: CommLog
+    layout: Layout
+
+
+def statistical_quantized(
+    axis_name: Any, *, bits: int = 2, sigmas: float = 6.0, decay: float = 0.9
+) -> optax.GradientTransformation:
+    """Error-fed statistical quantization with an all-gather (MuLoCo's compressor).
+
+    Worker ``w`` keeps an error buffer ``e_w`` and, for its gradient ``g_w``, forms
+    ``e_w <- decay * e_w + g_w``, sends ``c_w = Q(e_w)`` (:func:`jaxcomm.stat_quantize`:
+    ``bits`` bits per entry, one segment per parameter tensor, each code decoded to the mean
+    of the values it stands for) and keeps ``e_w <- e_w - c_w``. Every worker all-gathers the
+    ``N`` payloads and averages their decodes in rank order (bit-identical on every worker).
+    On the wire: ``ceil(d * bits / 8)`` bytes of codes and ``4 * 2 ** bits`` bytes per
+    tensor, from each worker.
+
+    MuLoCo (Therien et al., arXiv 2505.23725) uses it on DiLoCo's pseudo-gradients with a
+    Muon inner optimizer at 2 bits: ``jaxcomm.diloco(muon, axis, period=30,
+    aggregate=jaxcomm.statistical_quantized(axis))``. As the authors' code, the decay is 0.9
+    and the rounding deterministic; their buffer accumulates the pseudo-gradient already
+    scaled by the outer learning rate, this one the pseudo-gradient itself (the outer
+    optimizer's step follows), which is the same for SGD up to that constant factor on
+    ``e``; their per-row variant is not offered.
+
+    Args:
+      axis_name: data-parallel axis.
+      bits: code width, 1..8 (2: MuLoCo's).
+      sigmas: the bins span ``sigmas`` standard deviations of each tensor (6: MuLoCo's).
+      decay: ``beta`` in ``[0, 1]``, the error buffer's decay (1.0: plain error feedback).
+
+    Returns:
+      A ``GradientTransformation`` with :class:`StatQuantizedState`; its log holds one
+      ``allgather`` of the packed payload.
+    """
+    bits = check_int("bits", bits, lo=1, hi=8)
+    sigmas = check_float("sigmas", sigmas, lo=0.0, lo_open=True)
+    decay = check_float("decay", decay, lo=0.0, hi=1.0)
+
+    def init_fn(params):
+        layout, d = init_layout("statistical_quantized", params)
+        state = StatQuantizedState(jnp.zeros((d,), jnp.float32), empty_log(), layout)
+        return worker_state(state, axis_name)
+
+    def update_fn(updates, state, params=None):
+        del params
+        n = axis_size(axis_name)
+        flat, unflatten = flatten_grads("statistical_quantized", updates, axis_name, state.layout)
+        sizes = tuple(math.prod(shape) for shape in state.layout.shapes)
+        e = decay * state.residual + flat  # f32[d]
+        payload = stat_quantize(e, bits=bits, sigmas=sigmas, sizes=sizes)
+        residual = e - stat_dequantize(payload)
+        gathered = all_gather(payload, axis_name)
+        mean = _gathered_mean(gathered, stat_dequantize, n, e)
+        wire = all_gather_wire(jax.eval_shape(lambda: payload), n)
+        new = StatQuantizedState(residual, log_wire(empty_log(), wire), state.layout)
+        return unflatten(replicated(mean, axis_name)), worker_state(new, axis_name)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -134,6 +134,7 @@ CASES = {
     "chunk_topk_senders": Case(
         lambda ax: jaxcomm.chunk_topk(ax, chunk=16, k=4, decay=0.9, average="senders")
     ),
+    "statistical_quantized": Case(lambda ax: jaxcomm.statistical_quantized(ax, bits=2)),
     # Synchronises after step 1 (Nesterov outer step of the averaged pseudo-gradient).
     "diloco": Case(
         lambda ax: jaxcomm.diloco(optax.sgd(0.1), ax, period=2),

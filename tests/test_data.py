@@ -203,7 +203,9 @@ def test_digits_and_get_dataset_bad_arguments():
     with pytest.raises(ValueError, match=r"seed must be an integer >= 0, got -1"):
         DigitsDataset(seed=-1)
     with pytest.raises(
-        ValueError, match=r"name must be one of \('shakespeare', 'digits', 'synthetic_imagenet'\)"
+        ValueError,
+        match=r"name must be one of \('shakespeare', 'shakespeare_complete', 'digits', "
+        r"'synthetic_imagenet'\)",
     ):
         get_dataset("x", "train")
     assert isinstance(get_dataset("digits", "valid"), DigitsDataset)
@@ -358,3 +360,21 @@ def test_synthetic_imagenet_is_deterministic_and_imagenet_shaped():
     assert not np.array_equal(a["image"][0], a["image"][1])
     with pytest.raises(ValueError):
         train.get(np.array([len(train)]))
+
+
+def test_the_complete_works_are_the_documented_text_in_three_splits():
+    """The complete works decompress to the recorded size and sha256 (the docstring states
+    both), ``make_corpus.py --complete``'s output; its splits cover the text once; a test
+    split is refused on the datasets that have none, naming the one that does."""
+    text = load_corpus(complete=True)
+    assert len(text) == data.COMPLETE_NUM_BYTES and f"{data.COMPLETE_NUM_BYTES:,}" in data.__doc__
+    assert hashlib.sha256(text).hexdigest() == data.COMPLETE_SHA256 in data.__doc__
+    assert len(text) > 3.5 * len(load_corpus())
+    splits = {s: get_dataset("shakespeare_complete", s, seq_len=64) for s in data.HELD_OUT_SPLITS}
+    blocks = sorted(b for d in splits.values() for b in d.blocks)
+    assert blocks == list(range(-(-len(text) // 65_536)))
+    window = splits["test"].get(np.array([0]))["tokens"][0].astype(np.uint8).tobytes()
+    first = splits["test"].blocks[0] * 65_536
+    assert text[first : first + 65] == window  # sample 0 of a split: its first block's start
+    with pytest.raises(ValueError, match="only shakespeare_complete has a test split"):
+        get_dataset("shakespeare", "test", seq_len=64)

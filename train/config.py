@@ -21,8 +21,12 @@ from jaxcomm._checks import check_choice, did_you_mean
 __all__ = ["Config", "load_config", "apply_overrides"]
 
 TASKS = ("gpt", "mlp", "cnn")
-DATASETS = {"gpt": ("shakespeare",), "mlp": ("digits",), "cnn": ("digits", "synthetic_imagenet")}
-OPTIMIZERS = ("none", "sgd", "momentum", "adam", "adamw")
+DATASETS = {
+    "gpt": ("shakespeare", "shakespeare_complete"),
+    "mlp": ("digits",),
+    "cnn": ("digits", "synthetic_imagenet"),
+}
+OPTIMIZERS = ("none", "sgd", "momentum", "adam", "adamw", "muon")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 DENSE_AGGREGATORS = ("psum", "ring", "tree")
 # Gradient aggregators followed by an optimizer.
@@ -44,7 +48,7 @@ DILOCO_KEYS = (
     "compress",
     "warmup_steps",
 )
-DILOCO_COMPRESS = ("none", "int8", "int4", "sparseloco", "ar_topk")
+DILOCO_COMPRESS = ("none", "int8", "int4", "sparseloco", "ar_topk", "statistical")
 # ``boundary_args`` of ``boundary: aqsgd``: the codec of each direction and of first visits.
 BOUNDARY_KEYS = (
     "fw_chunk", "fw_k", "fw_bucket", "fw_rank",
@@ -65,16 +69,24 @@ class Config:
         defaults to ``runs/<name>``.
       task: model family, one of ``gpt``, ``mlp``, ``cnn``.
       model: keyword arguments of the model (e.g. ``num_layers``, ``width`` for ``gpt``).
-      dataset: ``shakespeare`` (byte-level text, for ``gpt``), ``digits`` (8x8 images) or
+      dataset: ``shakespeare`` (byte-level text, for ``gpt``), ``shakespeare_complete``
+        (the complete works, four times as much text, with a held-out test split; for
+        ``gpt``), ``digits`` (8x8 images) or
         ``synthetic_imagenet`` (random 224x224x3 images, 1000 classes, for ``cnn``: costing
         at ImageNet's shapes).
       workers: data-parallel workers (devices on the ``data`` mesh axis).
       global_batch: samples per step over all workers (a multiple of ``workers``).
       steps: optimizer steps to run (the final step count, also when resuming).
       seed: seeds parameter init and the data order (an integer in [0, 2**32 - 1]).
-      optimizer: ``sgd``, ``momentum``, ``adam`` or ``adamw`` after a dense aggregator;
-        ``none`` with an aggregator that is the whole optimizer; ``lr`` its learning rate
-        (the peak of ``lr_schedule``).
+      optimizer: ``sgd``, ``momentum``, ``adam``, ``adamw`` or ``muon`` after a dense
+        aggregator; ``none`` with an aggregator that is the whole optimizer; ``lr`` its
+        learning rate (the peak of ``lr_schedule``). ``muon`` is ``optax.contrib.muon``:
+        Muon (Nesterov momentum 0.95, five Newton-Schulz steps, shape-scaled) on the 2-D
+        weight matrices of the hidden layers at ``muon_lr``, AdamW (with optax's muon's
+        Nesterov look-ahead) at ``lr`` on the rest (embeddings, the output head, biases,
+        norms), as the Muon and MuLoCo setups; ``stages: 1`` only.
+      muon_lr: Muon's learning rate with ``optimizer: muon`` (its peak; it follows
+        ``lr_schedule`` as ``lr`` does).
       lr_schedule: the learning rate over the optimizer's steps: ``constant`` (``lr``
         throughout, after any warm-up), ``cosine`` or ``linear`` (after the warm-up, a
         decay from ``lr`` to ``lr_floor * lr`` over ``lr_decay_steps``, then the floor).
@@ -175,8 +187,9 @@ class Config:
         ``train/diloco.py``) with the keys ``outer_lr`` (0.7), ``outer_momentum`` (0.9,
         Nesterov), ``fragments`` (1), ``pattern`` (``strided``), ``overlap`` (0 inner
         steps), ``alpha`` (0.5 with overlap, else 0) and ``compress`` (``none``, ``int8``,
-        ``int4``, ``sparseloco`` or ``ar_topk``, or a mapping with ``method`` and that
-        codec's arguments), and ``warmup_steps`` (0): a data-parallel warm start, that many
+        ``int4``, ``sparseloco``, ``ar_topk`` or ``statistical``: MuLoCo's 2-bit, with
+        ``optimizer: muon``; or a mapping with ``method`` and that codec's arguments),
+        and ``warmup_steps`` (0): a data-parallel warm start, that many
         first steps averaging every step's gradients with a float32 all-reduce (``reduce``,
         ``ring`` by default) before DiLoCo's periods start from the model reached (the
         DiLoCo paper starts from a pre-trained model). ``{}`` for none. Layers are
@@ -200,6 +213,7 @@ class Config:
     seed: int = 0
     optimizer: str = "adam"
     lr: float = 3e-3
+    muon_lr: float = 0.02
     lr_schedule: str = "constant"
     lr_warmup_steps: int = 0
     lr_warmup_from: float = 0.0
@@ -315,6 +329,8 @@ class Config:
             raise ValueError(f"init_params must name an existing file, got {self.init_params!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 < self.muon_lr < math.inf:
+            raise ValueError(f"muon_lr must be a finite number > 0, got {self.muon_lr!r}")
         self.optimizer_settings()  # a clear error for a bad schedule, decay or clip
         self.network_schedule()  # a clear error for a bad network
         blocked = next((p for p in (self.run_dir, *self.run_dir.parents) if p.is_file()), None)
@@ -591,6 +607,19 @@ class Config:
                         "applies its own step sizes from aggregator_args; the trainer has no "
                         f"optimizer to give a {key} to; leave {key} unset"
                     )
+        if self.optimizer == "muon":
+            out["muon_lr"] = self.muon_lr
+            if self.stages > 1:
+                raise ValueError(
+                    f"optimizer='muon' with stages={self.stages}: a pipeline stacks its "
+                    "stages' layers, so a stage's weight matrices are not 2-D leaves; use "
+                    "muon with stages=1"
+                )
+        elif self.muon_lr != Config.muon_lr:
+            raise ValueError(
+                f"muon_lr={self.muon_lr!r} with optimizer={self.optimizer!r}: muon_lr is "
+                "Muon's learning rate; set optimizer='muon' or leave muon_lr unset"
+            )
         if wd is not None and self.optimizer == "adam":
             raise ValueError(
                 f"weight_decay={wd!r} with optimizer='adam': Adam's L2 penalty is not "

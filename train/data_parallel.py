@@ -276,9 +276,9 @@ class DataParallel(Layout):
     def after_restore(self, t: Trainer) -> None:
         """Nothing on the host to restore."""
 
-    def evaluate(self, t: Trainer) -> dict[str, float]:
-        batch_size = min(t.cfg.global_batch, len(t.valid_data) // self.n * self.n)
-        loader = Loader(t.valid_data, batch_size, seed=0, num_shards=self.n, shuffle=False)
+    def evaluate(self, t: Trainer, data: Any) -> dict[str, float]:
+        batch_size = min(t.cfg.global_batch, len(data) // self.n * self.n)
+        loader = Loader(data, batch_size, seed=0, num_shards=self.n, shuffle=False)
         totals: dict[str, float] = {}
         count = min(t.cfg.eval_batches, loader.batches_per_epoch)
         params = t.eval_params()

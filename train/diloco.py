@@ -22,10 +22,13 @@ SGD with ``outer_momentum: 0``). Settings:
   ``reduce``), ``int8`` / ``int4`` (:func:`jaxcomm.ec_quantized_allreduce`, error-fed,
   as INTELLECT-1 / Streaming DiLoCo), ``sparseloco`` (:func:`jaxcomm.chunk_topk`: top-64
   of every 4,096 entries, 2-bit values, error buffer decay 0.95; SparseLoCo pairs it with
-  ``outer_lr: 1.0, outer_momentum: 0``) or ``ar_topk`` (AR-Topk's shared root indices and
-  a ring all-reduce of values, ratio 0.01, error-fed); a mapping ``{method: ..., <the
-  codec's arguments>}`` overrides the defaults (e.g. ``{method: sparseloco, average:
-  senders}``: each entry averaged over the workers that sent it instead of all ``N``, see
+  ``outer_lr: 1.0, outer_momentum: 0``), ``ar_topk`` (AR-Topk's shared root indices and
+  a ring all-reduce of values, ratio 0.01, error-fed) or ``statistical``
+  (:func:`jaxcomm.statistical_quantized`: MuLoCo's 2-bit statistical quantization of each
+  tensor, error buffer decay 0.9, an all-gather; with ``optimizer: muon`` as the inner
+  optimizer that is MuLoCo); a mapping ``{method: ..., <the codec's arguments>}``
+  overrides the defaults (e.g. ``{method: sparseloco, average: senders}``: each entry
+  averaged over the workers that sent it instead of all ``N``, see
   :func:`jaxcomm.chunk_topk`).
 
 **Clock** (data parallel). Each step computes (its program on the roofline with the taken
@@ -73,6 +76,7 @@ COMPRESS_DEFAULTS: dict[str, dict[str, Any]] = {
     "int4": {"bits": 4, "bucket_size": 512},
     "sparseloco": {"chunk": 4096, "k": 64, "bits": 2, "decay": 0.95},
     "ar_topk": {"ratio": 0.01},
+    "statistical": {"bits": 2, "sigmas": 6.0, "decay": 0.9},
 }
 
 
@@ -177,6 +181,8 @@ class DiLoCo(Sync):
                 agg = jaxcomm.ec_quantized_allreduce(AXIS, **args)
             elif method == "sparseloco":
                 agg = jaxcomm.chunk_topk(AXIS, **args)
+            elif method == "statistical":
+                agg = jaxcomm.statistical_quantized(AXIS, **args)
             else:
                 agg = jaxcomm.ar_topk(AXIS, **args)
         except (TypeError, ValueError) as e:

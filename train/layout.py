@@ -140,8 +140,9 @@ class Layout(Part, abc.ABC):
     # ------------------------------------------------------------------ model and files
 
     @abc.abstractmethod
-    def evaluate(self, t: Trainer) -> dict[str, float]:
-        """Mean validation metrics of the trainer's current (evaluation) parameters."""
+    def evaluate(self, t: Trainer, data: Any) -> dict[str, float]:
+        """Mean metrics on ``data`` (a dataset split) of the trainer's current (evaluation)
+        parameters."""
 
     @abc.abstractmethod
     def state_tree(self, t: Trainer) -> dict[str, Any]:

@@ -436,10 +436,10 @@ class Pipeline(Layout):
 
     # ------------------------------------------------------------------ model and files
 
-    def evaluate(self, t: Trainer) -> dict[str, float]:
+    def evaluate(self, t: Trainer, data: Any) -> dict[str, float]:
         """Validation loss through the pipeline (FP32 boundaries, no buffer)."""
         d, m = self.cfg.workers, self.cfg.microbatches
-        loader = Loader(t.valid_data, d * m * self.micro, seed=0, num_shards=d, shuffle=False)
+        loader = Loader(data, d * m * self.micro, seed=0, num_shards=d, shuffle=False)
         count = min(self.cfg.eval_batches, loader.batches_per_epoch)
         state, params = self.feed.zeros_state(), t.eval_params()
         total = 0.0

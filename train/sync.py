@@ -18,13 +18,16 @@ timeline; a :class:`Controller` names the program each step runs and builds its 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import jax
 import optax
 
 import jaxcomm
 from jaxcomm._checks import did_you_mean
 from jaxcomm.network import Network
+from models import layer_groups
 from train.config import DENSE_AGGREGATORS, Config
 from train.programs import AXIS
 
@@ -72,6 +75,8 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     defaults it is exactly ``optax.adam(cfg.lr)`` (etc.), as before these settings."""
     lr = make_schedule(cfg)
     wd = cfg.weight_decay
+    if cfg.optimizer == "muon":
+        return _chain_before(cfg, muon(cfg, lr))
     adamw = (lambda: optax.adamw(lr)) if wd is None else (lambda: optax.adamw(lr, weight_decay=wd))
     base = {
         "none": lambda: optax.identity(),
@@ -80,12 +85,52 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
         "adam": lambda: optax.adam(lr),
         "adamw": adamw,
     }[cfg.optimizer]()
+    return _chain_before(cfg, base)
+
+
+def _chain_before(cfg: Config, base: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``base`` behind ``clip_norm``'s clipping and (SGD) ``weight_decay``."""
     before = []
     if cfg.clip_norm:
         before.append(optax.clip_by_global_norm(cfg.clip_norm))
-    if wd is not None and cfg.optimizer in ("sgd", "momentum"):
-        before.append(optax.add_decayed_weights(wd))
+    if cfg.weight_decay is not None and cfg.optimizer in ("sgd", "momentum"):
+        before.append(optax.add_decayed_weights(cfg.weight_decay))
     return optax.chain(*before, base) if before else base
+
+
+def muon_leaves(params: Any) -> Any:
+    """``params`` with ``MuonDimensionNumbers()`` on the leaves Muon steps (2-D weight
+    matrices outside the first and last layer group: not the embeddings, not the output
+    head) and ``None`` on the leaves AdamW steps."""
+    from optax.contrib import MuonDimensionNumbers
+
+    groups = layer_groups(params) if isinstance(params, Mapping) else []
+    ends = {groups[0], groups[-1]} if len(groups) > 1 else set()
+
+    def rule(path: tuple, leaf: Any) -> Any:
+        top = getattr(path[0], "key", None) if path else None
+        hidden = top not in ends
+        return MuonDimensionNumbers() if hidden and getattr(leaf, "ndim", 0) == 2 else None
+
+    return jax.tree_util.tree_map_with_path(rule, params)
+
+
+def muon(cfg: Config, lr: float | optax.Schedule) -> optax.GradientTransformation:
+    """``optimizer: muon``: ``optax.contrib.muon`` with Muon at ``cfg.muon_lr`` (scaled by
+    the same schedule as ``lr``) on :func:`muon_leaves`, AdamW at ``lr`` elsewhere, and
+    ``weight_decay`` decoupled on both (unset: none on Muon's, optax's AdamW default 0)."""
+    from optax.contrib import muon as optax_muon
+
+    ratio = cfg.muon_lr / cfg.lr
+    muon_rate = (lambda step: ratio * lr(step)) if callable(lr) else cfg.muon_lr
+    wd = 0.0 if cfg.weight_decay is None else cfg.weight_decay
+    return optax_muon(
+        muon_rate,
+        weight_decay=wd,
+        adam_learning_rate=lr,
+        adam_weight_decay=wd,
+        muon_weight_dimension_numbers=muon_leaves,
+    )
 
 
 def make_aggregator(cfg: Config) -> optax.GradientTransformation:

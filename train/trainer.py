@@ -66,7 +66,7 @@ from train.checkpoint import (
 )
 from train.clock import StepTraffic, step_traffic, wire_time
 from train.config import Config, resume_command
-from train.data import Loader, Subset, get_dataset
+from train.data import HELD_OUT_DATASETS, Loader, Subset, get_dataset
 from train.distributed import is_primary, to_host
 from train.layout import Flight, make_layout
 from train.programs import AXIS, host_finite, host_metrics
@@ -213,9 +213,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ programs and time
 
-    def evaluate(self) -> dict[str, float]:
-        """Mean validation metrics over ``eval_batches`` fixed batches."""
-        return self.layout.evaluate(self)
+    def evaluate(self, split: str = "valid") -> dict[str, float]:
+        """Mean metrics of split ``split`` (``valid``, or ``test`` where the dataset has one)
+        over ``eval_batches`` fixed batches."""
+        data = self.valid_data if split == "valid" else self._held_out_data(split)
+        return self.layout.evaluate(self, data)
+
+    def _held_out_data(self, split: str) -> Any:
+        cfg = self.cfg
+        data_kwargs = {"seq_len": self.task.module.cfg.seq_len} if cfg.task == "gpt" else {}
+        return get_dataset(cfg.dataset, split, **data_kwargs)
 
     def _program_key(self) -> Any:
         return self.layout.program_key(self)
@@ -508,6 +515,9 @@ class Trainer:
         if primary:
             print(f"{cfg.name}: final evaluation and summary...", file=sys.stderr, flush=True)
         valid = self.evaluate()
+        # Where the dataset holds a test split apart from the validation split that settings
+        # are chosen on, the summary reports it too.
+        test = self.evaluate("test") if cfg.dataset in HELD_OUT_DATASETS else {}
         summary = {
             "name": cfg.name,
             "steps": self.step,
@@ -516,6 +526,7 @@ class Trainer:
             "resumed": resumed,
             "final_loss": last.get("loss"),
             **{f"valid_{k}": v for k, v in valid.items()},
+            **{f"test_{k}": v for k, v in test.items()},
             "params": self.num_params(),
             **self._bytes_summary(),
             "sim_time_s": self.clock.now,

