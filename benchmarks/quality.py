@@ -5,26 +5,35 @@ Protocol (one command per stage; every run's result is kept, an interrupted stag
 
 * **Data**: the complete works of Shakespeare shipped with the trainer
   (``dataset: shakespeare_complete``, 5.05 MB, see ``train/data.py``): settings are chosen on
-  its ``valid`` split and reported on its ``test`` split (interleaved 64 KiB blocks, disjoint).
-* **Sizes** (:data:`SIZES`): GPTs of growing width and depth, byte-level, context 128; each
-  trains on about 20 tokens per parameter (:func:`budget`), global batch 64 sequences.
-* **Schedule** (every method): AdamW (weight decay 0.1) or Muon for MuLoCo's inner steps,
-  linear warm-up over 5% of the steps from 0, then cosine decay to 10% of the peak; the
-  gradient clipped to global norm 1 (on each worker's own gradient inside DiLoCo).
+  its ``valid`` split and reported on its ``test`` split (interleaved 64 KiB blocks,
+  disjoint); every method is evaluated on the same first 1,024 windows of each split.
+* **Sizes** (:data:`SIZES`): GPTs of growing width and depth, byte-level, context 128. The
+  train split holds 4.7M tokens, which bounds the sizes that two CPU cores can train
+  without repeating the text many times: each size trains on about 20 tokens per parameter
+  (:func:`budget`, rounded up to whole periods of H = 30 and 100), global batch 64
+  sequences; the report states each size's tokens and epochs.
+* **Schedule** (every method): AdamW (weight decay 0.1), or Muon for MuLoCo's hidden
+  matrices, linear warm-up over 5% of the steps from 0, then cosine decay to 10% of the
+  peak; the gradient clipped to global norm 1 (on each worker's own gradient inside
+  DiLoCo, as its inner optimizer steps on it).
 * **Grids** (:data:`METHODS`): DP's lr {1e-3, 2e-3, 3e-3, 6e-3}; each DiLoCo-family
   method's inner lr on the same grid, crossed with the outer step (SGD 1.0, i.e. plain
-  averaging, or Nesterov momentum 0.9 at lr {0.1, 0.3, 0.5, 0.7}) and a data-parallel warm
-  start of 0 or 10% of the steps; MuLoCo's Muon lr {0.005, 0.01, 0.02, 0.04} in place of
-  the inner lr. The ``tune`` stage runs the whole grid at the smallest size and, at each
-  larger size, the grid points next to the previous size's choice (one grid step either
-  way on every axis): a stated narrowing, since two CPU cores cannot run the full grid on
-  the larger models.
-* **Selection**: per size and method, the setting with the lowest validation loss (seed 0);
-  the ``seeds`` stage runs it with seeds 1 and 2; the report gives the test loss's mean and
-  spread over the three.
+  averaging, or Nesterov momentum 0.9 at lr {0.1, 0.3, 0.5, 0.7}); the ``_warm`` variants
+  first run one period as data parallelism (the DiLoCo paper starts from a trained model);
+  MuLoCo's Muon lr {0.005, 0.01, 0.02, 0.04} with its AdamW lr at {2e-3, 6e-3}. Where the
+  chosen step size sits at an end of its axis, the ``tune`` stage extends that axis one
+  step further (x2 or /2) and runs the new points, until the choice is inside. At each
+  larger size, once the smaller size's grid is complete, it runs the grid points next to
+  that choice (one step either way on every axis; the outer axis in the order above): a
+  stated narrowing, since two CPU cores cannot run the full grid on every size.
+* **Selection and report**: per size and method, the setting with the lowest validation
+  loss at seed 0 is chosen; the ``seeds`` stage runs it with seeds 1, 2 and 3, and the
+  report gives the test loss's mean and spread over those three fresh seeds only (the
+  chosen seed-0 run is not in the mean: it won the choice, and with it a lucky draw).
 * **Bytes and time**: total and peak bytes a worker sent (the logs the contract suite checks
   against the compiled programs) and the simulated time on V100 compute at 100 Mbit/s /
-  50 ms, 1 Gbit/s / 10 ms and 10 Gbit/s / 1 ms, replayed from each run's logged rows.
+  50 ms, 1 Gbit/s / 10 ms and 10 Gbit/s / 1 ms, replayed from each run's logged rows, which
+  are kept (gzipped) beside its record.
 
     python benchmarks/quality.py tune --size xs     # the grid at one size (resumes)
     python benchmarks/quality.py seeds --size xs    # the selected settings, seeds 1 and 2
@@ -60,49 +69,55 @@ TRAIN_NET = "100 Mbps"
 GLOBAL_BATCH = 64
 SEQ_LEN = 128
 TOKENS_PER_PARAM = 20
+EVAL_WINDOWS = 1024  # the first windows of the valid and test splits, for every method
+FRESH_SEEDS = (1, 2, 3)
+PERIODS = 300  # budgets are whole multiples: every period of H = 30 and 100 completes
 
 SIZES: dict[str, dict[str, int]] = {
     # The fast protocol test's size: a handful of steps.
     "tiny": {"num_layers": 1, "width": 32, "num_heads": 2, "seq_len": 32},
+    "xxs": {"num_layers": 1, "width": 48, "num_heads": 4, "seq_len": SEQ_LEN},
     "xs": {"num_layers": 2, "width": 64, "num_heads": 4, "seq_len": SEQ_LEN},
-    "s": {"num_layers": 4, "width": 128, "num_heads": 4, "seq_len": SEQ_LEN},
-    "m": {"num_layers": 6, "width": 192, "num_heads": 6, "seq_len": SEQ_LEN},
-    "l": {"num_layers": 8, "width": 256, "num_heads": 8, "seq_len": SEQ_LEN},
+    "s": {"num_layers": 3, "width": 80, "num_heads": 4, "seq_len": SEQ_LEN},
+    "m": {"num_layers": 4, "width": 112, "num_heads": 4, "seq_len": SEQ_LEN},
 }
 ORDER = list(SIZES)
 
 LRS = (1e-3, 2e-3, 3e-3, 6e-3)
 MUON_LRS = (0.005, 0.01, 0.02, 0.04)
-# (outer_lr, outer_momentum): plain averaging, then Nesterov at 0.9.
+# (outer_lr, outer_momentum): plain averaging, then Nesterov at 0.9, in that order.
 OUTERS = ((1.0, 0.0), (0.1, 0.9), (0.3, 0.9), (0.5, 0.9), (0.7, 0.9))
-WARM = (0.0, 0.1)  # fraction of the steps run as data parallelism first
+STEP_AXES = ("lr", "muon_lr")  # step sizes: extended past an end when chosen there
 
 
 def _diloco(period: int, **sync: Any) -> dict[str, Any]:
     return {"aggregator": "none", "sync": {"method": "diloco", "period": period, **sync}}
 
 
-# Each method: its fixed config and the axes of its grid ("lr" or "muon_lr", "outer",
-# "warm"); "workers" comes from the command line (the same global batch).
+def _family(period: int, warm: bool = False, **sync: Any) -> dict[str, Any]:
+    return {
+        "fixed": _diloco(period, **sync),
+        "grid": {"lr": LRS, "outer": OUTERS},
+        "warm_periods": int(warm),
+    }
+
+
+# Each method: its fixed config, the axes of its grid ("lr", "muon_lr", "outer") and the
+# periods of data parallelism it starts with.
 METHODS: dict[str, dict[str, Any]] = {
     "dp": {"fixed": {"aggregator": "ring"}, "grid": {"lr": LRS}},
-    "diloco_h30": {"fixed": _diloco(30), "grid": {"lr": LRS, "outer": OUTERS, "warm": WARM}},
-    "diloco_h100": {"fixed": _diloco(100), "grid": {"lr": LRS, "outer": OUTERS, "warm": WARM}},
-    "streaming_h30": {
-        "fixed": _diloco(30, fragments=3, overlap=1, compress="int4"),
-        "grid": {"lr": LRS, "outer": OUTERS, "warm": WARM},
-    },
-    "sparseloco_h30": {
-        "fixed": _diloco(30, compress="sparseloco"),
-        "grid": {"lr": LRS, "outer": OUTERS, "warm": WARM},
-    },
-    "ar_topk_h30": {
-        "fixed": _diloco(30, compress="ar_topk"),
-        "grid": {"lr": LRS, "outer": OUTERS, "warm": WARM},
-    },
+    "diloco_h30": _family(30),
+    "diloco_h30_warm": _family(30, warm=True),
+    "diloco_h100": _family(100),
+    "streaming_h30": _family(30, fragments=3, overlap=1, compress="int4"),
+    "sparseloco_h30": _family(30, compress="sparseloco"),
+    "sparseloco_h30_warm": _family(30, warm=True, compress="sparseloco"),
+    # Each entry averaged over the workers that sent it (the authors' code), not all N.
+    "sparseloco_h30_senders": _family(30, compress={"method": "sparseloco", "average": "senders"}),
+    "ar_topk_h30": _family(30, compress="ar_topk"),
     "muloco_h30": {
         "fixed": {**_diloco(30, compress="statistical"), "optimizer": "muon"},
-        "grid": {"muon_lr": MUON_LRS, "outer": OUTERS, "warm": WARM},
+        "grid": {"muon_lr": MUON_LRS, "lr": (2e-3, 6e-3), "outer": OUTERS},
     },
     # One worker alone at the per-worker batch (8 of 64), for reference.
     "single": {
@@ -121,10 +136,12 @@ def param_count(size: str) -> int:
 
 
 def budget(size: str, tokens_per_param: float = TOKENS_PER_PARAM) -> int:
-    """Steps of ``size``'s token budget: about ``tokens_per_param`` tokens a parameter, at
-    64 sequences a step, rounded up to a multiple of 100 (two periods of H = 100 fit)."""
+    """Steps of ``size``'s token budget: about ``tokens_per_param`` tokens a parameter at 64
+    sequences a step, rounded up to whole multiples of :data:`PERIODS` steps."""
     per_step = GLOBAL_BATCH * SIZES[size]["seq_len"]
-    return max(100, math.ceil(tokens_per_param * param_count(size) / per_step / 100) * 100)
+    return max(
+        PERIODS, math.ceil(tokens_per_param * param_count(size) / per_step / PERIODS) * PERIODS
+    )
 
 
 def setting_key(setting: dict[str, Any]) -> str:
@@ -137,25 +154,37 @@ def setting_key(setting: dict[str, Any]) -> str:
     return "_".join(parts)
 
 
-def grid(method: str, near: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def _norm(v: Any) -> Any:
+    return tuple(v) if isinstance(v, list) else v
+
+
+def axes(method: str, recs: Iterable[dict[str, Any]] = ()) -> dict[str, tuple]:
+    """The axes of ``method``'s grid, step-size axes extended by the kept runs' extra
+    points (values beyond the declared ends, run by :func:`plan`)."""
+    out = {k: tuple(_norm(v) for v in vs) for k, vs in METHODS[method]["grid"].items()}
+    for r in recs:
+        if r["method"] != method:
+            continue
+        for k in STEP_AXES:
+            if k in out and r["setting"].get(k) is not None and r["setting"][k] not in out[k]:
+                out[k] = tuple(sorted({*out[k], r["setting"][k]}))
+    return out
+
+
+def grid(method: str, near: dict[str, Any] | None = None, recs: Iterable = ()) -> list[dict]:
     """The grid points of ``method``; with ``near`` (a chosen point) only those within one
     step of it on every axis."""
-    axes = METHODS[method]["grid"]
-    names = sorted(axes)
+    ax = axes(method, recs)
+    names = sorted(ax)
     points = []
-    for values in itertools.product(*(axes[n] for n in names)):
+    for values in itertools.product(*(ax[n] for n in names)):
         point = dict(zip(names, values, strict=True))
         if near is not None and not all(
-            abs(list(axes[n]).index(_norm(point[n])) - list(axes[n]).index(_norm(near[n]))) <= 1
-            for n in names
+            abs(ax[n].index(point[n]) - ax[n].index(_norm(near[n]))) <= 1 for n in names
         ):
             continue
         points.append(point)
     return points
-
-
-def _norm(v: Any) -> Any:
-    return tuple(v) if isinstance(v, list) else v
 
 
 def config(size: str, method: str, setting: dict[str, Any], seed: int, steps: int, out: Path,
@@ -163,7 +192,8 @@ def config(size: str, method: str, setting: dict[str, Any], seed: int, steps: in
     """The trainer config of one run."""
     from train.config import Config
 
-    fixed = json.loads(json.dumps(METHODS[method]["fixed"]))
+    spec = METHODS[method]
+    fixed = json.loads(json.dumps(spec["fixed"]))
     kw: dict[str, Any] = dict(
         name=f"{method}_{setting_key(setting)}_s{seed}",
         task="gpt",
@@ -182,64 +212,74 @@ def config(size: str, method: str, setting: dict[str, Any], seed: int, steps: in
         clip_norm=1.0,
         network=NETWORKS[TRAIN_NET],
         compute="v100",
-        eval_every=max(steps // 10, 1),
-        eval_batches=16,
+        eval_every=max(steps // 20, 1),
         checkpoint_every=max(steps // 4, 1),
         out_dir=str(out),
         progress=False,
     )
     sync = fixed.pop("sync", None)
     kw.update(fixed)
-    if "lr" in setting:
-        kw["lr"] = setting["lr"]
-    if "muon_lr" in setting:
-        kw["muon_lr"] = setting["muon_lr"]
+    kw["eval_batches"] = max(1, EVAL_WINDOWS // kw["global_batch"])
+    for key in ("lr", "muon_lr"):
+        if key in setting:
+            kw[key] = setting[key]
     if sync is not None:
-        outer_lr, outer_mu = setting.get("outer", (0.7, 0.9))
+        outer_lr, outer_mu = _norm(setting["outer"])
         sync.update(outer_lr=outer_lr, outer_momentum=outer_mu)
-        sync["warmup_steps"] = int(round(setting.get("warm", 0.0) * steps))
+        sync["warmup_steps"] = spec.get("warm_periods", 0) * sync["period"]
         kw["sync"] = sync
     return Config(**kw)
 
 
 def run_path(out: Path, size: str, method: str, setting: dict[str, Any], seed: int,
-             workers: int = 8) -> Path:  # fmt: skip
-    """Where one run's record is kept."""
+             steps: int, workers: int = 8) -> Path:  # fmt: skip
+    """Where one run's record is kept (its steps in the name: a shorter trial never stands
+    in for a budget run)."""
     tag = "" if workers == 8 else f"_w{workers}"
-    return out / "runs" / size / method / f"{setting_key(setting)}{tag}_s{seed}.json"
+    return out / "runs" / size / method / f"{setting_key(setting)}{tag}_n{steps}_s{seed}.json"
+
+
+TRAIN_TOKENS = 72 * 65_536  # the train split of the complete works (72 of 78 blocks)
 
 
 def run_one(size: str, method: str, setting: dict[str, Any], seed: int, steps: int, out: Path,
             workers: int = 8) -> dict[str, Any]:  # fmt: skip
-    """Train one grid point (resuming its checkpoints if a run was cut short) and keep its
-    record; a kept record is returned without training."""
-    path = run_path(out, size, method, setting, seed, workers)
+    """Train one grid point (continuing its checkpoints if a run was cut short) and keep its
+    record and its per-step rows; a kept record is returned without training."""
+    path = run_path(out, size, method, setting, seed, steps, workers)
     if path.exists():
         return json.loads(path.read_text())
+    import gzip
+
     import jax
 
     from jaxcomm import Network
     from train.plot import read_metrics
-    from train.trainer import Trainer
+    from train.trainer import Trainer, nothing_to_resume
 
     scratch = out / "scratch" / path.relative_to(out / "runs").with_suffix("")
     cfg = config(size, method, setting, seed, steps, scratch, workers)
+    resume = cfg.run_dir.is_dir() and nothing_to_resume(cfg) is None
+    if not resume:  # nothing saved yet (or never started): start clean
+        shutil.rmtree(cfg.run_dir, ignore_errors=True)
     trainer = Trainer(cfg)
-    resume = (cfg.run_dir / "checkpoints").is_dir()
     t0 = time.time()
     summary = trainer.run(resume=resume)
     rows = read_metrics(cfg.run_dir / "metrics.jsonl")
     sent = np.array([r["sent_bytes"] for r in rows], np.float64)
     times = {n: _seconds(trainer, rows, Network.parse(v)) for n, v in NETWORKS.items()}
-    tokens = cfg.global_batch * SIZES[size]["seq_len"]  # a step's
+    per_step = cfg.global_batch * SIZES[size]["seq_len"]  # tokens a step
     record = {
         "size": size,
         "method": method,
         "setting": setting,
         "seed": seed,
-        "workers": workers,
+        "workers": cfg.workers,
+        "world": workers,  # the study's worker count (8, or the 2 and 4 of the ablation)
+        "global_batch": cfg.global_batch,
         "steps": steps,
-        "tokens": steps * tokens,
+        "tokens": steps * per_step,
+        "epochs": steps * per_step / TRAIN_TOKENS,
         "params": summary["params"],
         "valid_loss": summary["valid_loss"],
         "test_loss": summary["test_loss"],
@@ -247,19 +287,25 @@ def run_one(size: str, method: str, setting: dict[str, Any], seed: int, steps: i
         "total_bytes": float(sent.sum()),
         "peak_bytes": float(sent.max()),
         "sim_s": {n: float(t.sum()) for n, t in times.items()},
-        # (tokens, simulated seconds at TRAIN_NET, validation loss) at each evaluation
+        # (tokens, simulated seconds on each network, validation loss) at each evaluation
         "valid_curve": [
-            (r["step"] * tokens, float(np.sum(times[TRAIN_NET][: r["step"]])), r["valid_loss"])
+            (
+                r["step"] * per_step,
+                {n: float(np.sum(t[: r["step"]])) for n, t in times.items()},
+                r["valid_loss"],
+            )
             for r in rows
             if "valid_loss" in r
-        ],
+        ],  # fmt: skip
         "wall_s": time.time() - t0,
         "finite": bool(np.isfinite(summary["valid_loss"])),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
+    rows_path = path.with_suffix(".metrics.jsonl.gz")
+    rows_path.write_bytes(gzip.compress((cfg.run_dir / "metrics.jsonl").read_bytes(), mtime=0))
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, path)
+    os.replace(tmp, path)  # the record last: a run counts once its rows are beside it
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
     jax.clear_caches()
     return record
@@ -278,76 +324,133 @@ def _seconds(trainer: Any, rows: list[dict], network: Any) -> np.ndarray:
 
 def records(out: Path) -> list[dict[str, Any]]:
     """Every kept run record under ``out``."""
-    return [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*/*/*.json"))]
+    return [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*/*/*_s*.json"))]
 
 
-def select(recs: Iterable[dict[str, Any]], size: str, method: str) -> dict[str, Any] | None:
-    """The grid point of ``method`` at ``size`` with the lowest validation loss (seed 0, 8
-    workers, finite); None before any ran. Ties go to the earlier grid point."""
-    pool = [r for r in recs if (r["size"], r["method"], r["seed"], r["workers"]) ==
-            (size, method, 0, 8) and r["finite"]]  # fmt: skip
+def _mine(recs: Iterable[dict], size: str, method: str, steps: int, seeds: Iterable[int],
+          workers: int = 8) -> list[dict]:  # fmt: skip
+    seeds = set(seeds)
+    return [r for r in recs if (r["size"], r["method"], r["steps"], r["world"]) ==
+            (size, method, steps, workers) and r["seed"] in seeds]  # fmt: skip
+
+
+def select(recs: Iterable[dict[str, Any]], size: str, method: str, steps: int) -> dict | None:
+    """The grid point of ``method`` at ``size`` (``steps`` steps) with the lowest validation
+    loss at seed 0 (finite); None before any ran. Ties go to the earlier grid point."""
+    recs = list(recs)
+    pool = [r for r in _mine(recs, size, method, steps, (0,)) if r["finite"]]
     if not pool:
         return None
-    order = {setting_key(p): i for i, p in enumerate(grid(method))}
-    return min(pool, key=lambda r: (r["valid_loss"], order.get(setting_key(r["setting"]), 0)))
+    order = {setting_key(p): i for i, p in enumerate(grid(method, recs=recs))}
+    return min(pool, key=lambda r: (r["valid_loss"], order.get(setting_key(r["setting"]), 1e9)))
 
 
-def plan(stage: str, size: str, methods: list[str], out: Path) -> list[tuple]:
-    """The runs a stage needs: ``(method, setting, seed, workers)``."""
+def pending(size: str, method: str, steps: int, recs: list[dict], sizes_steps: dict) -> list:
+    """The tune stage's grid points of ``method`` at ``size`` not run yet: the full grid at
+    the smallest size, else the neighbours of the previous size's choice (once that size is
+    complete); then, once those ran, the next point past an end of a step-size axis where
+    the choice sits there (while within 8x of the declared axis)."""
+    prev = [z for z in ORDER[: ORDER.index(size)] if z != "tiny" and z in sizes_steps]
+    near = None
+    if prev:
+        z = prev[-1]
+        if pending(z, method, sizes_steps[z], recs, sizes_steps):
+            return [None]  # the smaller size first
+        best = select(recs, z, method, sizes_steps[z])
+        near = None if best is None else {k: _norm(v) for k, v in best["setting"].items()}
+    done = {setting_key(r["setting"]) for r in _mine(recs, size, method, steps, (0,))}
+    todo = [p for p in grid(method, near, recs) if setting_key(p) not in done]
+    if todo:
+        return todo
+    best = select(recs, size, method, steps)
+    if best is None:
+        return []
+    ax, declared = axes(method, recs), METHODS[method]["grid"]
+    extra = []
+    for k in STEP_AXES:
+        if k not in ax:
+            continue
+        v, values = best["setting"][k], ax[k]
+        step = 2.0 if v == max(values) else 0.5 if v == min(values) else None
+        if step is None or not min(declared[k]) / 8 <= v * step <= max(declared[k]) * 8:
+            continue
+        point = {**{kk: _norm(vv) for kk, vv in best["setting"].items()}, k: v * step}
+        if setting_key(point) not in done:
+            extra.append(point)
+    return extra
+
+
+def plan(stage: str, size: str, methods: list[str], steps: int, out: Path) -> list[tuple]:
+    """The runs a stage needs next: ``(method, setting, seed, workers)``."""
     recs = records(out)
+    # Each size's budget, for the sizes below this one (the narrowing reads their choice).
+    sizes_steps = {z: budget(z) for z in ORDER[: ORDER.index(size)] if z != "tiny"}
+    sizes_steps[size] = steps
     jobs: list[tuple] = []
     for method in methods:
         if stage == "tune":
-            below = ORDER[: ORDER.index(size)]
-            prev = [s for s in below if s != "tiny" and select(recs, s, method) is not None]
-            near = select(recs, prev[-1], method)["setting"] if prev else None
-            if near is not None:
-                near = {k: _norm(v) for k, v in near.items()}
-            jobs += [(method, p, 0, 8) for p in grid(method, near)]
+            todo = pending(size, method, steps, recs, sizes_steps)
+            if todo == [None]:
+                raise SystemExit(
+                    f"tune {size}: finish {method}'s tuning at the smaller sizes first"
+                )
+            jobs += [(method, p, 0, 8) for p in todo]
         else:  # seeds
-            best = select(recs, size, method)
+            best = select(recs, size, method, steps)
             if best is None:
                 raise SystemExit(f"seeds: {method} at {size} has no tuned setting yet (run tune)")
             setting = {k: _norm(v) for k, v in best["setting"].items()}
-            jobs += [(method, setting, seed, 8) for seed in (1, 2)]
+            jobs += [(method, setting, seed, 8) for seed in FRESH_SEEDS]
     return jobs
 
 
 def summarise(recs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per size and method: the selected setting, its test loss over seeds (mean and
-    standard deviation), its gap to DP's, bytes and simulated times."""
+    """Per size and method: the chosen setting, its test loss over the fresh seeds (mean and
+    standard deviation; the choosing seed-0 run left out), its gap to DP's (paired by seed:
+    mean, min and max), bytes and simulated times."""
     out: dict[str, Any] = {}
     for size in ORDER:
-        for method in METHODS:
-            best = select(recs, size, method)
-            if best is None:
-                continue
-            same = [r for r in recs if (r["size"], r["method"], r["workers"]) == (size, method, 8)
-                    and setting_key(r["setting"]) == setting_key(best["setting"])]  # fmt: skip
-            tests = np.array([r["test_loss"] for r in same])
-            grid_runs = [r for r in recs if (r["size"], r["method"], r["seed"]) ==
-                         (size, method, 0)]  # fmt: skip
-            out.setdefault(size, {})[method] = {
-                "setting": best["setting"],
-                "seeds": sorted(r["seed"] for r in same),
-                "test_loss": float(tests.mean()),
-                "test_loss_std": float(tests.std(ddof=1)) if len(tests) > 1 else None,
-                "valid_loss": best["valid_loss"],
-                "params": best["params"],
-                "tokens": best["tokens"],
-                "total_bytes": best["total_bytes"],
-                "peak_bytes": best["peak_bytes"],
-                "sim_s": best["sim_s"],
-                "grid_points": len(grid_runs),
-            }
+        steps_at = sorted({r["steps"] for r in recs if r["size"] == size})
+        for steps in steps_at:
+            for method in METHODS:
+                best = select(recs, size, method, steps)
+                if best is None:
+                    continue
+                key = setting_key(best["setting"])
+                fresh = sorted(
+                    (r for r in _mine(recs, size, method, steps, FRESH_SEEDS)
+                     if setting_key(r["setting"]) == key),
+                    key=lambda r: r["seed"],
+                )  # fmt: skip
+                tests = np.array([r["test_loss"] for r in fresh])
+                out.setdefault(size, {})[method] = {
+                    "setting": best["setting"],
+                    "steps": steps,
+                    "seeds": [r["seed"] for r in fresh],
+                    "test_by_seed": {r["seed"]: r["test_loss"] for r in fresh},
+                    "test_loss": float(tests.mean()) if len(tests) else None,
+                    "test_loss_std": float(tests.std(ddof=1)) if len(tests) > 1 else None,
+                    "valid_loss": best["valid_loss"],
+                    "params": best["params"],
+                    "tokens": best["tokens"],
+                    "epochs": best["epochs"],
+                    "total_bytes": best["total_bytes"],
+                    "peak_bytes": best["peak_bytes"],
+                    "sim_s": best["sim_s"],
+                    "grid_points": len(_mine(recs, size, method, steps, (0,))),
+                }
     for methods in out.values():
         dp = methods.get("dp")
         for m in methods.values():
-            if dp:
-                m["gap_vs_dp"] = m["test_loss"] / dp["test_loss"] - 1
-                m["bytes_vs_dp"] = (
-                    dp["total_bytes"] / m["total_bytes"] if m["total_bytes"] else None
-                )
+            if not dp:
+                continue
+            paired = [m["test_by_seed"][s] / dp["test_by_seed"][s] - 1
+                      for s in m["test_by_seed"] if s in dp["test_by_seed"]]  # fmt: skip
+            if paired:
+                m["gap_vs_dp"] = float(np.mean(paired))
+                m["gap_vs_dp_range"] = (float(min(paired)), float(max(paired)))
+            total = m["total_bytes"]
+            m["bytes_vs_dp"] = dp["total_bytes"] / total if total else None
     return out
 
 
@@ -358,23 +461,31 @@ def render(summary: dict[str, Any], meta: list[dict[str, Any]]) -> str:
         lines.append(f"`{m['command']}` ({m['date']}, {m['machine']}, jax {m['jax']}).")
     lines += ["", "Protocol: see the docstring of `benchmarks/quality.py`.", ""]
     for size, methods in summary.items():
-        first = next(iter(methods.values()))
+        ref = methods.get("dp") or next(iter(methods.values()))
         lines += [
-            f"## {size}: {first['params']:,} parameters, {first['tokens']:,} tokens",
+            f"## {size}: {ref['params']:,} parameters, {ref['steps']} steps, "
+            f"{ref['tokens']:,} tokens ({ref['epochs']:.2f} epochs of the train split)",
             "",
-            "| method | chosen setting | grid points | test loss (seeds) | vs DP | bytes / worker "
-            "| x fewer than DP | " + " | ".join(f"time @ {n} (s)" for n in NETWORKS) + " |",
+            "| method | chosen setting | grid points | test loss (fresh seeds) | vs DP (paired) "
+            "| bytes / worker | x fewer than DP | "
+            + " | ".join(f"time @ {n} (s)" for n in NETWORKS) + " |",
             "|---|---|---|---|---|---|---|" + "---|" * len(NETWORKS),
-        ]
+        ]  # fmt: skip
         for method, m in methods.items():
-            std = f" ± {m['test_loss_std']:.3f}" if m["test_loss_std"] is not None else ""
-            gap = f"{100 * m['gap_vs_dp']:+.1f}%" if "gap_vs_dp" in m else "-"
+            if m["test_loss"] is None:
+                loss = f"(seeds pending; valid {m['valid_loss']:.3f})"
+            else:
+                std = f" ± {m['test_loss_std']:.3f}" if m["test_loss_std"] is not None else ""
+                loss = f"{m['test_loss']:.3f}{std} ({len(m['seeds'])})"
+            gap = "-"
+            if "gap_vs_dp" in m:
+                lo, hi = m["gap_vs_dp_range"]
+                gap = f"{100 * m['gap_vs_dp']:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]"
             fewer = f"{m['bytes_vs_dp']:,.0f}x" if m.get("bytes_vs_dp") else "-"
             times = " | ".join(f"{m['sim_s'][n]:.1f}" for n in NETWORKS)
             lines.append(
-                f"| {method} | `{setting_key(m['setting'])}` | {m['grid_points']} | "
-                f"{m['test_loss']:.3f}{std} ({len(m['seeds'])}) | {gap} | "
-                f"{m['total_bytes'] / 1e6:,.2f} MB | {fewer} | {times} |"
+                f"| {method} | `{setting_key(m['setting'])}` | {m['grid_points']} | {loss} | "
+                f"{gap} | {m['total_bytes'] / 1e6:,.2f} MB | {fewer} | {times} |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -404,21 +515,25 @@ def main(argv: list[str] | None = None) -> int:
         print(render(summary, meta))
         return 0
     steps = args.steps or budget(args.size)
-    jobs = plan(args.stage, args.size, args.methods, out)
-    todo = [j for j in jobs if not run_path(out, args.size, j[0], j[1], j[2], j[3]).exists()]
-    print(f"{args.stage} {args.size}: {len(jobs)} runs of {steps} steps, {len(todo)} to train",
-          file=sys.stderr)  # fmt: skip
-    if args.dry_run:
-        for method, setting, seed, workers in todo:
-            print(f"{method} {setting_key(setting)} seed {seed} workers {workers}")
-        return 0
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _meta import run_meta
-    from tqdm.auto import tqdm
-
     t0 = time.time()
-    for method, setting, seed, workers in tqdm(todo, desc=f"{args.stage} {args.size}"):
-        run_one(args.size, method, setting, seed, steps, out, workers)
+    while True:  # an extension past an axis's end makes more runs once a choice is known
+        jobs = plan(args.stage, args.size, args.methods, steps, out)
+        todo = [j for j in jobs if not run_path(out, args.size, j[0], j[1], j[2], steps).exists()]
+        print(f"{args.stage} {args.size}: {len(todo)} runs of {steps} steps to train",
+              file=sys.stderr)  # fmt: skip
+        if args.dry_run:
+            for method, setting, seed, workers in todo:
+                print(f"{method} {setting_key(setting)} seed {seed} workers {workers}")
+            return 0
+        if not todo:
+            break
+        from tqdm.auto import tqdm
+
+        for method, setting, seed, workers in tqdm(todo, desc=f"{args.stage} {args.size}"):
+            run_one(args.size, method, setting, seed, steps, out, workers)
+    from _meta import run_meta
+
     meta_path = out / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else []
     meta.append(run_meta(argv, t0))

@@ -1,6 +1,7 @@
 """The quality study's protocol, fast: one tiny size, a few steps, two methods on small
 grids. The tuning keeps every grid point's result and picks the one with the lowest
-validation loss; the report gives the chosen setting's loss on the separate test split."""
+validation loss; the report gives the chosen setting's loss on the separate test split,
+over fresh seeds."""
 
 import importlib.util
 import json
@@ -26,20 +27,52 @@ def test_the_test_split_is_apart_from_the_validation_split():
     assert valid.blocks and test.blocks and not set(valid.blocks) & set(test.blocks)
     assert not set(train.blocks) & set(valid.blocks + test.blocks)
     assert len(train.blocks) + len(valid.blocks) + len(test.blocks) == 78  # 5.05 MB / 64 KiB
-    # The held-out text differs (not one split twice).
     assert not np.array_equal(valid.get(np.arange(4))["tokens"], test.get(np.arange(4))["tokens"])
 
 
-def test_a_narrowed_grid_keeps_the_neighbours(quality):
-    near = {"lr": 3e-3, "outer": (0.3, 0.9), "warm": 0.0}
+def _rec(size, method, setting, valid, test, seed=0, steps=300):
+    return dict(size=size, method=method, setting=setting, seed=seed, steps=steps, world=8,
+                valid_loss=valid, test_loss=test, finite=True)  # fmt: skip
+
+
+def test_the_choice_follows_the_validation_split_and_grows_past_an_edge(quality):
+    """Validation and test disagree: the choice follows validation. A choice at the end of
+    the lr axis adds the next point past it; the next size waits for this one, then runs
+    the neighbours of its choice."""
+    recs = [_rec("xxs", "dp", {"lr": lr}, valid, test) for lr, valid, test in
+            ((1e-3, 3.0, 2.0), (2e-3, 2.9, 2.5), (3e-3, 2.8, 2.6), (6e-3, 2.7, 2.7))]  # fmt: skip
+    assert quality.select(recs, "xxs", "dp", 300)["setting"] == {"lr": 6e-3}
+    sizes = {"xxs": 300, "xs": 600}
+    assert quality.pending("xxs", "dp", 300, recs, sizes) == [{"lr": 1.2e-2}]
+    assert quality.pending("xs", "dp", 600, recs, sizes) == [None]  # xxs first
+    recs.append(_rec("xxs", "dp", {"lr": 1.2e-2}, 2.75, 1.0))
+    assert quality.pending("xxs", "dp", 300, recs, sizes) == []  # inside the axis now
+    assert [p["lr"] for p in quality.pending("xs", "dp", 600, recs, sizes)] == [3e-3, 6e-3, 1.2e-2]
+    # Narrowing: the neighbours on every axis of a DiLoCo choice.
+    near = {"lr": 3e-3, "outer": (0.3, 0.9)}
     points = quality.grid("diloco_h30", near)
     assert {p["lr"] for p in points} == {2e-3, 3e-3, 6e-3}
     assert {p["outer"] for p in points} == {(0.1, 0.9), (0.3, 0.9), (0.5, 0.9)}
-    assert {p["warm"] for p in points} == {0.0, 0.1}
-    assert len(points) == 3 * 3 * 2 and len(quality.grid("diloco_h30")) == 4 * 5 * 2
+    assert len(points) == 9 and len(quality.grid("diloco_h30")) == 4 * 5
 
 
-def test_tuning_picks_the_best_and_reports_the_held_out_split(quality, tmp_path, monkeypatch):
+def test_a_setting_reaches_the_config(quality, tmp_path):
+    warm = quality.config("xs", "sparseloco_h30_warm", {"lr": 2e-3, "outer": (0.5, 0.9)}, 3,
+                          600, tmp_path)  # fmt: skip
+    assert (warm.lr, warm.seed, warm.steps) == (2e-3, 3, 600)
+    assert warm.sync["outer_lr"] == 0.5 and warm.sync["outer_momentum"] == 0.9
+    assert warm.sync["warmup_steps"] == 30 and warm.sync["compress"] == "sparseloco"
+    assert (600 - warm.sync["warmup_steps"]) % warm.sync["period"] == 0  # whole periods
+    mu = quality.config("xs", "muloco_h30", {"muon_lr": 0.01, "lr": 6e-3, "outer": (1.0, 0.0)},
+                        0, 600, tmp_path)  # fmt: skip
+    assert (mu.optimizer, mu.muon_lr, mu.lr, mu.sync["outer_momentum"]) == ("muon", 0.01, 6e-3, 0)
+    one = quality.config("xs", "single", {"lr": 1e-3}, 0, 600, tmp_path)
+    # The same 1,024 evaluation windows as every method, whatever the batch.
+    assert one.workers == 1 and one.global_batch * one.eval_batches == 1024
+    assert warm.global_batch * warm.eval_batches == 1024
+
+
+def test_tuning_picks_the_best_and_reports_fresh_seeds_on_test(quality, tmp_path, monkeypatch):
     methods = {
         "dp": {"fixed": {"aggregator": "ring"}, "grid": {"lr": (1e-4, 6e-3)}},
         "diloco_h2": {
@@ -48,33 +81,56 @@ def test_tuning_picks_the_best_and_reports_the_held_out_split(quality, tmp_path,
         },
     }
     monkeypatch.setattr(quality, "METHODS", methods)
+    monkeypatch.setattr(quality, "STEP_AXES", ())  # no extension past the ends here
+    monkeypatch.setattr(quality, "FRESH_SEEDS", (1, 2))
     out = tmp_path / "study"
     args = ["--size", "tiny", "--steps", "4", "--out", str(out), "--methods", *methods]
+    # A run cut short before its first checkpoint leaves a folder with nothing to resume.
+    first = quality.run_path(out, "tiny", "dp", {"lr": 1e-4}, 0, 4)
+    stale = out / "scratch" / first.relative_to(out / "runs").with_suffix("")
+    (stale / "checkpoints").mkdir(parents=True)
     assert quality.main(["tune", *args]) == 0
     recs = quality.records(out)
-    assert len(recs) == 2 + 2  # every grid point kept
+    assert len(recs) == 2 + 2  # every grid point kept, each with its rows
+    assert all(
+        p.with_suffix(".metrics.jsonl.gz").exists() for p in (out / "runs").rglob("*_s0.json")
+    )
     for method in methods:
-        mine = [r for r in recs if r["method"] == method]
-        best = quality.select(recs, "tiny", method)
-        assert best["valid_loss"] == min(r["valid_loss"] for r in mine)
-        assert best["setting"]["lr"] == 6e-3  # 1e-4 barely moves in 4 steps
-    # A rerun trains nothing: the kept results are reused.
+        assert quality.select(recs, "tiny", method, 4)["setting"]["lr"] == 6e-3
     before = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*.json")}
-    assert quality.main(["tune", *args]) == 0
+    assert quality.main(["tune", *args]) == 0  # a rerun trains nothing
     assert {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*.json")} == before
     assert quality.main(["seeds", *args]) == 0
     assert quality.main(["report", "--out", str(out)]) == 0
     summary = json.loads((out / "quality.json").read_text())["tiny"]
     for method in methods:
-        chosen = [r for r in quality.records(out) if r["method"] == method
-                  and r["setting"] == quality.select(recs, "tiny", method)["setting"]]  # fmt: skip
-        assert sorted(r["seed"] for r in chosen) == [0, 1, 2]
-        tests = [r["test_loss"] for r in chosen]
-        # The reported loss is the test split's mean over seeds, not the validation loss
-        # the choice was made on.
-        assert summary[method]["test_loss"] == pytest.approx(np.mean(tests))
-        assert all(r["test_loss"] != r["valid_loss"] for r in chosen)
-    assert summary["diloco_h2"]["gap_vs_dp"] == pytest.approx(
-        summary["diloco_h2"]["test_loss"] / summary["dp"]["test_loss"] - 1
-    )
+        fresh = [r for r in quality.records(out) if r["method"] == method and r["seed"] > 0]
+        assert sorted(r["seed"] for r in fresh) == [1, 2]
+        assert fresh[0]["valid_loss"] != fresh[1]["valid_loss"]  # the seed reaches the run
+        # Reported: the fresh seeds' test loss, not the choosing run, not validation.
+        assert summary[method]["test_loss"] == pytest.approx(
+            np.mean([r["test_loss"] for r in fresh])
+        )
+    gaps = [summary["diloco_h2"]["test_by_seed"][s] / summary["dp"]["test_by_seed"][s] - 1
+            for s in ("1", "2")]  # fmt: skip
+    assert summary["diloco_h2"]["gap_vs_dp"] == pytest.approx(np.mean(gaps))
     assert "| dp |" in (out / "quality.md").read_text()
+
+
+def test_the_summary_test_loss_is_the_test_split(tmp_path):
+    """The trainer's ``test_loss`` is its model's loss on the test split's windows, not the
+    validation split's."""
+    from train.config import Config
+    from train.trainer import Trainer
+
+    model = {"num_layers": 1, "width": 32, "num_heads": 2, "seq_len": 32}
+    cfg = Config(name="t", model=model, dataset="shakespeare_complete", steps=2, global_batch=16,
+                 checkpoint_every=0, progress=False, out_dir=str(tmp_path))  # fmt: skip
+    t = Trainer(cfg)
+    summary = t.run()
+    test = t.layout.evaluate(t, CompleteWorks(seq_len=32, split="test"))["loss"]
+    valid = t.layout.evaluate(t, CompleteWorks(seq_len=32, split="valid"))["loss"]
+    assert summary["test_loss"] == pytest.approx(test) and summary["valid_loss"] == pytest.approx(
+        valid
+    )
+    assert test != valid

@@ -81,10 +81,10 @@ class Config:
       optimizer: ``sgd``, ``momentum``, ``adam``, ``adamw`` or ``muon`` after a dense
         aggregator; ``none`` with an aggregator that is the whole optimizer; ``lr`` its
         learning rate (the peak of ``lr_schedule``). ``muon`` is ``optax.contrib.muon``:
-        Muon (Nesterov momentum 0.95, five Newton-Schulz steps, shape-scaled) on the 2-D
-        weight matrices of the hidden layers at ``muon_lr``, AdamW (with optax's muon's
-        Nesterov look-ahead) at ``lr`` on the rest (embeddings, the output head, biases,
-        norms), as the Muon and MuLoCo setups; ``stages: 1`` only.
+        Muon (momentum 0.95 without Nesterov's look-ahead, as the MuLoCo authors' code;
+        five Newton-Schulz steps, shape-scaled) on the 2-D weight matrices of the hidden
+        layers at ``muon_lr``, AdamW at ``lr`` on the rest (embeddings, the output head,
+        biases, norms), as the Muon and MuLoCo setups; ``stages: 1`` only.
       muon_lr: Muon's learning rate with ``optimizer: muon`` (its peak; it follows
         ``lr_schedule`` as ``lr`` does).
       lr_schedule: the learning rate over the optimizer's steps: ``constant`` (``lr``

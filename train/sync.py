@@ -117,8 +117,9 @@ def muon_leaves(params: Any) -> Any:
 
 def muon(cfg: Config, lr: float | optax.Schedule) -> optax.GradientTransformation:
     """``optimizer: muon``: ``optax.contrib.muon`` with Muon at ``cfg.muon_lr`` (scaled by
-    the same schedule as ``lr``) on :func:`muon_leaves`, AdamW at ``lr`` elsewhere, and
-    ``weight_decay`` decoupled on both (unset: none on Muon's, optax's AdamW default 0)."""
+    the same schedule as ``lr``; momentum 0.95, no Nesterov look-ahead, as the MuLoCo
+    authors' Muon) on :func:`muon_leaves`, AdamW at ``lr`` elsewhere, and ``weight_decay``
+    decoupled on both (times each part's learning rate; unset: none)."""
     from optax.contrib import muon as optax_muon
 
     ratio = cfg.muon_lr / cfg.lr
@@ -129,6 +130,7 @@ def muon(cfg: Config, lr: float | optax.Schedule) -> optax.GradientTransformatio
         weight_decay=wd,
         adam_learning_rate=lr,
         adam_weight_decay=wd,
+        nesterov=False,
         muon_weight_dimension_numbers=muon_leaves,
     )
 
