@@ -30,6 +30,11 @@ Protocol (one command per stage; every run's result is kept, an interrupted stag
   loss at seed 0 is chosen; the ``seeds`` stage runs it with seeds 1, 2 and 3, and the
   report gives the test loss's mean and spread over those three fresh seeds only (the
   chosen seed-0 run is not in the mean: it won the choice, and with it a lucky draw).
+* **Time to DP's loss**: the ``extend`` stage runs the chosen settings of the low-byte
+  methods (:data:`LOW_BYTE`) with a schedule three times as long (seed 1); the report gives
+  the tokens and simulated time at which each first reaches DP's final validation loss
+  (the mean of its fresh seeds; curve and target on the same split), beside DP's time at
+  100 Mbit/s and at 10 Gbit/s.
 * **Bytes and time**: total and peak bytes a worker sent (the logs the contract suite checks
   against the compiled programs) and the simulated time on V100 compute at 100 Mbit/s /
   50 ms, 1 Gbit/s / 10 ms and 10 Gbit/s / 1 ms, replayed from each run's logged rows, which
@@ -37,6 +42,7 @@ Protocol (one command per stage; every run's result is kept, an interrupted stag
 
     python benchmarks/quality.py tune --size xs     # the grid at one size (resumes)
     python benchmarks/quality.py seeds --size xs    # the selected settings, seeds 1 and 2
+    python benchmarks/quality.py extend --size xs   # low-byte methods to 3x the budget
     python benchmarks/quality.py report             # tables and plots from every kept run
     python benchmarks/quality.py tune --size xs --methods dp diloco_h30 --dry-run
 
@@ -88,6 +94,8 @@ MUON_LRS = (0.005, 0.01, 0.02, 0.04)
 # (outer_lr, outer_momentum): plain averaging, then Nesterov at 0.9, in that order.
 OUTERS = ((1.0, 0.0), (0.1, 0.9), (0.3, 0.9), (0.5, 0.9), (0.7, 0.9))
 STEP_AXES = ("lr", "muon_lr")  # step sizes: extended past an end when chosen there
+CAP = 3  # the extend stage runs the low-byte methods to this many times the budget
+LOW_BYTE = ("diloco_h30", "sparseloco_h30", "muloco_h30")
 
 
 def _diloco(period: int, **sync: Any) -> dict[str, Any]:
@@ -395,6 +403,11 @@ def plan(stage: str, size: str, methods: list[str], steps: int, out: Path) -> li
                     f"tune {size}: finish {method}'s tuning at the smaller sizes first"
                 )
             jobs += [(method, p, 0, 8) for p in todo]
+        elif stage == "extend":  # the chosen setting, run CAP times as long, one fresh seed
+            best = select(recs, size, method, steps // CAP)
+            if best is None:
+                raise SystemExit(f"extend: {method} at {size} has no tuned setting yet (run tune)")
+            jobs.append((method, {k: _norm(v) for k, v in best["setting"].items()}, 1, 8))
         else:  # seeds
             best = select(recs, size, method, steps)
             if best is None:
@@ -451,6 +464,27 @@ def summarise(recs: list[dict[str, Any]]) -> dict[str, Any]:
                 m["gap_vs_dp_range"] = (float(min(paired)), float(max(paired)))
             total = m["total_bytes"]
             m["bytes_vs_dp"] = dp["total_bytes"] / total if total else None
+    for size, methods in out.items():
+        dp = methods.get("dp")
+        if not dp or not dp["seeds"]:
+            continue
+        target = float(np.mean([r["valid_loss"] for r in _mine(recs, size, "dp", dp["steps"],
+                                FRESH_SEEDS) if setting_key(r["setting"]) ==
+                                setting_key(dp["setting"])]))  # fmt: skip
+        dp_run = next(r for r in _mine(recs, size, "dp", dp["steps"], dp["seeds"][:1])
+                      if setting_key(r["setting"]) == setting_key(dp["setting"]))  # fmt: skip
+        reach = {"target_valid_loss": target, "dp_sim_s": dp_run["sim_s"],
+                 "dp_tokens": dp_run["tokens"], "methods": {}}  # fmt: skip
+        for method, m in methods.items():
+            long = [r for r in _mine(recs, size, method, CAP * m["steps"], (1,))
+                    if setting_key(r["setting"]) == setting_key(m["setting"])]  # fmt: skip
+            if not long:
+                continue
+            hit = next((c for c in long[0]["valid_curve"] if c[2] <= target), None)
+            reach["methods"][method] = (
+                {"tokens": hit[0], "sim_s": hit[1]} if hit else {"tokens": None, "cap": CAP}
+            )
+        methods["_time_to_dp"] = reach
     return out
 
 
@@ -461,6 +495,8 @@ def render(summary: dict[str, Any], meta: list[dict[str, Any]]) -> str:
         lines.append(f"`{m['command']}` ({m['date']}, {m['machine']}, jax {m['jax']}).")
     lines += ["", "Protocol: see the docstring of `benchmarks/quality.py`.", ""]
     for size, methods in summary.items():
+        reach = methods.get("_time_to_dp")
+        methods = {k: v for k, v in methods.items() if not k.startswith("_")}
         ref = methods.get("dp") or next(iter(methods.values()))
         lines += [
             f"## {size}: {ref['params']:,} parameters, {ref['steps']} steps, "
@@ -488,13 +524,140 @@ def render(summary: dict[str, Any], meta: list[dict[str, Any]]) -> str:
                 f"{gap} | {m['total_bytes'] / 1e6:,.2f} MB | {fewer} | {times} |"
             )
         lines.append("")
+        if reach and reach["methods"]:
+            dp_s = reach["dp_sim_s"]
+            lines += [
+                f"Time to DP's final validation loss ({reach['target_valid_loss']:.3f}, the "
+                f"mean of its fresh seeds): each method's chosen setting run {CAP}x as long "
+                f"(seed 1), the first evaluation at or below it. DP needs "
+                f"{dp_s[TRAIN_NET]:.1f} s at {TRAIN_NET} and {dp_s['10 Gbps']:.1f} s at 10 Gbps.",
+                "",
+                f"| method | tokens (x DP's) | time @ {TRAIN_NET} (s) | vs DP @ 10 Gbps |",
+                "|---|---|---|---|",
+            ]
+            for method, r in reach["methods"].items():
+                if r["tokens"] is None:
+                    lines.append(f"| {method} | not within {CAP}x | - | - |")
+                    continue
+                t = r["sim_s"][TRAIN_NET]
+                lines.append(
+                    f"| {method} | {r['tokens']:,} ({r['tokens'] / reach['dp_tokens']:.2f}x) | "
+                    f"{t:.1f} | {t / dp_s['10 Gbps']:.2f}x |"
+                )
+            lines.append("")
     return "\n".join(lines)
+
+
+def render_fits(fits: dict[str, Any]) -> str:
+    """The scaling fits as markdown."""
+    if not fits:
+        return "Scaling fits: fewer than two sizes with fresh seeds yet.\n"
+    lines = ["## Loss against size", "", "| method | sizes | L(N) = a N^-alpha | meets DP at |",
+             "|---|---|---|---|"]  # fmt: skip
+    for method, f in fits.items():
+        meet = f"{f['meets_dp_at']:,.0f} parameters" if f["meets_dp_at"] else "-"
+        lines.append(f"| {method} | {f['sizes']} | {f['a']:.3f} N^-{f['alpha']:.4f} | {meet} |")
+    return "\n".join(lines) + "\n"
+
+
+def scaling_fit(summary: dict[str, Any]) -> dict[str, Any]:
+    """Per method, a power law ``L(N) = a N^-alpha`` fitted (least squares in log-log) to
+    its test loss at the sizes with fresh seeds, as the DiLoCo scaling-law study fits each
+    method; and the size at which the method's fit meets DP's (``N*`` where the two laws
+    cross: ``(a_m / a_dp) ** (1 / (alpha_m - alpha_dp))``; None when they do not cross
+    ahead, or fewer than two sizes)."""
+    points: dict[str, list[tuple[int, float]]] = {}
+    for methods in summary.values():
+        for method, m in methods.items():
+            if not method.startswith("_") and m.get("test_loss") is not None:
+                points.setdefault(method, []).append((m["params"], m["test_loss"]))
+    fits = {}
+    for method, pts in points.items():
+        if len(pts) < 2:
+            continue
+        n, loss = np.log([p[0] for p in pts]), np.log([p[1] for p in pts])
+        slope, intercept = np.polyfit(n, loss, 1)
+        fits[method] = {"a": float(np.exp(intercept)), "alpha": float(-slope), "sizes": len(pts)}
+    dp = fits.get("dp")
+    for method, f in fits.items():
+        f["meets_dp_at"] = None
+        if dp and method != "dp" and f["alpha"] != dp["alpha"]:
+            cross = (f["a"] / dp["a"]) ** (1 / (f["alpha"] - dp["alpha"]))
+            largest = max(p[0] for p in points[method])
+            # Only a crossing ahead of the sizes run, approached from above, is a meeting.
+            f["meets_dp_at"] = (
+                float(cross) if f["alpha"] > dp["alpha"] and cross > largest else None
+            )
+    return fits
+
+
+def plot(recs: list[dict[str, Any]], summary: dict[str, Any], fits: dict, out: Path) -> None:
+    """``curves_<size>.png``: validation loss of each method's chosen setting (its first
+    fresh seed, else the choosing run) against tokens and against simulated time at 100
+    Mbit/s and at 1 Gbit/s; ``gap_vs_size.png``: each method's test loss against size with
+    its fitted power law, beside DP's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for size, methods in summary.items():
+        fig, axs = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
+        for method, m in methods.items():
+            if method.startswith("_"):
+                continue
+            key = setting_key(m["setting"])
+            runs = [r for r in _mine(recs, size, method, m["steps"], (*FRESH_SEEDS, 0))
+                    if setting_key(r["setting"]) == key]  # fmt: skip
+            run = min(runs, key=lambda r: (r["seed"] == 0, r["seed"]))
+            curve = run["valid_curve"]
+            loss = [c[2] for c in curve]
+            axs[0].plot([c[0] for c in curve], loss, marker=".", label=method)
+            for ax, net in ((axs[1], TRAIN_NET), (axs[2], "1 Gbps")):
+                ax.plot([c[1][net] for c in curve], loss, marker=".", label=method)
+        axs[0].set_xlabel("tokens")
+        axs[1].set_xlabel(f"simulated time at {TRAIN_NET} / 50 ms (s, log)")
+        axs[2].set_xlabel("simulated time at 1 Gbps / 10 ms (s, log)")
+        for ax in axs[1:]:
+            ax.set_xscale("log")
+        axs[0].set_ylabel("validation loss")
+        axs[0].legend(fontsize=7)
+        for ax in axs:
+            ax.grid(alpha=0.3)
+        fig.suptitle(f"{size}: the chosen setting of each method")
+        fig.tight_layout()
+        fig.savefig(out / f"curves_{size}.png", dpi=110)
+        plt.close(fig)
+    if not fits:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method, f in fits.items():
+        pts = sorted(
+            (m["params"], m["test_loss"])
+            for methods in summary.values()
+            for name, m in methods.items()
+            if name == method and m.get("test_loss")
+        )
+        ns = np.array([p[0] for p in pts], float)
+        line = ax.plot(ns, [p[1] for p in pts], marker="o", label=method)[0]
+        grid_n = np.geomspace(ns.min(), ns.max() * 4, 50)
+        ax.plot(grid_n, f["a"] * grid_n ** -f["alpha"], ls=":", color=line.get_color())
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("parameters")
+    ax.set_ylabel("test loss (fresh seeds' mean)")
+    ax.set_title("loss against size, with each method's power-law fit (dotted)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "gap_vs_size.png", dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run a stage of the study (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("stage", choices=["tune", "seeds", "report"])
+    ap.add_argument("stage", choices=["tune", "seeds", "extend", "report"])
     ap.add_argument("--size", choices=ORDER, default="xs")
     ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     ap.add_argument("--steps", type=int, default=None, help="instead of the size's budget")
@@ -510,11 +673,17 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"no runs kept under {out / 'runs'}: run the tune stage first")
         summary = summarise(recs)
         meta = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else []
-        (out / "quality.json").write_text(json.dumps(summary, indent=2))
-        (out / "quality.md").write_text(render(summary, meta))
-        print(render(summary, meta))
+        fits = scaling_fit(summary)
+        (out / "quality.json").write_text(json.dumps({**summary, "_fits": fits}, indent=2))
+        text = render(summary, meta) + render_fits(fits)
+        (out / "quality.md").write_text(text)
+        plot(recs, summary, fits, out)
+        print(text)
         return 0
     steps = args.steps or budget(args.size)
+    if args.stage == "extend":
+        steps *= CAP
+        args.methods = [m for m in args.methods if m in LOW_BYTE] or list(LOW_BYTE)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     t0 = time.time()
     while True:  # an extension past an axis's end makes more runs once a choice is known

@@ -101,10 +101,21 @@ def test_tuning_picks_the_best_and_reports_fresh_seeds_on_test(quality, tmp_path
     assert quality.main(["tune", *args]) == 0  # a rerun trains nothing
     assert {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*.json")} == before
     assert quality.main(["seeds", *args]) == 0
+    monkeypatch.setattr(quality, "LOW_BYTE", ("diloco_h2",))
+    assert quality.main(["extend", *args]) == 0
+    long = [r for r in quality.records(out) if r["steps"] == 4 * quality.CAP]
+    assert [(r["method"], r["seed"]) for r in long] == [("diloco_h2", 1)]
     assert quality.main(["report", "--out", str(out)]) == 0
     summary = json.loads((out / "quality.json").read_text())["tiny"]
+    reach = summary["_time_to_dp"]
+    dp_valid = [r["valid_loss"] for r in quality.records(out) if r["method"] == "dp"
+                and r["seed"] > 0]  # fmt: skip
+    assert reach["target_valid_loss"] == pytest.approx(np.mean(dp_valid))
+    hit = next((c for c in long[0]["valid_curve"] if c[2] <= reach["target_valid_loss"]), None)
+    assert reach["methods"]["diloco_h2"]["tokens"] == (hit[0] if hit else None)
     for method in methods:
-        fresh = [r for r in quality.records(out) if r["method"] == method and r["seed"] > 0]
+        fresh = [r for r in quality.records(out) if r["method"] == method and r["seed"] > 0
+                 and r["steps"] == 4]  # fmt: skip
         assert sorted(r["seed"] for r in fresh) == [1, 2]
         assert fresh[0]["valid_loss"] != fresh[1]["valid_loss"]  # the seed reaches the run
         # Reported: the fresh seeds' test loss, not the choosing run, not validation.
@@ -115,6 +126,7 @@ def test_tuning_picks_the_best_and_reports_fresh_seeds_on_test(quality, tmp_path
             for s in ("1", "2")]  # fmt: skip
     assert summary["diloco_h2"]["gap_vs_dp"] == pytest.approx(np.mean(gaps))
     assert "| dp |" in (out / "quality.md").read_text()
+    assert (out / "curves_tiny.png").stat().st_size > 10_000
 
 
 def test_the_summary_test_loss_is_the_test_split(tmp_path):
@@ -134,3 +146,24 @@ def test_the_summary_test_loss_is_the_test_split(tmp_path):
         valid
     )
     assert test != valid
+
+
+def test_the_scaling_fit_finds_where_a_method_meets_dp(quality):
+    """Losses on exact power laws: the fit recovers them, and the crossing is where the two
+    laws meet; a method falling slower than DP never meets it."""
+    sizes = (1e3, 3e3)
+    laws = {"dp": (5.0, 0.10), "closing": (6.0, 0.12), "drifting": (6.0, 0.08)}
+    summary = {
+        f"z{i}": {
+            m: {"params": int(n), "test_loss": a * int(n) ** -alpha}
+            for m, (a, alpha) in laws.items()
+        }  # fmt: skip
+        for i, n in enumerate(sizes)
+    }
+    fits = quality.scaling_fit(summary)
+    for m, (a, alpha) in laws.items():
+        assert fits[m]["a"] == pytest.approx(a, rel=1e-6)
+        assert fits[m]["alpha"] == pytest.approx(alpha, rel=1e-6)
+    assert fits["closing"]["meets_dp_at"] == pytest.approx((6.0 / 5.0) ** (1 / 0.02), rel=1e-5)
+    assert fits["drifting"]["meets_dp_at"] is None and fits["dp"]["meets_dp_at"] is None
+    assert "meets DP at" in quality.render_fits(fits)
