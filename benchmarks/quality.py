@@ -488,6 +488,10 @@ def summarise(recs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.2f} MB" if n >= 1e5 else f"{n:,.0f} B"
+
+
 def render(summary: dict[str, Any], meta: list[dict[str, Any]]) -> str:
     """The markdown report."""
     lines = ["# Quality study", ""]
@@ -521,7 +525,7 @@ def render(summary: dict[str, Any], meta: list[dict[str, Any]]) -> str:
             times = " | ".join(f"{m['sim_s'][n]:.1f}" for n in NETWORKS)
             lines.append(
                 f"| {method} | `{setting_key(m['setting'])}` | {m['grid_points']} | {loss} | "
-                f"{gap} | {m['total_bytes'] / 1e6:,.2f} MB | {fewer} | {times} |"
+                f"{gap} | {_mb(m['total_bytes'])} | {fewer} | {times} |"
             )
         lines.append("")
         if reach and reach["methods"]:
@@ -552,7 +556,7 @@ def render_fits(fits: dict[str, Any]) -> str:
     """The scaling fits as markdown."""
     if not fits:
         return "Scaling fits: fewer than two sizes with fresh seeds yet.\n"
-    lines = ["## Loss against size", "", "| method | sizes | L(N) = a N^-alpha | meets DP at |",
+    lines = ["", "## Loss against size", "", "| method | sizes | L(N) = a N^-alpha | meets DP at |",
              "|---|---|---|---|"]  # fmt: skip
     for method, f in fits.items():
         meet = f"{f['meets_dp_at']:,.0f} parameters" if f["meets_dp_at"] else "-"
