@@ -221,7 +221,7 @@ def config(size: str, method: str, setting: dict[str, Any], seed: int, steps: in
         network=NETWORKS[TRAIN_NET],
         compute="v100",
         eval_every=max(steps // 20, 1),
-        checkpoint_every=max(steps // 4, 1),
+        checkpoint_every=max(steps // 2, 1),
         out_dir=str(out),
         progress=False,
     )
@@ -658,6 +658,17 @@ def plot(recs: list[dict[str, Any]], summary: dict[str, Any], fits: dict, out: P
     plt.close(fig)
 
 
+def _compilation_cache(folder: Path) -> None:
+    """Keep compiled programs on disk: the runs of one size share most of their programs
+    (evaluation, host reads; a grid point's step differs only in its constants)."""
+    import jax
+
+    folder.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a stage of the study (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -689,6 +700,7 @@ def main(argv: list[str] | None = None) -> int:
         steps *= CAP
         args.methods = [m for m in args.methods if m in LOW_BYTE] or list(LOW_BYTE)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    _compilation_cache(out / "scratch" / "xla_cache")
     t0 = time.time()
     while True:  # an extension past an axis's end makes more runs once a choice is known
         jobs = plan(args.stage, args.size, args.methods, steps, out)
