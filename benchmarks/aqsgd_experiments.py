@@ -182,7 +182,7 @@ def run_one(
     run_dir = out / "runs" / folder
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = Config(
-        name=f"{label} {workers}x{stages}",
+        name=f"{label} {workers}x{stages}".replace("/", "-"),
         task="gpt",
         model=MODEL,
         workers=workers,
