@@ -20,7 +20,6 @@ measured`` it is the host time itself.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from typing import Any
@@ -37,7 +36,7 @@ from jaxcomm.sparse import TopkState, ratio_k
 from train.clock import step_traffic
 from train.config import Config
 from train.distributed import to_host
-from train.sync import Controller
+from train.sync import Controller, make_aggregator
 from train.trainer import Trainer, make_optimizer
 
 __all__ = ["AdaptiveRatio"]
@@ -62,10 +61,10 @@ class AdaptiveRatio(Controller):
     def adjust_config(self, cfg: Config) -> Config:
         """Before the first search the step runs the first candidate ratio, unless the
         config names one."""
-        if "ratio" in cfg.aggregator_args:
+        if cfg.aggregator.ratio is not None:
             return cfg
-        args = {**cfg.aggregator_args, "ratio": self.controller.candidates[0]}
-        return dataclasses.replace(cfg, aggregator_args=args)
+        agg = cfg.aggregator.model_copy(update={"ratio": self.controller.candidates[0]})
+        return cfg.model_copy(update={"aggregator": agg})
 
     def start(self, trainer: Trainer) -> None:
         """Size the search to the trainer's model: leave out candidate ratios whose
@@ -89,15 +88,14 @@ class AdaptiveRatio(Controller):
     def program_key(self, trainer: Trainer) -> tuple[float, str]:
         c = self.controller
         if c.ratio is None:  # before the first search: the config's own setting
-            args = self.cfg.aggregator_args
-            reduce = args.get("reduce", "ring")
-            return float(args["ratio"]), "ring" if reduce == "auto" else reduce
+            agg = self.cfg.aggregator
+            return float(agg.ratio), "ring" if agg.reduce == "auto" else agg.reduce
         return c.ratio, c.collective
 
     def make_tx(self, trainer: Trainer, key: tuple[float, str]) -> optax.GradientTransformation:
-        args = {k: v for k, v in self.cfg.aggregator_args.items() if k != "network"}
-        args.update(ratio=key[0], reduce=key[1])
-        return optax.chain(jaxcomm.ar_topk("data", **args), make_optimizer(self.cfg))
+        agg = self.cfg.aggregator.model_copy(update={"ratio": key[0], "reduce": key[1]})
+        return optax.chain(make_aggregator(self.cfg.model_copy(update={"aggregator": agg})),
+                           make_optimizer(self.cfg))  # fmt: skip
 
     # ------------------------------------------------------------------ search
 
@@ -113,7 +111,7 @@ class AdaptiveRatio(Controller):
         if ratio not in self._compress:
             d = self._dense_bytes // 4
             k = max(1, ratio_k(ratio, d))
-            method = self.cfg.aggregator_args.get("method", "auto")
+            method = self.cfg.aggregator.method
             select_s, copy_s = _agreed(_selection_cost(d, k, method))
             if trainer.compute_model is None:
                 self._compress[ratio] = select_s

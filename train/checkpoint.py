@@ -795,20 +795,21 @@ def run_fingerprint(t: Any) -> dict[str, Any]:
     parameter shapes."""
     cfg = t.cfg
     shapes = jax.tree_util.tree_map(lambda a: list(a.shape[1:]), t.params)
+    fields = lambda section: {k: v for k, v in section.to_dict().items() if k != "name"}  # noqa: E731
     return {
         "task": cfg.task,
-        "model": cfg.model,
+        "model": fields(cfg.model),
         "dataset": cfg.dataset,
         "workers": t.n,
         "global_batch": cfg.global_batch,
         "seed": cfg.seed,
-        "optimizer": cfg.optimizer,
-        "lr": cfg.lr,
+        "optimizer": cfg.optimizer.name,
+        "lr": cfg.optimizer.lr,
         # The schedule, weight decay and clipping, when set (a run without them keeps the
         # fingerprint it always had).
-        **cfg.optimizer_settings(),
-        "aggregator": cfg.aggregator,
-        "aggregator_args": cfg.aggregator_args,
+        **cfg.optimizer.settings(cfg.steps),
+        "aggregator": cfg.aggregator.key,
+        "aggregator_args": fields(cfg.aggregator),
         **{k: v for part in t.parts for k, v in part.fingerprint().items()},
         "param_shapes": jax.tree_util.tree_flatten_with_path(shapes)[0].__repr__(),
     }

@@ -48,16 +48,17 @@ def resolve_config(path: str | None) -> str | None:
 
 
 def _epilog() -> str:
-    from train.config import AGGREGATORS, DILOCO_COMPRESS, SYNC_METHODS
+    from train.aggregators import AGGREGATORS
+    from train.config import COMPRESS_PRESETS, SYNCS
 
     lines = ["shipped configs (--config PATH):"]
     for path, what in shipped_configs():
         lines.append(f"  {path:<30} {what}")
     lines += [
         "",
-        f"aggregators (--set aggregator=...): {', '.join(AGGREGATORS)}",
-        f"sync methods (--set sync.method=..., with aggregator=none): {', '.join(SYNC_METHODS)}",
-        f"  diloco compress: {', '.join(DILOCO_COMPRESS)}",
+        f"aggregators (--set aggregator=...): {', '.join(AGGREGATORS.names())}",
+        f"sync methods (--set sync.method=..., with aggregator=none): {', '.join(SYNCS.names())}",
+        f"  diloco compress: none, {', '.join(COMPRESS_PRESETS)} or any aggregator",
         "network (--set network=...): LATENCY,BANDWIDTH such as 1ms,1Gbps or 50ms,100Mbps; a",
         "  schedule STEP:LATENCY,BANDWIDTH;... such as '0:1ms,10Gbps;100:50ms,1Gbps'; or c1, c2:",
         "  the AR-Topk paper's two changing networks (1-50 ms, 1-25 Gbps over the run;",

@@ -1,351 +1,705 @@
 """Experiment configuration: one YAML file per experiment, overridable from the command line.
 
-A config is a frozen :class:`Config`. Files and ``--set key=value`` overrides may only name
-fields that exist (``model.width=64`` reaches into the ``model`` mapping); values are parsed
-as YAML and must have the field's type. Unknown keys are errors, never silently ignored.
+A config is a frozen, typed :class:`Config` (pydantic). Scalars sit at the top
+(``workers: 8``); each choosable part is a section naming its choice and that choice's
+fields, or just its name for the defaults::
+
+    model: {name: gpt, num_layers: 4, width: 128}
+    optimizer: {name: adamw, lr: 3e-3, schedule: {name: cosine, warmup_steps: 30}}
+    aggregator: {name: ar_topk, ratio: 0.01}      # or: aggregator: ring
+    sync: {method: diloco, period: 30, compress: sparseloco}
+    boundary: {name: aqsgd, forward: {name: quantize, bits: 3}}
+
+The choices are registries (:data:`MODELS`, :data:`train.aggregators.AGGREGATORS`,
+:data:`SYNCS`, :data:`BOUNDARIES`, :data:`ROW_CODECS`): one class each, whose fields are
+typed and described (``python -m train --list-keys`` prints them). Files and ``--set
+a.b.c=value`` overrides may only name fields that exist; unknown keys and values are errors
+with the closest spelling. The flat keys of earlier versions (``task``, ``lr``,
+``aggregator_args``, ``fw_bits``, ``boundary_args``, ...) still load, each with a warning
+that shows its new spelling (:data:`LEGACY_KEYS`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
-import re
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
+from pydantic import BeforeValidator, Field, SerializeAsAny, ValidationError, model_validator
 
-from jaxcomm._checks import check_choice, did_you_mean
+from jaxcomm._checks import did_you_mean
+from train.aggregators import AGGREGATORS, MAX_SEED, Aggregator
+from train.registry import Choice, Ints, Number, Registry, Section, first_error
 
-__all__ = ["Config", "load_config", "apply_overrides"]
+__all__ = [
+    "Config",
+    "load_config",
+    "apply_overrides",
+    "MODELS",
+    "SYNCS",
+    "BOUNDARIES",
+    "ROW_CODECS",
+    "LEGACY_KEYS",
+]
 
-TASKS = ("gpt", "mlp", "cnn")
-DATASETS = {
-    "gpt": ("shakespeare", "shakespeare_complete"),
-    "mlp": ("digits",),
-    "cnn": ("digits", "synthetic_imagenet"),
+
+# ---------------------------------------------------------------------------------- models
+
+
+class Model(Choice):
+    """A model family and its hyperparameters."""
+
+    #: The datasets the model trains on.
+    datasets: ClassVar[tuple[str, ...]] = ()
+
+    def build(self) -> Any:
+        """The :class:`models.Task` of this model."""
+        from models import build_task
+
+        return build_task(self.key, **{k: getattr(self, k) for k in type(self).model_fields})
+
+
+MODELS: Registry[Model] = Registry("model", Model, default="gpt")
+
+
+@MODELS.register("gpt")
+class GPTModel(Model):
+    """A decoder-only transformer over bytes (:class:`models.GPT`), for ``shakespeare`` and
+    ``shakespeare_complete``."""
+
+    datasets: ClassVar[tuple[str, ...]] = ("shakespeare", "shakespeare_complete")
+    vocab_size: int = Field(256, ge=1, description="tokens (256: bytes)")
+    seq_len: int = Field(64, ge=1, description="context length in tokens")
+    num_layers: int = Field(4, ge=1, description="transformer blocks")
+    width: int = Field(128, ge=1, description="channels of the residual stream")
+    num_heads: int = Field(4, ge=1, description="attention heads (dividing width)")
+    mlp_ratio: int = Field(4, ge=1, description="MLP hidden size as a multiple of width")
+
+
+@MODELS.register("mlp")
+class MLPModel(Model):
+    """A ReLU multilayer perceptron classifier (:class:`models.MLP`), for ``digits``."""
+
+    datasets: ClassVar[tuple[str, ...]] = ("digits",)
+    features: Ints = Field((128, 128), description="hidden layer widths")
+    num_classes: int = Field(10, ge=1, description="output classes")
+
+
+@MODELS.register("cnn")
+class CNNModel(Model):
+    """A ResNet classifier (:class:`models.ResNet`), for ``digits`` and
+    ``synthetic_imagenet`` (random 224x224x3 images, 1000 classes: costing at ImageNet's
+    shapes)."""
+
+    datasets: ClassVar[tuple[str, ...]] = ("digits", "synthetic_imagenet")
+    channels: Ints = Field((16, 32), description="channels of each stage")
+    blocks_per_stage: int | Ints = Field(1, description="residual blocks per stage")
+    num_classes: int = Field(10, ge=1, description="output classes")
+    bottleneck: bool = Field(False, description="bottleneck blocks (ResNet-50) over basic ones")
+    imagenet_stem: bool = Field(False, description="the 7x7 stride-2 stem and max pool")
+
+
+# ------------------------------------------------------------------------------- optimizer
+
+
+class Schedule(Section):
+    """The learning rate over the optimizer's own steps (a resumed run continues it)."""
+
+    name: Literal["constant", "cosine", "linear"] = Field(
+        "constant",
+        description="``constant`` (``lr`` after any warm-up), ``cosine`` or ``linear`` (after "
+        "the warm-up, a decay from ``lr`` to ``floor * lr`` over ``decay_steps``, then the "
+        "floor)",
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="steps of linear warm-up from ``warmup_from * lr`` (0: none)"
+    )
+    warmup_from: Number = Field(0.0, ge=0, le=1, description="the warm-up's first rate / lr")
+    floor: Number = Field(0.1, ge=0, le=1, description="the rate at the end of a decay / lr")
+    decay_steps: int = Field(
+        0, ge=0, description="steps of decay after the warm-up (0: to the run's last step)"
+    )
+
+    def resolved(self, steps: int) -> dict[str, Any] | None:
+        """The schedule with ``decay_steps`` counted for a run of ``steps`` steps, or None
+        for a constant rate with no warm-up."""
+        if self.name == "constant" and not self.warmup_steps:
+            return None
+        out: dict[str, Any] = {"kind": self.name, "warmup_steps": self.warmup_steps}
+        if self.warmup_steps:
+            out["warmup_from"] = self.warmup_from
+        if self.name != "constant":
+            decay = self.decay_steps or steps - 1 - self.warmup_steps
+            if decay < 1:
+                raise ValueError(
+                    f"optimizer.schedule={self.name!r} decays over the steps after the "
+                    f"warm-up, but steps={steps} leaves none after warmup_steps="
+                    f"{self.warmup_steps} (the last step is {steps - 1}); lower "
+                    "optimizer.schedule.warmup_steps or set optimizer.schedule.decay_steps"
+                )
+            out.update(decay_steps=decay, floor=self.floor)
+        return out
+
+
+def _schedule(value: Any) -> Any:
+    return {"name": value} if isinstance(value, str) else value
+
+
+class Optimizer(Section):
+    """The optimizer each worker (or the averaged gradient) steps with."""
+
+    name: Literal["none", "sgd", "momentum", "adam", "adamw", "muon"] = Field(
+        "adam",
+        description="``sgd``, ``momentum`` (0.9), ``adam``, ``adamw`` or ``muon`` "
+        "(``optax.contrib.muon`` on the hidden layers' 2-D weight matrices at ``muon_lr``, "
+        "momentum 0.95 without Nesterov's look-ahead as the MuLoCo authors' code, AdamW at "
+        "``lr`` on the rest; ``stages: 1`` only); ``none`` with an aggregator that is the "
+        "whole optimizer",
+    )
+    lr: Number = Field(3e-3, gt=0, description="learning rate (the schedule's peak)")
+    schedule: Annotated[Schedule, BeforeValidator(_schedule)] = Field(
+        Schedule(), description="the learning-rate schedule (a name alone: its defaults)"
+    )
+    weight_decay: Number | None = Field(
+        None,
+        ge=0,
+        description="``adamw``'s (and ``muon``'s) decoupled weight decay, times the scheduled "
+        "rate (unset: optax's 1e-4 for adamw, none for muon); with ``sgd``/``momentum`` added "
+        "to the gradient (classic weight decay); refused with ``adam`` and ``none``",
+    )
+    clip_norm: Number = Field(
+        0.0,
+        ge=0,
+        description="clip the gradient to this global L2 norm before the optimizer (0: off): "
+        "the averaged gradient, or each worker's own under a ``sync`` wrapper",
+    )
+    muon_lr: Number = Field(0.02, gt=0, description="Muon's learning rate (``name: muon``)")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Optimizer:
+        if self.name == "none":
+            for key in ("schedule", "weight_decay", "clip_norm"):
+                if getattr(self, key) != type(self).model_fields[key].default:
+                    raise ValueError(
+                        f"optimizer.{key} with optimizer none: an aggregator that is the whole "
+                        "optimizer applies its own step sizes (its own fields); leave "
+                        f"optimizer.{key} unset"
+                    )
+        if self.weight_decay is not None and self.name == "adam":
+            raise ValueError(
+                f"optimizer.weight_decay={self.weight_decay!r} with adam: Adam's L2 penalty is "
+                "not decoupled weight decay; use optimizer adamw (or leave weight_decay unset)"
+            )
+        if self.muon_lr != type(self).model_fields["muon_lr"].default and self.name != "muon":
+            raise ValueError(
+                f"optimizer.muon_lr={self.muon_lr!r} with optimizer {self.name!r}: muon_lr is "
+                "Muon's learning rate; set optimizer.name=muon or leave muon_lr unset"
+            )
+        return self
+
+    def settings(self, steps: int) -> dict[str, Any]:
+        """What a checkpoint must match beyond ``name`` and ``lr``: the resolved schedule,
+        ``weight_decay``, ``clip_norm`` and ``muon_lr`` where they are not the defaults."""
+        out: dict[str, Any] = {}
+        schedule = self.schedule.resolved(steps)
+        if schedule is not None:
+            out["lr_schedule"] = schedule
+        if self.weight_decay is not None:
+            out["weight_decay"] = self.weight_decay
+        if self.clip_norm:
+            out["clip_norm"] = self.clip_norm
+        if self.name == "muon":
+            out["muon_lr"] = self.muon_lr
+        return out
+
+
+def _optimizer(value: Any) -> Any:
+    return {"name": value} if isinstance(value, str) else value
+
+
+# ------------------------------------------------------------------------ boundary codecs
+
+
+class RowCodec(Choice):
+    """How one pipeline boundary message travels, row by row (a sample's activations or
+    their gradient)."""
+
+    def build(self) -> Any:
+        """The :class:`jaxcomm.RowCodec` (None: float32)."""
+        raise NotImplementedError
+
+
+ROW_CODECS: Registry[RowCodec] = Registry("codec", RowCodec)
+
+
+@ROW_CODECS.register("fp32")
+class Fp32Rows(RowCodec):
+    """Float32, as computed."""
+
+    def build(self) -> Any:
+        return None
+
+
+@ROW_CODECS.register("quantize")
+class QuantizeRows(RowCodec):
+    """``bits``-bit quantization, one scale per token (or per ``bucket`` elements)."""
+
+    bits: int = Field(ge=1, le=8, description="bits of each code")
+    bucket: int | None = Field(None, ge=1, description="elements per scale (unset: a token)")
+
+    def build(self) -> Any:
+        import jaxcomm
+
+        return jaxcomm.quantized_rows(self.bits, self.bucket)
+
+
+@ROW_CODECS.register("chunk_topk")
+class ChunkTopkRows(RowCodec):
+    """Chunk-wise top-``k`` of every ``chunk`` entries, values at ``bits`` bits."""
+
+    chunk: int = Field(ge=2, description="entries per chunk")
+    k: int = Field(ge=1, description="entries sent per chunk (at most chunk)")
+    bits: int | None = Field(None, ge=1, le=8, description="value bits (unset: float32)")
+
+    @model_validator(mode="after")
+    def _k_fits(self) -> ChunkTopkRows:
+        if self.k > self.chunk:
+            raise ValueError(f"k must be at most chunk={self.chunk}, got {self.k}")
+        return self
+
+    def build(self) -> Any:
+        import jaxcomm
+
+        return jaxcomm.topk_rows(self.chunk, self.k, self.bits)
+
+
+@ROW_CODECS.register("lowrank")
+class LowRankRows(RowCodec):
+    """A rank-``rank`` factorisation of each sample, factors at ``bits`` bits."""
+
+    rank: int = Field(ge=1, description="rank of the factorisation")
+    bits: int = Field(ge=1, le=8, description="bits of the factors' codes")
+
+    def build(self) -> Any:
+        import jaxcomm
+
+        return jaxcomm.lowrank_rows(self.rank, self.bits)
+
+
+CodecField = ROW_CODECS.annotation
+
+
+class Boundary(Choice):
+    """What crosses a pipeline stage boundary (``stages > 1``)."""
+
+    forward: CodecField = Field(
+        QuantizeRows(bits=4), description="the forward codec (activations or their deltas)"
+    )
+    backward: CodecField = Field(
+        QuantizeRows(bits=8), description="the backward codec (activation gradients)"
+    )
+
+    def build(self) -> Any:
+        """The :class:`jaxcomm.Boundary`."""
+        raise NotImplementedError
+
+    def _plain_backward(self) -> int | None:
+        bw = self.backward
+        if isinstance(bw, Fp32Rows):
+            return None
+        if not isinstance(bw, QuantizeRows) or bw.bucket is not None:
+            raise ValueError(
+                f"boundary {self.key}: the backward codec must be quantize (per token) or "
+                f"fp32, got {bw.to_dict()}; other codecs need boundary aqsgd"
+            )
+        return bw.bits
+
+
+BOUNDARIES: Registry[Boundary] = Registry("boundary", Boundary)
+
+
+@BOUNDARIES.register("fp32")
+class Fp32Boundary(Boundary):
+    """Activations in float32; the gradients back by ``backward``."""
+
+    forward: CodecField = Field(Fp32Rows(), description="float32 (the only forward codec)")
+    backward: CodecField = Field(
+        QuantizeRows(bits=8), description="the backward codec: quantize per token, or fp32"
+    )
+
+    @model_validator(mode="after")
+    def _fp32_forward(self) -> Fp32Boundary:
+        if not isinstance(self.forward, Fp32Rows):
+            raise ValueError("boundary fp32 sends float32 activations; its forward is fp32")
+        self._plain_backward()
+        return self
+
+    def build(self) -> Any:
+        import jaxcomm
+
+        return jaxcomm.fp32_boundary(self._plain_backward())
+
+
+@BOUNDARIES.register("directq")
+class DirectQBoundary(Boundary):
+    """DirectQ: each activation quantized per token, no message buffer (AQ-SGD's
+    baseline)."""
+
+    @model_validator(mode="after")
+    def _per_token(self) -> DirectQBoundary:
+        fw = self.forward
+        if not isinstance(fw, QuantizeRows) or fw.bucket is not None:
+            raise ValueError(
+                f"boundary directq quantizes each token: its forward is quantize with no "
+                f"bucket, got {fw.to_dict()}"
+            )
+        self._plain_backward()
+        return self
+
+    def build(self) -> Any:
+        import jaxcomm
+
+        return jaxcomm.directq_boundary(self.forward.bits, self._plain_backward())
+
+
+@BOUNDARIES.register("aqsgd")
+class AQSGDBoundary(Boundary):
+    """AQ-SGD: deltas against a per-sample message buffer (the paper's codec: quantize per
+    token both ways, first visits in float32)."""
+
+    first: CodecField = Field(
+        Fp32Rows(), description="a sample's first visit (quantize: a deviation from the paper)"
+    )
+    memory: bool = Field(
+        False,
+        description="send each gradient as a delta against a per-sample gradient memory (as "
+        "large as the buffer), so what the backward codec drops goes at later visits (not "
+        "in the paper)",
+    )
+    buffer_bits: int = Field(0, ge=0, le=8, description="message buffer storage bits (0: fp32)")
+    buffer_dir: str = Field("", description="keep the buffers as zarr here ('': in memory)")
+
+    @model_validator(mode="after")
+    def _codecs(self) -> AQSGDBoundary:
+        if isinstance(self.forward, Fp32Rows):
+            raise ValueError("boundary aqsgd sends compressed deltas: its forward is not fp32")
+        if self.memory and isinstance(self.backward, Fp32Rows):
+            raise ValueError(
+                "boundary.memory needs a compressed backward codec: a float32 gradient loses "
+                "nothing that a memory could keep"
+            )
+        if not isinstance(self.first, (Fp32Rows, QuantizeRows)):
+            raise ValueError(f"boundary.first is fp32 or quantize, got {self.first.to_dict()}")
+        return self
+
+    def paper(self) -> bool:
+        """Whether this is the paper's codec (per-token quantization both ways, float32
+        first visits, no memory), run by :func:`jaxcomm.aqsgd_boundary`."""
+        plain = lambda c: isinstance(c, QuantizeRows) and c.bucket is None  # noqa: E731
+        return (
+            plain(self.forward)
+            and (plain(self.backward) or isinstance(self.backward, Fp32Rows))
+            and isinstance(self.first, Fp32Rows)
+            and not self.memory
+        )
+
+    def build(self) -> Any:
+        import jaxcomm
+
+        if self.paper():
+            return jaxcomm.aqsgd_boundary(self.forward.bits, self._plain_backward())
+        return jaxcomm.delta_boundary(
+            self.forward.build(),
+            self.backward.build(),
+            first=self.first.build(),
+            backward_memory=self.memory,
+        )
+
+
+# ---------------------------------------------------------------------- synchronisations
+
+
+class Sync(Choice):
+    """A synchronisation wrapped around the optimizer (``aggregator: none``): the workers
+    step on their own gradients and average at scheduled steps."""
+
+    period: int = Field(ge=1, description="H: steps between averagings")
+    reduce: Literal["psum", "ring", "tree"] = Field(
+        "ring", description="the float32 collective each averaging uses"
+    )
+
+
+SYNCS: Registry[Sync] = Registry("sync", Sync, field="method")
+
+
+@SYNCS.register("local_sgd")
+class LocalSGDSync(Sync):
+    """Local SGD (FLSGD): every layer averaged at the last step of each period."""
+
+    fused: bool = Field(
+        False,
+        description="average the whole model as one message after the whole backward, not "
+        "layer by layer",
+    )
+
+
+@SYNCS.register("enp")
+class ENPSync(Sync):
+    """Partial local SGD with the equal-number partition of the layers over the period."""
+
+
+@SYNCS.register("dreamddp")
+class DreamDDPSync(Sync):
+    """DreamDDP: the layers averaged on the schedule of the profiled backward and
+    communication times on the network of step 0."""
+
+    fill_bubbles: bool = Field(True, description="fill the schedule's idle link time")
+
+
+# DiLoCo's named compressors: presets of registered aggregators (the papers' settings).
+COMPRESS_PRESETS: dict[str, dict[str, Any]] = {
+    "int8": {"name": "ec_quantized", "bits": 8, "bucket_size": 512},
+    "int4": {"name": "ec_quantized", "bits": 4, "bucket_size": 512},
+    "sparseloco": {"name": "chunk_topk", "chunk": 4096, "k": 64, "bits": 2, "decay": 0.95},
+    "ar_topk": {"name": "ar_topk", "ratio": 0.01},
+    "statistical": {"name": "statistical_quantized", "bits": 2, "sigmas": 6.0, "decay": 0.9},
 }
-OPTIMIZERS = ("none", "sgd", "momentum", "adam", "adamw", "muon")
-LR_SCHEDULES = ("constant", "cosine", "linear")
-DENSE_AGGREGATORS = ("psum", "ring", "tree")
-# Gradient aggregators followed by an optimizer.
-# Top-k sparsifiers (error-fed), also followed by an optimizer.
-TOPK_AGGREGATORS = ("ar_topk", "lw_topk", "ms_topk")
-# "none": each worker keeps its own gradient (local SGD; needs ``sync``).
-GRADIENT_AGGREGATORS = (*DENSE_AGGREGATORS, "ec_quantized", *TOPK_AGGREGATORS, "none")
-# Sync wrappers around the optimizer (``sync: {method: ...}``).
-SYNC_METHODS = ("local_sgd", "enp", "dreamddp", "diloco")
-SYNC_KEYS = ("method", "period", "fill_bubbles", "reduce", "fused")
-# DiLoCo's own keys (``sync: {method: diloco, ...}``) and how its pseudo-gradients travel.
-DILOCO_KEYS = (
-    "outer_lr",
-    "outer_momentum",
-    "fragments",
-    "pattern",
-    "overlap",
-    "alpha",
-    "compress",
-    "warmup_steps",
-)
-DILOCO_COMPRESS = ("none", "int8", "int4", "sparseloco", "ar_topk", "statistical")
-# ``boundary_args`` of ``boundary: aqsgd``: the codec of each direction and of first visits.
-BOUNDARY_KEYS = (
-    "fw_chunk", "fw_k", "fw_bucket", "fw_rank",
-    "bw_chunk", "bw_k", "bw_bucket", "bw_rank",
-    "first_bits", "bw_memory",
-)  # fmt: skip
-# Aggregators that are the whole optimizer (they apply their own step sizes).
-OPTIMIZING_AGGREGATORS = ("marsit", "signsgd_mv", "ef_signsgd", "ssdm", "cascading_sign")
-AGGREGATORS = GRADIENT_AGGREGATORS + OPTIMIZING_AGGREGATORS
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Everything one training run needs.
+def _compress(value: Any) -> Any:
+    """A DiLoCo compressor: ``none``/None, a preset name, an aggregator name, or a mapping
+    (``method`` is the earlier spelling of ``name``) whose name may be a preset."""
+    if value is None or value == "none":
+        return None
+    if isinstance(value, str):
+        value = {"name": value}
+    if isinstance(value, dict):
+        value = dict(value)
+        if "method" in value and "name" not in value:
+            value["name"] = value.pop("method")
+        if value.get("name") == "none":
+            if len(value) > 1:
+                raise ValueError(f"compress none takes no arguments, got {value!r}")
+            return None
+        preset = COMPRESS_PRESETS.get(value.get("name"))
+        if preset is not None:
+            fixed = sorted({"bits"} & set(value)) if value["name"] in ("int8", "int4") else []
+            if fixed:
+                raise ValueError(f"compress {value['name']} sets bits itself, got {value!r}")
+            value = {**preset, **{k: v for k, v in value.items() if k != "name"}}
+        return AGGREGATORS.parse(value)
+    return value
 
-    Attributes:
-      name: run name, one folder name (no ``/``, not ``.`` or ``..``); ``out_dir``
-        defaults to ``runs/<name>``.
-      task: model family, one of ``gpt``, ``mlp``, ``cnn``.
-      model: keyword arguments of the model (e.g. ``num_layers``, ``width`` for ``gpt``).
-      dataset: ``shakespeare`` (byte-level text, for ``gpt``), ``shakespeare_complete``
-        (the complete works, four times as much text, with a held-out test split; for
-        ``gpt``), ``digits`` (8x8 images) or
-        ``synthetic_imagenet`` (random 224x224x3 images, 1000 classes, for ``cnn``: costing
-        at ImageNet's shapes).
-      workers: data-parallel workers (devices on the ``data`` mesh axis).
-      global_batch: samples per step over all workers (a multiple of ``workers``).
-      steps: optimizer steps to run (the final step count, also when resuming).
-      seed: seeds parameter init and the data order (an integer in [0, 2**32 - 1]).
-      optimizer: ``sgd``, ``momentum``, ``adam``, ``adamw`` or ``muon`` after a dense
-        aggregator; ``none`` with an aggregator that is the whole optimizer; ``lr`` its
-        learning rate (the peak of ``lr_schedule``). ``muon`` is ``optax.contrib.muon``:
-        Muon (momentum 0.95 without Nesterov's look-ahead, as the MuLoCo authors' code;
-        five Newton-Schulz steps, shape-scaled) on the 2-D weight matrices of the hidden
-        layers at ``muon_lr``, AdamW at ``lr`` on the rest (embeddings, the output head,
-        biases, norms), as the Muon and MuLoCo setups; ``stages: 1`` only.
-      muon_lr: Muon's learning rate with ``optimizer: muon`` (its peak; it follows
-        ``lr_schedule`` as ``lr`` does).
-      lr_schedule: the learning rate over the optimizer's steps: ``constant`` (``lr``
-        throughout, after any warm-up), ``cosine`` or ``linear`` (after the warm-up, a
-        decay from ``lr`` to ``lr_floor * lr`` over ``lr_decay_steps``, then the floor).
-        The step is the optimizer's own update count, so a resumed run continues the
-        schedule where it stopped. Not with ``optimizer: none`` (an aggregator that is the
-        whole optimizer applies the step sizes of its own arguments).
-      lr_warmup_steps: optimizer steps of linear warm-up from ``lr_warmup_from * lr`` to
-        ``lr`` (0: none).
-      lr_warmup_from: the warm-up's first learning rate as a fraction of ``lr``, in [0, 1].
-      lr_floor: the learning rate at the end of a ``cosine`` or ``linear`` decay as a
-        fraction of ``lr``, in [0, 1].
-      lr_decay_steps: steps of the decay after the warm-up (0: to the run's final step,
-        ``steps - 1 - lr_warmup_steps``, so the last step runs at the floor).
-      weight_decay: ``adamw``'s decoupled weight decay (scaled by the scheduled learning
-        rate, as ``optax.adamw``; unset: optax's 1e-4); with ``sgd`` or ``momentum`` added
-        to the gradient as ``optax.add_decayed_weights`` (SGD's classic weight decay,
-        through the momentum); refused with ``adam`` (use ``adamw``) and ``none``.
-      clip_norm: clip the gradient to this global L2 norm before the optimizer (0: off):
-        after the aggregator, so on the averaged gradient; with a ``sync`` wrapper (local
-        SGD, DiLoCo) on each worker's own gradient, which is what its inner optimizer
-        steps on (the averaged one during DiLoCo's ``warmup_steps``). Not with
-        ``optimizer: none`` nor ``stages > 1`` (each stage would clip its own layers).
-      aggregator: gradient aggregation: ``psum``, ``ring`` or ``tree`` (dense),
-        ``ec_quantized`` (error-compensated ``bits``-bit, default 4) or the top-k
-        sparsifiers ``ar_topk`` (``{ratio, select: star|var, reduce:
-        ring|tree|allgather|auto}``; ``auto`` chooses on the network of step 0 unless
-        ``network`` is given), ``lw_topk`` and ``ms_topk`` (``{ratio}``), each followed by
-        ``optimizer``; ``none`` (each worker steps on its own gradient: local SGD, with
-        ``sync``); or ``marsit``, ``signsgd_mv``, ``ef_signsgd``, ``ssdm``,
-        ``cascading_sign`` (each a complete optimizer with its own step sizes in
-        ``aggregator_args``, so ``optimizer`` must be ``none``); ``aggregator_args`` are the
-        factory's keyword arguments (e.g. ``{local_lr: 0.1, global_lr: 0.001,
-        full_sync_every: 10}`` for ``marsit``).
-      network: network schedule, e.g. ``"1ms,1Gbps"`` or ``"0:1ms,10Gbps;100:50ms,1Gbps"``,
-        or ``c1`` / ``c2``: the AR-Topk paper's changing networks scaled to ``steps``
-        (:meth:`jaxcomm.NetworkSchedule.preset`).
-      overlap: model communication as hidden behind compute (``max``) instead of added.
-      compute: what a step's compute time is: ``measured`` (this host's time for the
-        step) or a device of :data:`jaxcomm.DEVICES`, optionally with the matrix dtype
-        (``v100``, ``a100:tf32``): the roofline of the compiled step's flops and memory
-        bytes (:func:`jaxcomm.program_cost`), so the simulated time depends on the config
-        alone. ``mfu`` (unset: the device's calibrated value, else 0.5) and
-        ``memory_efficiency`` are the roofline's shares of peak.
-      stragglers: deterministic stragglers and latency jitter in the simulated clock, the
-        keyword arguments of :class:`jaxcomm.network.Stragglers` (``seed``,
-        ``compute_sigma``, ``slow: {worker: multiplier}``, ``latency_jitter``); ``{}`` for
-        none. The slowest device's compute decides when the step's collectives start.
-      eval_every: steps between validation passes (0: only at the end); ``eval_batches``
-        batches each.
-      checkpoint_every: steps between Orbax checkpoints (0: only at the end);
-        ``keep_checkpoints`` newest kept.
-      out_dir: where metrics, plots and checkpoints go ("" means ``runs/<name>``).
-      progress: show a progress bar (false: a plain line every 30 seconds instead).
-      async_steps: dispatch step ``t + 1`` before reading step ``t``'s metrics on the host
-        (read one step late; a checkpoint or evaluation step is read before the next is
-        dispatched). ``false`` waits for every step. Trainers whose host work feeds the
-        next step (the pipeline's message buffers, the adaptive ratio's controller) always
-        wait.
-      train_samples: train on the first N samples only (0: all), e.g. to fine-tune over
-        several epochs of the same samples.
-      stages: pipeline stages (``gpt`` only; 1 = pure data parallelism); the mesh is
-        ``workers x stages`` devices.
-      microbatches: GPipe microbatches per step per data replica.
-      boundary: what crosses a stage boundary: ``fp32``, ``directq`` or ``aqsgd``;
-        ``fw_bits``/``bw_bits`` the forward (activation or delta) and backward (activation
-        gradient) bits; ``bw_bits: 0`` sends gradients in float32.
-      boundary_args: ``boundary: aqsgd`` only, the codec of each direction (``{}``: the
-        paper's, per-token stochastic quantization): ``fw_chunk`` and ``fw_k`` send each
-        delta as chunk-wise top-``fw_k`` of ``fw_chunk`` entries with ``fw_bits``-bit values
-        (:func:`jaxcomm.topk_rows`; the buffer keeps what is not sent), ``fw_rank`` as a
-        rank-``fw_rank`` matrix with ``fw_bits``-bit factors (:func:`jaxcomm.lowrank_rows`),
-        ``fw_bucket`` quantizes it in buckets of that many elements instead of one per
-        token; ``bw_chunk``/``bw_k``/``bw_rank``/``bw_bucket`` the same for the activation
-        gradient (values at ``bw_bits``, float32 when 0 for top-k; without ``bw_memory``
-        nothing feeds back what top-k or a rank drops); ``bw_memory: true`` sends each
-        gradient as a delta against a per-sample gradient memory (kept beside the message
-        buffer, as large), so what the backward codec drops is sent at later visits (not
-        in the paper);
-        ``first_bits`` sends first visits quantized to that many bits instead of float32
-        (a deviation from the paper).
-      estimate: what ``python -m train.estimate`` reports beside the step at ``network``
-        (training ignores it): ``networks``, more networks to estimate the same step on,
-        and ``baseline``, config keys that make a second config estimated beside them (e.g.
-        ``{boundary: fp32, network: "1ms,10Gbps"}``), with each one's speed relative to it.
-      buffer_bits: AQ-SGD message buffer storage bits (0 = float32).
-      buffer_dir: keep the message buffers as zarr under this folder ("" = in memory).
-      sync: a sync wrapper around the optimizer (local SGD, needs ``aggregator: none``):
-        ``{method, period, fill_bubbles, reduce, fused}``: ``method`` is ``local_sgd``
-        (FLSGD: every layer averaged at the last step of each period), ``enp`` (partial
-        local SGD, equal-number partition) or ``dreamddp`` (the DreamDDP schedule of the
-        profiled per-layer backward and communication times on the network of step 0,
-        bubbles filled unless ``fill_bubbles: false``); ``period`` is ``H``;
-        ``fused: true`` (``local_sgd`` only) averages the whole model as one message after
-        the whole backward instead of layer by layer; ``reduce``
-        (``ring``, ``tree`` or ``psum``) averages each layer. The layers are timed on the
-        ``compute`` device (the roofline of their backward prefixes), or on this host when
-        ``compute`` is ``measured``. ``method: diloco`` runs :func:`jaxcomm.diloco` (see
-        ``train/diloco.py``) with the keys ``outer_lr`` (0.7), ``outer_momentum`` (0.9,
-        Nesterov), ``fragments`` (1), ``pattern`` (``strided``), ``overlap`` (0 inner
-        steps), ``alpha`` (0.5 with overlap, else 0) and ``compress`` (``none``, ``int8``,
-        ``int4``, ``sparseloco``, ``ar_topk`` or ``statistical``: MuLoCo's 2-bit, with
-        ``optimizer: muon``; or a mapping with ``method`` and that codec's arguments),
-        and ``warmup_steps`` (0): a data-parallel warm start, that many
-        first steps averaging every step's gradients with a float32 all-reduce (``reduce``,
-        ``ring`` by default) before DiLoCo's periods start from the model reached (the
-        DiLoCo paper starts from a pre-trained model). ``{}`` for none. Layers are
-        ``models.layer_groups`` of the parameters.
-      adaptive: AR-Topk's adaptive compression ratio (``aggregator: ar_topk``): the keyword
-        arguments of :class:`jaxcomm.adaptive.AdaptiveRatio` (``candidates``,
-        ``trial_steps``, ``gain_threshold``, ``network_threshold``, ``min_interval``,
-        ``objectives``, ``normalize``); ``{}`` for a fixed ``ratio``.
-      init_params: start from the model parameters in this ``params.msgpack`` (every run
-        writes one into its ``out_dir``) instead of a random init, e.g. to fine-tune a
-        briefly pre-trained model; the architecture must match ("" = random init).
-    """
 
-    name: str = "default"
-    task: str = "gpt"
-    model: dict = dataclasses.field(default_factory=dict)
-    dataset: str = "shakespeare"
-    workers: int = 8
-    global_batch: int = 32
-    steps: int = 200
-    seed: int = 0
-    optimizer: str = "adam"
-    lr: float = 3e-3
-    muon_lr: float = 0.02
-    lr_schedule: str = "constant"
-    lr_warmup_steps: int = 0
-    lr_warmup_from: float = 0.0
-    lr_floor: float = 0.1
-    lr_decay_steps: int = 0
-    weight_decay: float | None = None
-    clip_norm: float = 0.0
-    aggregator: str = "ring"
-    aggregator_args: dict = dataclasses.field(default_factory=dict)
-    network: str = "1ms,1Gbps"
-    overlap: bool = False
-    compute: str = "measured"
-    mfu: float | None = None
-    memory_efficiency: float = 0.8
-    stragglers: dict = dataclasses.field(default_factory=dict)
-    eval_every: int = 0
-    eval_batches: int = 4
-    checkpoint_every: int = 50
-    keep_checkpoints: int = 3
-    out_dir: str = ""
-    progress: bool = True
-    async_steps: bool = True
-    train_samples: int = 0
-    stages: int = 1
-    microbatches: int = 4
-    boundary: str = "fp32"
-    fw_bits: int = 4
-    bw_bits: int = 8
-    boundary_args: dict = dataclasses.field(default_factory=dict)
-    estimate: dict = dataclasses.field(default_factory=dict)
-    buffer_bits: int = 0
-    buffer_dir: str = ""
-    init_params: str = ""
-    adaptive: dict = dataclasses.field(default_factory=dict)
-    sync: dict = dataclasses.field(default_factory=dict)
+@SYNCS.register("diloco")
+class DiLoCoSync(Sync):
+    """DiLoCo and Streaming DiLoCo (:func:`jaxcomm.diloco`): pseudo-gradients every
+    ``period`` steps, an outer Nesterov step; fragments, overlap and compression."""
 
-    def __post_init__(self) -> None:
-        _choice("task", self.task, TASKS)
-        _choice("dataset", self.dataset, DATASETS[self.task])
-        _choice("optimizer", self.optimizer, OPTIMIZERS)
-        _choice("aggregator", self.aggregator, AGGREGATORS)
-        for name in ("workers", "global_batch", "steps", "eval_batches", "keep_checkpoints"):
-            _positive(name, getattr(self, name))
-        for name in ("eval_every", "checkpoint_every", "seed"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.seed > MAX_SEED:
-            raise ValueError(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed}")
-        seed = self.aggregator_args.get("seed", 0)
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+    outer_lr: Number = Field(0.7, gt=0, description="the outer step's learning rate")
+    outer_momentum: Number = Field(
+        0.9, ge=0, lt=1, description="the outer step's Nesterov momentum (0: plain SGD)"
+    )
+    fragments: int = Field(1, ge=1, description="Streaming DiLoCo's fragments of the layers")
+    pattern: Literal["strided", "sequential"] = Field(
+        "strided", description="which layers form a fragment"
+    )
+    overlap: int = Field(
+        0, ge=0, description="tau: inner steps a fragment's pseudo-gradient travels"
+    )
+    alpha: Number | None = Field(
+        None, ge=0, lt=1, description="the merge's weight of the local model (unset: 0.5 with "
+        "overlap, else 0)"
+    )  # fmt: skip
+    compress: Annotated[SerializeAsAny[Aggregator] | None, BeforeValidator(_compress)] = Field(
+        None,
+        description="how pseudo-gradients travel: unset/none (float32 by ``reduce``), "
+        "``int8``/``int4`` (error-fed quantized all-reduce), ``sparseloco`` (chunk top-64 "
+        "of 4,096 at 2 bits, decay 0.95), ``ar_topk`` (ratio 0.01), ``statistical`` "
+        "(MuLoCo's 2 bits), or any aggregator with its fields",
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="data-parallel steps (a float32 all-reduce each) before the first "
+        "period (DiLoCo starts from a trained model)"
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DiLoCoSync:
+        if self.overlap >= self.period:
             raise ValueError(
-                f"aggregator_args.seed must be an integer in [0, {MAX_SEED}], got {seed!r}"
+                f"sync.overlap must be an integer in [0, period - 1] = [0, {self.period - 1}] "
+                f"(inner steps a fragment's pseudo-gradient travels), got {self.overlap}"
             )
-        _check_name(self.name)
+        if self.compress is not None and self.reduce != "ring":
+            raise ValueError(
+                f"sync.reduce applies to compress none (the float32 all-reduce); compress "
+                f"{self.compress.key!r} has its own collective"
+            )
+        if self.compress is not None and self.compress.whole_optimizer:
+            raise ValueError(
+                f"sync.compress {self.compress.key!r} is a whole optimizer, not a compressor"
+            )
+        if self.compress is not None and self.compress.local:
+            raise ValueError("sync.compress none is written compress: none")
+        return self
 
-        if self.global_batch % self.workers:
-            raise ValueError(
-                f"global_batch must be a multiple of workers={self.workers}, "
-                f"got {self.global_batch}"
-            )
-        if (self.aggregator in OPTIMIZING_AGGREGATORS) != (self.optimizer == "none"):
-            raise ValueError(
-                f"aggregator={self.aggregator!r} with optimizer={self.optimizer!r}: "
-                f"{', '.join(OPTIMIZING_AGGREGATORS)} apply their own step sizes and need "
-                f"optimizer='none'; {', '.join(GRADIENT_AGGREGATORS)} need an optimizer"
-            )
-        if self.compute != "measured":
-            self.roofline()  # a clear error for an unknown device, dtype or share
-            _, _, dtype = self.compute.partition(":")
-            if dtype not in ("", "fp32", "tf32"):
-                raise ValueError(
-                    f"compute={self.compute!r}: the models compute in float32, so their matrix "
-                    f"products run at the fp32 (or, on A100/H100, tf32) peak, not {dtype!r}; "
-                    "allowed dtypes: fp32, tf32"
-                )
-        elif self.mfu is not None:
-            raise ValueError(f"mfu={self.mfu!r} needs compute=<device>, got compute='measured'")
-        self.straggler_model()  # a clear error for bad straggler settings
-        if self.adaptive:
-            if self.sync:
-                raise ValueError(
-                    f"adaptive={self.adaptive!r} with sync={self.sync!r}: the adaptive ratio "
-                    "tunes the top-k aggregator that runs every step, and local SGD runs no "
-                    "aggregator (it averages parameters at scheduled steps); choose one"
-                )
-            if self.aggregator != "ar_topk":
-                raise ValueError(
-                    f"adaptive={self.adaptive!r} chooses AR-Topk's ratio and needs "
-                    f"aggregator='ar_topk'; got aggregator={self.aggregator!r}"
-                )
-            self.adaptive_model()
-        self.sync_settings()  # a clear error for bad sync settings
-        if self.train_samples < 0:
-            raise ValueError(f"train_samples must be >= 0, got {self.train_samples}")
-        _positive("stages", self.stages)
-        _positive("microbatches", self.microbatches)
-        _choice("boundary", self.boundary, ("fp32", "directq", "aqsgd"))
-        for name, lo in (("fw_bits", 1), ("bw_bits", 0), ("buffer_bits", 0)):
-            value = getattr(self, name)
-            if not lo <= value <= 8:
-                raise ValueError(f"{name} must be an integer in [{lo}, 8], got {value}")
-        self.boundary_codecs()  # a clear error for bad boundary_args
-        self.estimate_baseline()  # and for a bad estimate
-        if self.stages > 1:
-            if self.task != "gpt":
-                raise ValueError(f"stages={self.stages} needs task='gpt', got {self.task!r}")
-            if self.global_batch % (self.workers * self.microbatches):
-                raise ValueError(
-                    f"global_batch must be a multiple of workers * microbatches = "
-                    f"{self.workers * self.microbatches}, got {self.global_batch}"
-                )
-        if self.init_params and not Path(self.init_params).is_file():
-            raise ValueError(f"init_params must name an existing file, got {self.init_params!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not 0 < self.muon_lr < math.inf:
-            raise ValueError(f"muon_lr must be a finite number > 0, got {self.muon_lr!r}")
-        self.optimizer_settings()  # a clear error for a bad schedule, decay or clip
-        self.network_schedule()  # a clear error for a bad network
-        blocked = next((p for p in (self.run_dir, *self.run_dir.parents) if p.is_file()), None)
-        if blocked is not None:
-            raise ValueError(
-                f"out_dir {str(self.run_dir)!r} cannot be a folder: {str(blocked)!r} is a file; "
-                "choose a folder for the run's outputs (--set out_dir=...)"
-            )
+
+# ---------------------------------------------------------------------------------- config
+
+# Keys of earlier versions: where each now lives (they still load, with a warning).
+LEGACY_KEYS: dict[str, str] = {
+    "task": "model.name",
+    "lr": "optimizer.lr",
+    "muon_lr": "optimizer.muon_lr",
+    "weight_decay": "optimizer.weight_decay",
+    "clip_norm": "optimizer.clip_norm",
+    "lr_schedule": "optimizer.schedule.name",
+    "lr_warmup_steps": "optimizer.schedule.warmup_steps",
+    "lr_warmup_from": "optimizer.schedule.warmup_from",
+    "lr_floor": "optimizer.schedule.floor",
+    "lr_decay_steps": "optimizer.schedule.decay_steps",
+    "aggregator_args": "aggregator.<field>",
+    "fw_bits": "boundary.forward.bits",
+    "bw_bits": "boundary.backward.bits",
+    "boundary_args": "boundary.forward/backward/first/memory",
+    "buffer_bits": "boundary.buffer_bits",
+    "buffer_dir": "boundary.buffer_dir",
+}
+
+
+class Config(Section):
+    """Everything one training run needs (see the module docstring for the shape)."""
+
+    name: str = Field(
+        "default",
+        description="run name, one folder name (no ``/``, not ``.`` or ``..``); ``out_dir`` "
+        "defaults to ``runs/<name>``",
+    )
+    model: MODELS.annotation = Field(GPTModel(), description="the model (``name``: gpt, mlp, cnn)")
+    dataset: str = Field(
+        "shakespeare",
+        description="``shakespeare`` (byte-level text), ``shakespeare_complete`` (the "
+        "complete works, with a held-out test split), ``digits`` (8x8 images) or "
+        "``synthetic_imagenet``; each model names the ones it takes",
+    )
+    workers: int = Field(8, ge=1, description="data-parallel workers (``data`` mesh axis)")
+    global_batch: int = Field(32, ge=1, description="samples per step over all workers")
+    steps: int = Field(200, ge=1, description="optimizer steps (the final count, also resumed)")
+    seed: int = Field(
+        0, ge=0, le=MAX_SEED, description="seeds the init, the data order and random codecs"
+    )
+    optimizer: Annotated[Optimizer, BeforeValidator(_optimizer)] = Field(
+        Optimizer(), description="the optimizer after the aggregator (a name alone: defaults)"
+    )
+    aggregator: AGGREGATORS.annotation = Field(
+        AGGREGATORS.parse("ring"),
+        description="what crosses the ``data`` axis each step: a name (its defaults) or a "
+        "mapping with its fields; ``none`` keeps each worker's gradient (with ``sync``)",
+    )
+    network: str = Field(
+        "1ms,1Gbps",
+        description="``LATENCY,BANDWIDTH`` (``1ms,1Gbps``), a schedule "
+        "``STEP:LATENCY,BANDWIDTH;...``, or ``c1``/``c2``: the AR-Topk paper's changing "
+        "networks scaled to ``steps``",
+    )
+    overlap: bool = Field(
+        False, description="communication hidden behind compute (``max``) instead of added"
+    )
+    compute: str = Field(
+        "measured",
+        description="a step's compute time: ``measured`` (this host) or a device of "
+        "``jaxcomm.DEVICES`` with an optional dtype (``v100``, ``a100:tf32``): the roofline "
+        "of the compiled step",
+    )
+    mfu: Number | None = Field(
+        None, gt=0, le=1, description="the roofline's share of peak flops (unset: calibrated)"
+    )
+    memory_efficiency: Number = Field(
+        0.8, gt=0, le=1, description="the roofline's share of peak memory bandwidth"
+    )
+    stragglers: dict = Field(
+        {},
+        description="deterministic stragglers and latency jitter: ``jaxcomm.network."
+        "Stragglers``' fields (``seed``, ``compute_sigma``, ``slow``, ``latency_jitter``)",
+    )
+    eval_every: int = Field(0, ge=0, description="steps between validations (0: at the end)")
+    eval_batches: int = Field(4, ge=1, description="batches of each validation")
+    checkpoint_every: int = Field(50, ge=0, description="steps between checkpoints (0: end)")
+    keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept")
+    out_dir: str = Field("", description="the run's folder ('': ``runs/<name>``)")
+    progress: bool = Field(True, description="a progress bar (false: a line every 30 s)")
+    async_steps: bool = Field(
+        True, description="dispatch step t + 1 before reading step t's metrics"
+    )
+    train_samples: int = Field(0, ge=0, description="train on the first N samples (0: all)")
+    stages: int = Field(1, ge=1, description="pipeline stages (gpt; 1: data parallel only)")
+    microbatches: int = Field(4, ge=1, description="GPipe microbatches per step per replica")
+    boundary: BOUNDARIES.annotation = Field(
+        Fp32Boundary(),
+        description="what crosses a stage boundary: ``fp32``, ``directq`` or ``aqsgd`` with "
+        "a codec each way",
+    )
+    estimate: dict = Field(
+        {},
+        description="``python -m train.estimate``'s extras: ``networks`` (more networks) and "
+        "``baseline`` (config keys of a second config estimated beside)",
+    )
+    init_params: str = Field(
+        "", description="start from this ``params.msgpack`` ('': a random init)"
+    )
+    adaptive: dict = Field(
+        {},
+        description="AR-Topk's adaptive ratio (``aggregator: ar_topk``): "
+        "``jaxcomm.adaptive.AdaptiveRatio``'s fields (``candidates``, ``trial_steps``, ...)",
+    )
+    sync: Annotated[SerializeAsAny[Sync] | None, BeforeValidator(lambda v: _sync(v))] = Field(
+        None,
+        description="a synchronisation around the optimizer (``method``: local_sgd, enp, "
+        "dreamddp, diloco), with ``aggregator: none``",
+    )
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise ValueError(first_error(e)) from None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = translate_legacy(data)
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        check_config(self)
+        return self
+
+    # ------------------------------------------------------------------ derived
 
     @property
     def run_dir(self) -> Path:
         """The output folder of this run."""
         return Path(self.out_dir or f"runs/{self.name}")
 
-    def network_schedule(self):
+    @property
+    def task(self) -> str:
+        """The model family (``gpt``, ``mlp``, ``cnn``)."""
+        return self.model.key
+
+    @property
+    def lr(self) -> float:
+        """The optimizer's learning rate (its schedule's peak)."""
+        return self.optimizer.lr
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with ``changes`` (any config keys, validated)."""
+        return Config(**{**self.to_dict(), **changes})
+
+    def network_schedule(self) -> Any:
         """The :class:`jaxcomm.NetworkSchedule` of ``network``."""
         from jaxcomm.network import NetworkSchedule
 
@@ -353,11 +707,53 @@ class Config:
             return NetworkSchedule.preset(self.network.strip(), self.steps)
         return NetworkSchedule.parse(self.network)
 
+    def roofline(self) -> Any:
+        """The :class:`jaxcomm.Roofline` of ``compute`` (``None`` when ``measured``)."""
+        if self.compute == "measured":
+            return None
+        from jaxcomm.compute import roofline
+
+        device, _, dtype = self.compute.partition(":")
+        return roofline(
+            device, dtype=dtype or "fp32", mfu=self.mfu, efficiency=self.memory_efficiency
+        )
+
+    def straggler_model(self) -> Any:
+        """The :class:`jaxcomm.network.Stragglers` of ``stragglers`` (``None`` when empty)."""
+        if not self.stragglers:
+            return None
+        import dataclasses
+
+        from jaxcomm.network import Stragglers
+
+        known = {f.name for f in dataclasses.fields(Stragglers)}
+        unknown = sorted(set(self.stragglers) - known)
+        if unknown:
+            raise ValueError(
+                f"stragglers: unknown keys {unknown}; known: {sorted(known)}"
+                + did_you_mean(unknown[0], known)
+            )
+        model = Stragglers(**self.stragglers)
+        workers = self.workers * self.stages
+        bad = [w for w in model.slow if w >= workers]
+        if bad:
+            raise ValueError(f"stragglers.slow: workers {bad} do not exist among {workers}")
+        return model
+
+    def adaptive_model(self) -> Any:
+        """The :class:`jaxcomm.adaptive.AdaptiveRatio` of ``adaptive`` (None when empty)."""
+        if not self.adaptive:
+            return None
+        from jaxcomm.adaptive import AdaptiveRatio
+
+        try:
+            return AdaptiveRatio(**self.adaptive)
+        except TypeError as e:
+            raise ValueError(f"adaptive {self.adaptive!r}: {e}") from e
+
     def estimate_baseline(self) -> Config | None:
         """The config ``estimate.baseline`` makes (None without one); checks ``estimate``."""
         est = self.estimate
-        if not isinstance(est, dict):
-            raise ValueError(f"estimate must be a mapping, got {est!r}")
         known = ["networks", "baseline"]
         unknown = sorted(set(est) - set(known))
         if unknown:
@@ -376,433 +772,310 @@ class Config:
             return None
         if not isinstance(base, dict) or not base:
             raise ValueError(f"estimate.baseline must be a mapping of config keys, got {base!r}")
-        bad = sorted(set(base) - set(_FIELDS) | ({"estimate"} & set(base)))
-        if bad:
-            raise _unknown(bad[0], [k for k in _FIELDS if k != "estimate"])
-        return dataclasses.replace(self, **base, estimate={})
+        if "estimate" in base:
+            raise ValueError("estimate.baseline cannot set estimate")
+        data = self.to_dict()
+        data.update(estimate={})
+        for key, value in base.items():
+            _set_path(data, key.split("."), value)
+        return Config(**data)
 
-    def boundary_codecs(self) -> tuple[Any, Any, Any] | None:
-        """``(forward, backward, first)`` :class:`jaxcomm.RowCodec` s of ``boundary_args``
-        (``backward``/``first`` None: float32), or None when ``boundary_args`` is empty."""
-        args = self.boundary_args
-        if not args:
-            return None
-        if not isinstance(args, dict):
-            raise ValueError(f"boundary_args must be a mapping, got {args!r}")
-        if self.boundary != "aqsgd":
+
+def _sync(value: Any) -> Any:
+    if value is None or value == {}:
+        return None
+    return SYNCS.parse(value)
+
+
+def check_config(cfg: Config) -> None:
+    """The rules between sections (each section checks its own fields)."""
+    _check_name(cfg.name)
+    model, agg, opt, sync = cfg.model, cfg.aggregator, cfg.optimizer, cfg.sync
+    if cfg.dataset not in model.datasets:
+        raise ValueError(
+            f"dataset must be one of {model.datasets} for model {model.key!r}, got "
+            f"{cfg.dataset!r}{did_you_mean(cfg.dataset, model.datasets)}"
+        )
+    if cfg.global_batch % cfg.workers:
+        raise ValueError(
+            f"global_batch must be a multiple of workers={cfg.workers}, got {cfg.global_batch}"
+        )
+    if agg.whole_optimizer != (opt.name == "none"):
+        raise ValueError(
+            f"aggregator {agg.key!r} with optimizer {opt.name!r}: "
+            f"{', '.join(n for n, c in AGGREGATORS if c.whole_optimizer)} apply their own step "
+            "sizes and need optimizer none; the others need an optimizer"
+        )
+    if cfg.compute != "measured":
+        cfg.roofline()  # a clear error for an unknown device, dtype or share
+        _, _, dtype = cfg.compute.partition(":")
+        if dtype not in ("", "fp32", "tf32"):
             raise ValueError(
-                f"boundary_args={args!r} chooses the codecs of AQ-SGD's deltas and needs "
-                f"boundary='aqsgd'; got boundary={self.boundary!r}"
+                f"compute={cfg.compute!r}: the models compute in float32, so their matrix "
+                f"products run at the fp32 (or, on A100/H100, tf32) peak, not {dtype!r}; "
+                "allowed dtypes: fp32, tf32"
             )
-        unknown = sorted(set(args) - set(BOUNDARY_KEYS))
-        if unknown:
+    elif cfg.mfu is not None:
+        raise ValueError(f"mfu={cfg.mfu!r} needs compute=<device>, got compute='measured'")
+    cfg.straggler_model()
+    if cfg.adaptive:
+        if sync is not None:
             raise ValueError(
-                f"boundary_args: unknown keys {unknown}{did_you_mean(unknown[0], BOUNDARY_KEYS)}; "
-                f"known: {list(BOUNDARY_KEYS)}"
+                f"adaptive={cfg.adaptive!r} with sync {sync.key!r}: the adaptive ratio tunes "
+                "the top-k aggregator that runs every step, and local SGD runs no aggregator "
+                "(it averages parameters at scheduled steps); choose one"
             )
-        memory = args.get("bw_memory", False)
-        if not isinstance(memory, bool):
-            raise ValueError(f"boundary_args.bw_memory must be true or false, got {memory!r}")
-        for key, value in args.items():
-            if key != "bw_memory":
-                _positive(f"boundary_args.{key}", value)
-        import jaxcomm
-
-        def side(prefix: str, bits: int) -> Any:
-            chunk, k, bucket = (args.get(f"{prefix}_{n}") for n in ("chunk", "k", "bucket"))
-            rank = args.get(f"{prefix}_rank")
-            if rank is not None:
-                if chunk is not None or k is not None or bucket is not None:
-                    raise ValueError(
-                        f"boundary_args: {prefix}_rank sends a low-rank code; it excludes "
-                        f"{prefix}_chunk, {prefix}_k and {prefix}_bucket"
-                    )
-                if not bits:
-                    raise ValueError(
-                        f"boundary_args.{prefix}_rank={rank} needs {prefix}_bits >= 1 (the "
-                        "factors' bits), got 0"
-                    )
-                return jaxcomm.lowrank_rows(rank, bits)
-            if (chunk is None) != (k is None):
-                raise ValueError(
-                    f"boundary_args: {prefix}_chunk and {prefix}_k go together (chunk-wise "
-                    f"top-k), got {prefix}_chunk={chunk!r} and {prefix}_k={k!r}"
-                )
-            if chunk is not None and bucket is not None:
-                raise ValueError(
-                    f"boundary_args: {prefix}_bucket quantizes every element and "
-                    f"{prefix}_chunk/{prefix}_k sends a top-k; choose one"
-                )
-            if chunk is not None:
-                if not 2 <= chunk or not k <= chunk:
-                    raise ValueError(
-                        f"boundary_args: need 2 <= {prefix}_chunk and {prefix}_k <= "
-                        f"{prefix}_chunk, got {prefix}_chunk={chunk} and {prefix}_k={k}"
-                    )
-                return jaxcomm.topk_rows(chunk, k, bits or None)
-            if not bits:
-                if bucket is not None:
-                    raise ValueError(
-                        f"boundary_args.{prefix}_bucket={bucket} quantizes, but {prefix}_bits "
-                        "is 0 (float32)"
-                    )
-                return None
-            return jaxcomm.quantized_rows(bits, bucket)
-
-        forward = side("fw", self.fw_bits)
-        backward = side("bw", self.bw_bits)
-        if memory and backward is None:
+        if agg.key != "ar_topk":
             raise ValueError(
-                "boundary_args.bw_memory needs a compressed backward (bw_bits >= 1): a "
-                "float32 gradient loses nothing that a memory could keep"
+                f"adaptive={cfg.adaptive!r} chooses AR-Topk's ratio and needs aggregator "
+                f"ar_topk; got aggregator {agg.key!r}"
             )
-        first = args.get("first_bits")
-        if first is not None and first > 8:
-            raise ValueError(f"boundary_args.first_bits must be in [1, 8], got {first}")
-        return forward, backward, (jaxcomm.quantized_rows(first) if first else None)
-
-    def adaptive_model(self):
-        """The :class:`jaxcomm.adaptive.AdaptiveRatio` of ``adaptive`` (None when empty)."""
-        if not self.adaptive:
-            return None
-        from jaxcomm.adaptive import AdaptiveRatio
-
-        try:
-            return AdaptiveRatio(**self.adaptive)
-        except TypeError as e:
-            raise ValueError(f"adaptive {self.adaptive!r}: {e}") from e
-
-    def sync_settings(self) -> dict[str, Any]:
-        """``sync`` with its defaults filled in, checked (``{}`` when there is none)."""
-        if not self.sync:
-            if self.aggregator == "none":
-                raise ValueError(
-                    "aggregator='none' (each worker keeps its own gradient) needs a sync "
-                    "wrapper, e.g. sync={method: local_sgd, period: 5}; otherwise the "
-                    "workers never agree"
-                )
-            return {}
-        keys = SYNC_KEYS + (DILOCO_KEYS if self.sync.get("method") == "diloco" else ())
-        unknown = sorted(set(self.sync) - set(keys))
-        if unknown:
+        if agg.ratio is not None:
             raise ValueError(
-                f"sync: unknown keys {unknown} for method={self.sync.get('method')!r}; "
-                f"known: {list(keys)}{did_you_mean(unknown[0], keys)}"
+                "aggregator.ratio with adaptive: the adaptive ratio chooses it (the first "
+                "candidate until its first search); leave aggregator.ratio unset"
             )
-        out = {"fill_bubbles": True, "reduce": "ring", "fused": False, **self.sync}
-        if "method" in out:
-            _choice("sync.method", out["method"], SYNC_METHODS)
-        if "method" not in out or "period" not in out:
-            raise ValueError(f"sync={self.sync!r} needs method and period")
-        _positive("sync.period", out["period"])
-        if out["method"] == "diloco":
-            out = _diloco_settings(out, self.sync)
-        _choice("sync.reduce", out["reduce"], DENSE_AGGREGATORS)
-        for key in ("fill_bubbles", "fused"):
-            if not isinstance(out[key], bool):
-                raise ValueError(f"sync.{key} must be true or false, got {out[key]!r}")
-        if out["fused"] and out["method"] != "local_sgd":
+        cfg.adaptive_model()
+    elif agg.key == "ar_topk" and agg.ratio is None:
+        raise ValueError("aggregator ar_topk needs ratio (e.g. {name: ar_topk, ratio: 0.01})")
+    _check_sync(cfg)
+    if cfg.stages > 1:
+        if model.key != "gpt":
+            raise ValueError(f"stages={cfg.stages} needs model gpt, got {model.key!r}")
+        if cfg.global_batch % (cfg.workers * cfg.microbatches):
             raise ValueError(
-                f"sync.fused averages the whole model as one message, which only "
-                f"method='local_sgd' does; got method={out['method']!r}"
+                f"global_batch must be a multiple of workers * microbatches = "
+                f"{cfg.workers * cfg.microbatches}, got {cfg.global_batch}"
             )
-        if self.overlap and self.stages == 1 and out["method"] == "diloco":
+        if opt.name == "muon":
             raise ValueError(
-                "overlap=true with sync.method=diloco and stages=1: DiLoCo's clock hides a "
-                "transfer behind sync.overlap inner steps (its own key); set overlap=false "
-                "and sync.overlap to the inner steps a transfer may take"
+                f"optimizer muon with stages={cfg.stages}: a pipeline stacks its stages' "
+                "layers, so a stage's weight matrices are not 2-D leaves; use muon with stages=1"
             )
-        if self.overlap and self.stages == 1:
+        if opt.clip_norm:
             raise ValueError(
-                "overlap=true with sync and stages=1: data-parallel local SGD follows "
-                "DreamDDP's iteration timeline, whose averaging overlaps the backward pass by "
-                "construction; set overlap=false"
+                f"optimizer.clip_norm={opt.clip_norm!r} with stages={cfg.stages}: each pipeline "
+                "stage steps its own layers, so the global norm of the gradient is not on any "
+                "one device; clip with stages=1"
             )
-        if out["method"] == "diloco" and self.stragglers:
+    opt.settings(cfg.steps)  # a schedule that fits the run
+    cfg.estimate_baseline()
+    if cfg.init_params and not Path(cfg.init_params).is_file():
+        raise ValueError(f"init_params must name an existing file, got {cfg.init_params!r}")
+    cfg.network_schedule()  # a clear error for a bad network
+    blocked = next((p for p in (cfg.run_dir, *cfg.run_dir.parents) if p.is_file()), None)
+    if blocked is not None:
+        raise ValueError(
+            f"out_dir {str(cfg.run_dir)!r} cannot be a folder: {str(blocked)!r} is a file; "
+            "choose a folder for the run's outputs (--set out_dir=...)"
+        )
+
+
+def _check_sync(cfg: Config) -> None:
+    sync = cfg.sync
+    if sync is None:
+        if cfg.aggregator.local:
             raise ValueError(
-                f"stragglers={self.stragglers!r} with sync.method=diloco: DiLoCo's clock does "
-                "not model each worker's own pace between synchronisations (it would make "
-                "every inner step wait for the slowest worker); use stragglers with "
-                "local_sgd or dreamddp"
+                "aggregator none (each worker keeps its own gradient) needs a sync wrapper, "
+                "e.g. sync={method: local_sgd, period: 5}; otherwise the workers never agree"
             )
-        if self.stages != 1 and self.stragglers:
-            raise ValueError(
-                f"stragglers={self.stragglers!r} with sync={self.sync!r} and stages="
-                f"{self.stages}: between averagings each pipeline replica would run at its own "
-                "pace, which the pipeline's clock does not model (it would make every step "
-                "wait for the slowest replica); use stragglers with sync on stages=1, or "
-                "stragglers with a pipeline that aggregates every step"
-            )
-        if self.aggregator != "none":
-            raise ValueError(
-                f"sync={self.sync!r} needs aggregator='none' (each worker steps on its own "
-                f"gradient; the sync wrapper averages parameters), got "
-                f"aggregator={self.aggregator!r}"
-            )
-        if self.stages != 1 and out.get("fused"):
-            raise ValueError(
-                f"sync.fused=true with stages={self.stages}: a pipeline's parameter groups live "
-                "on different devices and cannot travel as one message; leave fused out"
-            )
-        return out
-
-    def lr_settings(self) -> dict[str, Any] | None:
-        """The learning-rate schedule, resolved (``decay_steps`` counted), or None for a
-        constant ``lr`` with no warm-up; checks the ``lr_*`` keys."""
-        _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        for key in ("lr_warmup_steps", "lr_decay_steps"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{key} must be an integer >= 0, got {v!r}")
-        for key in ("lr_warmup_from", "lr_floor"):
-            v = getattr(self, key)
-            if not 0.0 <= v <= 1.0:
-                raise ValueError(f"{key} must be a fraction of lr in [0, 1], got {v!r}")
-        warmup, kind = self.lr_warmup_steps, self.lr_schedule
-        if kind == "constant" and not warmup:
-            return None
-        out: dict[str, Any] = {"kind": kind, "warmup_steps": warmup}
-        if warmup:
-            out["warmup_from"] = self.lr_warmup_from
-        if kind != "constant":
-            decay = self.lr_decay_steps or self.steps - 1 - warmup
-            if decay < 1:
-                raise ValueError(
-                    f"lr_schedule={kind!r} decays over the steps after the warm-up, but "
-                    f"steps={self.steps} leaves none after lr_warmup_steps={warmup} (the "
-                    f"last step is {self.steps - 1}); lower lr_warmup_steps or set "
-                    "lr_decay_steps"
-                )
-            out.update(decay_steps=decay, floor=self.lr_floor)
-        return out
-
-    def optimizer_settings(self) -> dict[str, Any]:
-        """The optimizer's settings beyond ``optimizer`` and ``lr`` that are not the
-        defaults (a resumed run must match them): ``lr_schedule`` (:meth:`lr_settings`),
-        ``weight_decay``, ``clip_norm``; checked against ``optimizer`` and ``stages``."""
-        out: dict[str, Any] = {}
-        schedule = self.lr_settings()
-        if schedule is not None:
-            out["lr_schedule"] = schedule
-        wd, clip = self.weight_decay, self.clip_norm
-        if wd is not None:
-            if not 0.0 <= wd < math.inf:
-                raise ValueError(f"weight_decay must be a finite number >= 0, got {wd!r}")
-            out["weight_decay"] = wd
-        if clip is not None and clip != 0:
-            if not 0.0 < clip < math.inf:
-                raise ValueError(f"clip_norm must be a finite number >= 0 (0: off), got {clip!r}")
-            out["clip_norm"] = clip
-        if self.optimizer == "none":
-            for key, given in (
-                ("lr_schedule", self.lr_schedule != "constant"),
-                ("lr_warmup_steps", self.lr_warmup_steps != 0),
-                ("weight_decay", wd is not None),
-                ("clip_norm", "clip_norm" in out),
-            ):
-                if given:
-                    raise ValueError(
-                        f"{key}={getattr(self, key)!r} with aggregator={self.aggregator!r}: "
-                        f"{self.aggregator} is the whole optimizer (optimizer='none') and "
-                        "applies its own step sizes from aggregator_args; the trainer has no "
-                        f"optimizer to give a {key} to; leave {key} unset"
-                    )
-        if self.optimizer == "muon":
-            out["muon_lr"] = self.muon_lr
-            if self.stages > 1:
-                raise ValueError(
-                    f"optimizer='muon' with stages={self.stages}: a pipeline stacks its "
-                    "stages' layers, so a stage's weight matrices are not 2-D leaves; use "
-                    "muon with stages=1"
-                )
-        elif self.muon_lr != Config.muon_lr:
-            raise ValueError(
-                f"muon_lr={self.muon_lr!r} with optimizer={self.optimizer!r}: muon_lr is "
-                "Muon's learning rate; set optimizer='muon' or leave muon_lr unset"
-            )
-        if wd is not None and self.optimizer == "adam":
-            raise ValueError(
-                f"weight_decay={wd!r} with optimizer='adam': Adam's L2 penalty is not "
-                "decoupled weight decay; use optimizer='adamw' (or leave weight_decay unset)"
-            )
-        if "clip_norm" in out and self.stages > 1:
-            raise ValueError(
-                f"clip_norm={clip!r} with stages={self.stages}: each pipeline stage steps its "
-                "own layers, so the global norm of the gradient is not on any one device; "
-                "clip with stages=1"
-            )
-        return out
-
-    def roofline(self) -> Any:
-        """The :class:`jaxcomm.Roofline` of ``compute`` (``None`` when ``measured``)."""
-        return None if self.compute == "measured" else _roofline(self)
-
-    def straggler_model(self) -> Any:
-        """The :class:`jaxcomm.network.Stragglers` of ``stragglers`` (``None`` when empty)."""
-        if not self.stragglers:
-            return None
-        from jaxcomm.network import Stragglers
-
-        known = {f.name for f in dataclasses.fields(Stragglers)}
-        unknown = sorted(set(self.stragglers) - known)
-        if unknown:
-            raise ValueError(
-                f"stragglers: unknown keys {unknown}; known: {sorted(known)}"
-                + did_you_mean(unknown[0], known)
-            )
-        model = Stragglers(**self.stragglers)
-        workers = self.workers * self.stages
-        bad = [w for w in model.slow if w >= workers]
-        if bad:
-            raise ValueError(f"stragglers.slow: workers {bad} do not exist among {workers}")
-        return model
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-dict view (for YAML/JSON)."""
-        return dataclasses.asdict(self)
+        return
+    if not cfg.aggregator.local:
+        raise ValueError(
+            f"sync {sync.key!r} needs aggregator none (each worker steps on its own gradient; "
+            f"the sync wrapper averages parameters), got aggregator {cfg.aggregator.key!r}"
+        )
+    diloco = isinstance(sync, DiLoCoSync)
+    if cfg.overlap and cfg.stages == 1 and diloco:
+        raise ValueError(
+            "overlap=true with sync.method=diloco and stages=1: DiLoCo's clock hides a "
+            "transfer behind sync.overlap inner steps (its own key); set overlap=false "
+            "and sync.overlap to the inner steps a transfer may take"
+        )
+    if cfg.overlap and cfg.stages == 1:
+        raise ValueError(
+            "overlap=true with sync and stages=1: data-parallel local SGD follows "
+            "DreamDDP's iteration timeline, whose averaging overlaps the backward pass by "
+            "construction; set overlap=false"
+        )
+    if diloco and cfg.stragglers:
+        raise ValueError(
+            f"stragglers={cfg.stragglers!r} with sync.method=diloco: DiLoCo's clock does "
+            "not model each worker's own pace between synchronisations (it would make "
+            "every inner step wait for the slowest worker); use stragglers with "
+            "local_sgd or dreamddp"
+        )
+    if cfg.stages != 1 and cfg.stragglers:
+        raise ValueError(
+            f"stragglers={cfg.stragglers!r} with sync {sync.key!r} and stages={cfg.stages}: "
+            "between averagings each pipeline replica would run at its own pace, which the "
+            "pipeline's clock does not model (it would make every step wait for the slowest "
+            "replica); use stragglers with sync on stages=1, or stragglers with a pipeline "
+            "that aggregates every step"
+        )
+    if cfg.stages != 1 and getattr(sync, "fused", False):
+        raise ValueError(
+            f"sync.fused=true with stages={cfg.stages}: a pipeline's parameter groups live "
+            "on different devices and cannot travel as one message; leave fused out"
+        )
 
 
-def _roofline(cfg: Config) -> Any:
-    from jaxcomm.compute import roofline
-
-    device, _, dtype = cfg.compute.partition(":")
-    return roofline(device, dtype=dtype or "fp32", mfu=cfg.mfu, efficiency=cfg.memory_efficiency)
-
-
-def _choice(name: str, value: Any, allowed: tuple) -> None:
-    check_choice(name, value, allowed)
-
-
-def key_docs() -> list[tuple[str, Any, str]]:
-    """``(key, default, meaning)`` of every config key, the meaning read from
-    :class:`Config`'s docstring (a key described inside another's entry points to it)."""
-    doc = Config.__doc__ or ""
-    body = doc.split("Attributes:", 1)[1] if "Attributes:" in doc else ""
-    entries: list[tuple[str, str]] = []
-    for line in body.splitlines():
-        m = re.match(r"^      (\w+): (.*)$", line)
-        if m:
-            entries.append((m.group(1), m.group(2).strip()))
-        elif entries and line.strip():
-            entries[-1] = (entries[-1][0], entries[-1][1] + " " + line.strip())
-    own = dict(entries)
-    out = []
-    for f in dataclasses.fields(Config):
-        text = own.get(f.name)
-        if text is None:
-            text = next((f"see ``{k}``" for k, t in entries if f"``{f.name}``" in t), "")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        out.append((f.name, default, text))
-    return out
-
-
-# The largest seed: NumPy's and JAX's generators take any value below it on every platform.
-MAX_SEED = 2**32 - 1
-
-
-def _check_name(name: Any) -> None:
+def _check_name(name: str) -> None:
     """A run name is one folder name: ``runs/<name>`` stays inside ``runs/``."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or name in (".", "..")
-        or any(c in name for c in "/\\\0")
-        or len(name) > 255
-    ):
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0") or len(name) > 255:
         raise ValueError(
             f"name must be one folder name (no '/', not '.' or '..', at most 255 characters), "
             f"got {name!r}; to write the run elsewhere, set out_dir=<folder>"
         )
 
 
-def _positive(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
-
-
-def _unknown(key: str, allowed: list[str]) -> ValueError:
-    hint = did_you_mean(key, allowed)  # first: the list after it is long
-    return ValueError(f"unknown config key {key!r}{hint} (allowed keys: {sorted(allowed)})")
-
-
-# A number as people write it; YAML 1.1 reads 1e-3 and 1e30 (no dot) as strings.
-_NUMBER = re.compile(r"^\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*$")
-# float or None (mfu: None is the device's calibration or 0.5; weight_decay: the
-# optimizer's own; clip_norm: off).
-_OPTIONAL_FLOAT = ("mfu", "weight_decay", "clip_norm")
-
-
-def _numbers(value: Any) -> Any:
-    """Strings that are numbers as people write them (1e-3) as floats, inside mappings and
-    lists too (aggregator arguments, adaptive candidates)."""
-    if isinstance(value, str) and _NUMBER.match(value) and not value.strip().isdigit():
-        return float(value)
-    if isinstance(value, dict):
-        return {k: _numbers(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_numbers(v) for v in value]
-    return value
-
-
-def _coerce(key: str, value: Any) -> Any:
-    default = Config.__dataclass_fields__[key]
-    if isinstance(value, (dict, list)):
-        value = _numbers(value)
-    kind = type(default.default) if default.default is not dataclasses.MISSING else dict
-    if key in _OPTIONAL_FLOAT:
-        if value is None:
-            return None
-        kind = float
-    if kind is float and isinstance(value, str) and _NUMBER.match(value):
-        return float(value)
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if kind is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ValueError(
-            f"config key {key!r} must be of type {kind.__name__}, got {value!r} "
-            f"({type(value).__name__})"
+def translate_legacy(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with the keys of earlier versions (:data:`LEGACY_KEYS`) moved to their new
+    places, warning once per key with its new spelling."""
+    old = [k for k in data if k in LEGACY_KEYS]
+    if not old and not isinstance(data.get("optimizer", {}), str):
+        return data
+    data = dict(data)
+    for key in old:
+        warnings.warn(
+            f"config key {key!r} is now {LEGACY_KEYS[key]!r}; the old spelling will go",
+            FutureWarning,
+            stacklevel=2,
         )
-    return value
+
+    def section(key: str, default: str) -> dict[str, Any]:
+        value = data.get(key, default)
+        if isinstance(value, Section):
+            value = value.to_dict()
+        return {"name": value} if isinstance(value, str) else dict(value)
+
+    if "task" in data:
+        model = section("model", "gpt")
+        model["name"] = data.pop("task")
+        data["model"] = model
+    opt_keys = {"lr", "muon_lr", "weight_decay", "clip_norm"}
+    sched_keys = {"lr_schedule": "name", "lr_warmup_steps": "warmup_steps",
+                  "lr_warmup_from": "warmup_from", "lr_floor": "floor",
+                  "lr_decay_steps": "decay_steps"}  # fmt: skip
+    if opt_keys & set(data) or sched_keys.keys() & set(data) or "optimizer" in data:
+        opt = section("optimizer", "adam")
+        for key in sorted(opt_keys & set(data)):
+            value = data.pop(key)
+            if not (key == "clip_norm" and value is None):
+                opt[key] = value
+        sched = opt.get("schedule", {})
+        sched = {"name": sched} if isinstance(sched, str) else dict(sched)
+        for key, new in sched_keys.items():
+            if key in data:
+                sched[new] = data.pop(key)
+        if sched:
+            opt["schedule"] = sched
+        data["optimizer"] = opt
+    if "aggregator_args" in data:
+        agg = section("aggregator", "ring")
+        args = data.pop("aggregator_args") or {}
+        data["aggregator"] = {**agg, **args}
+    bkeys = ("fw_bits", "bw_bits", "boundary_args", "buffer_bits", "buffer_dir")
+    if any(k in data for k in bkeys):
+        data["boundary"] = _legacy_boundary(data, section("boundary", "fp32"))
+    return data
 
 
-def _merge(base: dict[str, Any], updates: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in updates.items():
-        if key not in _FIELDS:
-            raise _unknown(key, list(_FIELDS))
-        value = _coerce(key, value)
-        out[key] = value
+def _legacy_boundary(data: dict[str, Any], boundary: dict[str, Any]) -> dict[str, Any]:
+    """The boundary section of the earlier flat keys (``boundary``, ``fw_bits``,
+    ``bw_bits``, ``boundary_args``, ``buffer_bits``, ``buffer_dir``)."""
+    fw_bits, bw_bits = data.pop("fw_bits", 4), data.pop("bw_bits", 8)
+    args = dict(data.pop("boundary_args", None) or {})
+    buffers = {k: data.pop(k) for k in ("buffer_bits", "buffer_dir") if k in data}
+    name = boundary["name"]
+    out: dict[str, Any] = {"name": name}
+    if args and name != "aqsgd":
+        raise ValueError(
+            f"boundary_args={args!r} chooses the codecs of AQ-SGD's deltas and needs "
+            f"boundary aqsgd; got boundary {name!r}"
+        )
+
+    def side(prefix: str, bits: int) -> dict[str, Any]:
+        chunk, k, bucket = (args.pop(f"{prefix}_{n}", None) for n in ("chunk", "k", "bucket"))
+        rank = args.pop(f"{prefix}_rank", None)
+        if rank is not None:
+            return {"name": "lowrank", "rank": rank, "bits": bits}
+        if chunk is not None or k is not None:
+            return {"name": "chunk_topk", "chunk": chunk, "k": k, "bits": bits or None}
+        if not bits:
+            return {"name": "fp32"}
+        return {"name": "quantize", "bits": bits, "bucket": bucket}
+
+    if name != "fp32":
+        out["forward"] = side("fw", fw_bits)
+    out["backward"] = side("bw", bw_bits) if name == "aqsgd" else (
+        {"name": "quantize", "bits": bw_bits} if bw_bits else {"name": "fp32"}
+    )  # fmt: skip
+    if name == "aqsgd":
+        first = args.pop("first_bits", None)
+        if first:
+            out["first"] = {"name": "quantize", "bits": first}
+        if "bw_memory" in args:
+            out["memory"] = args.pop("bw_memory")
+        out.update(buffers)
+    if args:
+        raise ValueError(f"boundary_args: unknown keys {sorted(args)}")
     return out
 
 
-def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
-    """Apply ``key=value`` strings (``a.b=value`` reaches into mapping fields) to ``cfg``."""
-    data = cfg.to_dict()
-    for item in overrides:
-        try:
-            item.encode("utf-8")
-        except UnicodeEncodeError:
-            shown = item.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-            raise ValueError(f"override {shown!r} is not valid UTF-8 text") from None
-        if "=" not in item:
-            raise ValueError(f"override {item!r} must look like key=value (e.g. steps=100)")
-        key, text = item.split("=", 1)
-        value = _load_yaml(text, f"override {item!r}") if text.strip() else ""
-        head, _, rest = key.strip().partition(".")
-        if head not in _FIELDS:
-            raise _unknown(head, list(_FIELDS))
-        if rest:
-            if not isinstance(data[head], dict):
-                raise ValueError(f"config key {head!r} is not a mapping; cannot set {key!r}")
-            data = _merge(data, {head: {**data[head], rest: value}})
-        else:
-            data = _merge(data, {head: value})
-    return Config(**data)
+def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:
+    """Set ``data[path[0]][path[1]]... = value``, a section given by name alone taken as
+    ``{name: ...}`` on the way."""
+    head, rest = path[0], path[1:]
+    if not rest:
+        data[head] = value
+        return
+    inner = data.get(head)
+    if isinstance(inner, str):
+        key = "method" if head == "sync" else "name"
+        inner = {key: inner}
+    if inner is None:
+        inner = {}
+    if not isinstance(inner, dict):
+        raise ValueError(f"config key {head!r} is not a mapping; cannot set {'.'.join(path)!r}")
+    inner = dict(inner)
+    _set_path(inner, rest, value)
+    data[head] = inner
+
+
+def key_docs() -> list[tuple[str, Any, str]]:
+    """``(key, default, meaning)`` of every config key and every registered choice's
+    fields (``aggregator.ratio (ar_topk)``), from the classes' field descriptions."""
+    out: list[tuple[str, Any, str]] = []
+
+    def fields(prefix: str, cls: type, owner: str = "") -> None:
+        for name, f in cls.model_fields.items():
+            default = None if f.is_required() else f.get_default(call_default_factory=True)
+            if isinstance(default, Section):
+                default = default.to_dict()
+            label = f"{prefix}{name}" + (f" ({owner})" if owner else "")
+            out.append((label, default, f.description or ""))
+
+    registries = {"model": MODELS, "aggregator": AGGREGATORS, "sync": SYNCS,
+                  "boundary": BOUNDARIES}  # fmt: skip
+    for name, f in Config.model_fields.items():
+        default = f.get_default(call_default_factory=True)
+        if isinstance(default, Section):
+            default = default.to_dict()
+        choices = registries.get(name)
+        text = f.description or ""
+        if choices is not None:
+            text += "; one of: " + ", ".join(f"``{n}`` ({c.summary()})" for n, c in choices)
+        out.append((name, default, text))
+        if choices is not None:
+            for key, cls in choices:
+                fields(f"{name}.", cls, key)
+        elif name == "optimizer":
+            fields("optimizer.", Optimizer)
+            fields("optimizer.schedule.", Schedule)
+    for key, cls in ROW_CODECS:
+        fields("boundary.<forward|backward|first>.", cls, key)
+    return out
 
 
 # The most values a config may expand to (YAML aliases repeat a value without its size).
@@ -910,97 +1183,68 @@ def read_saved_config(path: str | Path) -> dict[str, Any]:
 
 def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None) -> Config:
     """A config from a mapping of its keys (a run's saved ``config.json``), with overrides."""
-    return apply_overrides(Config(**_merge(Config().to_dict(), data)), list(overrides or []))
+    if not isinstance(data, dict):
+        raise ValueError(f"a config must be a mapping, got {data!r}")
+    return apply_overrides(Config(**data), list(overrides or []))
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """Apply ``key=value`` strings to ``cfg`` (``a.b.c=value`` reaches into sections; a
+    value is read as YAML)."""
+    if not overrides:
+        return cfg
+    data = cfg.to_dict()
+    for item in overrides:
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = item.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+            raise ValueError(f"override {shown!r} is not valid UTF-8 text") from None
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like key=value (e.g. steps=100)")
+        key, text = item.split("=", 1)
+        value = _load_yaml(text, f"override {item!r}") if text.strip() else ""
+        path = key.strip().split(".")
+        if path[0] not in Config.model_fields and path[0] not in LEGACY_KEYS:
+            raise _unknown(path[0])
+        if path[0] in LEGACY_KEYS and len(path) > 1:
+            data = translate_legacy({**data, path[0]: {}})  # e.g. aggregator_args.ratio
+            path = [LEGACY_KEYS[path[0]].split(".")[0], *path[1:]]
+        _set_path(data, path, value)
+    return Config(**data)
+
+
+def _unknown(key: str) -> ValueError:
+    allowed = list(Config.model_fields)
+    hint = did_you_mean(key, allowed)  # first: the list after it is long
+    return ValueError(f"unknown config key {key!r}{hint} (allowed keys: {sorted(allowed)})")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read a YAML config (or the defaults when ``path`` is None) and apply overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            shipped = sorted(q.name for q in _CONFIGS.glob("*.yaml")) if _CONFIGS.is_dir() else []
-            raise FileNotFoundError(
-                f"config file {str(path)!r} does not exist"
-                + (did_you_mean(path.name, shipped) or (f"; shipped: {', '.join(shipped)}"
-                                                        if shipped else ""))
-            )  # fmt: skip
-        try:
-            text = path.read_text()
-        except UnicodeDecodeError:
-            raise ValueError(f"config file {str(path)!r} is not text (YAML expected)") from None
-        loaded = _load_yaml(text, f"config file {str(path)!r}")
-        if loaded is None:
-            raise ValueError(
-                f"config file {str(path)!r} is empty; give the keys to change (see "
-                "configs/dp_default.yaml), or leave out --config for the defaults"
-            )
-        if not isinstance(loaded, dict):
-            raise ValueError(f"config file {str(path)!r} must hold a mapping, got {loaded!r}")
-        data = _merge(Config().to_dict(), loaded)
-    cfg = Config(**data) if data else Config()
-    return apply_overrides(cfg, list(overrides or []))
-
-
-def _diloco_settings(out: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-    """``sync`` of ``method: diloco`` with its defaults (the DiLoCo paper's outer step:
-    Nesterov SGD, lr 0.7, momentum 0.9; one fragment; no overlap; dense pseudo-gradients),
-    checked; ``given`` is what the config set."""
-    out = {
-        "outer_lr": 0.7,
-        "outer_momentum": 0.9,
-        "fragments": 1,
-        "pattern": "strided",
-        "overlap": 0,
-        "alpha": None,
-        "compress": "none",
-        **out,
-    }
-    if out["fused"]:
-        raise ValueError("sync.fused is local SGD's; DiLoCo sends each fragment as one message")
-    if "fill_bubbles" in given:
-        raise ValueError("sync.fill_bubbles is DreamDDP's; DiLoCo's fragments are not filled")
-    warm = out.setdefault("warmup_steps", 0)
-    if isinstance(warm, bool) or not isinstance(warm, int) or warm < 0:
+    if path is None:
+        return apply_overrides(Config(), list(overrides or []))
+    path = Path(path)
+    if not path.is_file():
+        shipped = sorted(q.name for q in _CONFIGS.glob("*.yaml")) if _CONFIGS.is_dir() else []
+        raise FileNotFoundError(
+            f"config file {str(path)!r} does not exist"
+            + (did_you_mean(path.name, shipped) or (f"; shipped: {', '.join(shipped)}"
+                                                    if shipped else ""))
+        )  # fmt: skip
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ValueError(f"config file {str(path)!r} is not text (YAML expected)") from None
+    loaded = _load_yaml(text, f"config file {str(path)!r}")
+    if loaded is None:
         raise ValueError(
-            f"sync.warmup_steps must be an integer >= 0 (data-parallel steps before DiLoCo's "
-            f"first period), got {warm!r}"
+            f"config file {str(path)!r} is empty; give the keys to change (see "
+            "configs/dp_default.yaml), or leave out --config for the defaults"
         )
-    for key in ("outer_lr", "outer_momentum"):
-        v = out[key]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
-            raise ValueError(f"sync.{key} must be a finite number >= 0, got {v!r}")
-    if out["outer_lr"] == 0:
-        raise ValueError("sync.outer_lr must be > 0 (0 would never move the model), got 0")
-    if out["outer_momentum"] >= 1:
-        raise ValueError(f"sync.outer_momentum must be in [0, 1), got {out['outer_momentum']!r}")
-    _positive("sync.fragments", out["fragments"])
-    _choice("sync.pattern", out["pattern"], ("strided", "sequential"))
-    ov = out["overlap"]
-    if isinstance(ov, bool) or not isinstance(ov, int) or not 0 <= ov < out["period"]:
-        raise ValueError(
-            f"sync.overlap must be an integer in [0, period - 1] = [0, {out['period'] - 1}] "
-            f"(inner steps a fragment's pseudo-gradient travels), got {ov!r}"
-        )
-    a = out["alpha"]
-    if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a < 1):
-        raise ValueError(f"sync.alpha must be a number in [0, 1), got {a!r}")
-    comp = out["compress"]
-    method = comp.get("method") if isinstance(comp, dict) else comp
-    if isinstance(comp, dict) and "method" not in comp:
-        raise ValueError(f"sync.compress={comp!r} needs method: one of {list(DILOCO_COMPRESS)}")
-    _choice("sync.compress", method, DILOCO_COMPRESS)
-    if isinstance(comp, dict):
-        fixed = {"none": set(comp) - {"method"}, "int8": {"bits"} & set(comp)}
-        fixed["int4"] = fixed["int8"]
-        if fixed.get(method):
-            raise ValueError(
-                f"sync.compress={comp!r}: {method!r} sets {sorted(fixed[method])} itself "
-                "(int8 and int4 name their bits; none takes no arguments)"
-            )
-    if method != "none" and "reduce" in given:
-        raise ValueError(
-            f"sync.reduce applies to compress='none' (the float32 all-reduce); "
-            f"compress={method!r} has its own collective"
-        )
-    return out
+    if not isinstance(loaded, dict):
+        raise ValueError(f"config file {str(path)!r} must hold a mapping, got {loaded!r}")
+    top = [k for k in loaded if k not in Config.model_fields and k not in LEGACY_KEYS]
+    if top:
+        raise _unknown(str(top[0]))
+    return apply_overrides(Config(**loaded), list(overrides or []))

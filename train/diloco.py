@@ -64,20 +64,10 @@ from models import layer_groups
 from train.clock import wire_time
 from train.config import Config
 from train.localsgd import _divergence
-from train.sync import Sync
+from train.sync import Sync, build_context
 from train.trainer import AXIS, Trainer, make_optimizer
 
 __all__ = ["DiLoCo", "link_step"]
-
-# Each codec's defaults (the papers' settings); a mapping in ``compress`` overrides them.
-COMPRESS_DEFAULTS: dict[str, dict[str, Any]] = {
-    "none": {},
-    "int8": {"bits": 8, "bucket_size": 512},
-    "int4": {"bits": 4, "bucket_size": 512},
-    "sparseloco": {"chunk": 4096, "k": 64, "bits": 2, "decay": 0.95},
-    "ar_topk": {"ratio": 0.01},
-    "statistical": {"bits": 2, "sigmas": 6.0, "decay": 0.9},
-}
 
 
 def _states(opt_state: Any) -> list[DiLoCoState]:
@@ -136,61 +126,36 @@ class DiLoCo(Sync):
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.sync = cfg.sync_settings()
+        self.sync = cfg.sync
         self.schedule: jaxcomm.Schedule | None = None
         self._steps: list[tuple[int, tuple[int, ...]]] = []
         # The clock's link: when it frees, when each fragment's transfer arrives.
         self._wire: dict[str, Any] = {"t": 0.0, "free": 0.0, "arrive": {}}
 
     def fingerprint(self) -> dict[str, Any]:
-        # Without a warm start, the fingerprint runs had before warmup_steps existed.
-        sync = dict(self.sync)
-        if not sync["warmup_steps"]:
-            del sync["warmup_steps"]
-        return {"sync": sync}
+        return {"sync": self.sync.to_dict()}
 
     @property
     def warmup(self) -> int:
         """Data-parallel steps before the first period (``sync.warmup_steps``)."""
-        return self.sync["warmup_steps"]
+        return self.sync.warmup_steps
 
     def kind(self, step: int) -> tuple[int, tuple[int, ...]]:
         """What 0-based step ``step`` does (:func:`link_step`'s ``kind``)."""
         if step < self.warmup:
             return WARM
-        return self._steps[(step - self.warmup) % self.sync["period"]]
+        return self._steps[(step - self.warmup) % self.sync.period]
 
     # ------------------------------------------------------------------ transforms
 
-    def _codec(self) -> tuple[str, dict[str, Any]]:
-        comp = self.sync["compress"]
-        if isinstance(comp, dict):
-            method = comp["method"]
-            args = {k: v for k, v in comp.items() if k != "method"}
-        else:
-            method, args = comp, {}
-        return method, {**COMPRESS_DEFAULTS[method], **args}
-
     def _aggregate(self) -> optax.GradientTransformation | None:
-        method, args = self._codec()
-        name = f"sync.compress={self.sync['compress']!r}"
-        try:
-            if method == "none":
-                return None
-            if method in ("int8", "int4"):
-                agg = jaxcomm.ec_quantized_allreduce(AXIS, **args)
-            elif method == "sparseloco":
-                agg = jaxcomm.chunk_topk(AXIS, **args)
-            elif method == "statistical":
-                agg = jaxcomm.statistical_quantized(AXIS, **args)
-            else:
-                agg = jaxcomm.ar_topk(AXIS, **args)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{name}: {e}") from e
-        return _named_errors(agg, name)
+        comp = self.sync.compress
+        if comp is None:
+            return None
+        return _named_errors(comp.build(build_context(self.cfg)), f"sync.compress {comp.key!r}")
 
     def _outer(self) -> optax.GradientTransformation:
-        lr, mu = float(self.sync["outer_lr"]), float(self.sync["outer_momentum"])
+        lr, mu = self.sync.outer_lr, self.sync.outer_momentum
         if mu == 0:
             return optax.sgd(lr)
         return optax.sgd(lr, momentum=mu, nesterov=True)
@@ -201,39 +166,37 @@ class DiLoCo(Sync):
         wrapper = jaxcomm.diloco(
             make_optimizer(self.cfg),
             AXIS,
-            period=s["period"],
+            period=s.period,
             outer=self._outer(),
             layers=layers,
             schedule=schedule,
-            overlap=s["overlap"],
-            alpha=s["alpha"],
+            overlap=s.overlap,
+            alpha=s.alpha,
             aggregate=aggregate,
-            reduce=s["reduce"] if aggregate is None else None,
-            warmup=s["warmup_steps"],
+            reduce=s.reduce if aggregate is None else None,
+            warmup=s.warmup_steps,
         )
         return optax.chain(optax.identity(), wrapper)
 
     def _plan(self, num_layers: int) -> None:
         s = self.sync
         self.schedule = jaxcomm.streaming_schedule(
-            num_layers, s["period"], s["fragments"], pattern=s["pattern"]
+            num_layers, s.period, s.fragments, pattern=s.pattern
         )
-        self._steps = jaxcomm.diloco_steps(
-            s["period"], schedule=self.schedule, overlap=s["overlap"]
-        )
+        self._steps = jaxcomm.diloco_steps(s.period, schedule=self.schedule, overlap=s.overlap)
 
     def make_tx(self, trainer: Trainer) -> optax.GradientTransformation:
         n, data = trainer.n, trainer.train_data
         sample = data.get(np.arange(self.cfg.global_batch // n))
         params = jax.eval_shape(lambda k: trainer.task.init(k, sample), jax.random.key(0))
         names = layer_groups(params)
-        if self.sync["fragments"] > len(names):
+        if self.sync.fragments > len(names):
             raise ValueError(
-                f"sync.fragments={self.sync['fragments']} exceeds the model's {len(names)} "
+                f"sync.fragments={self.sync.fragments} exceeds the model's {len(names)} "
                 f"layers ({', '.join(names)}); choose fragments in 1..{len(names)}"
             )
         self._plan(len(names))
-        one = self.sync["fragments"] == 1  # the whole model as one message
+        one = self.sync.fragments == 1  # the whole model as one message
         return self._wrapper(None if one else names, None if one else self.schedule)
 
     def group_txs(
@@ -244,9 +207,9 @@ class DiLoCo(Sync):
         the schedule gives it (fragments are the groups)."""
         order = {"embed": 0, "blocks": 1, "head": 2}  # input to output
         names = sorted(units, key=lambda name: order.get(name, 1))
-        if self.sync["fragments"] > len(names):
+        if self.sync.fragments > len(names):
             raise ValueError(
-                f"sync.fragments={self.sync['fragments']} with stages={stages}: a pipeline's "
+                f"sync.fragments={self.sync.fragments} with stages={stages}: a pipeline's "
                 f"fragments are its {len(names)} parameter groups ({', '.join(names)}); "
                 f"choose fragments in 1..{len(names)}"
             )
@@ -272,10 +235,10 @@ class DiLoCo(Sync):
         branches = None
         if len(set(self._steps)) > 1 or self.warmup:  # else no conditional
             branches = jaxcomm.diloco_branches(
-                self.sync["period"],
+                self.sync.period,
                 step,
                 schedule=self.schedule,
-                overlap=self.sync["overlap"],
+                overlap=self.sync.overlap,
                 warmup=self.warmup,
             )
         _, compute, comm = trainer.simulate_step(
@@ -288,7 +251,7 @@ class DiLoCo(Sync):
             branches=branches,
         )
         seconds = link_step(
-            self._wire, compute, comm, self.kind(step), step - self.warmup, self.sync["overlap"]
+            self._wire, compute, comm, self.kind(step), step - self.warmup, self.sync.overlap
         )
         return seconds, compute, comm
 
@@ -308,7 +271,7 @@ class DiLoCo(Sync):
                     comm,
                     self.kind(step),
                     step - self.warmup,
-                    self.sync["overlap"],
+                    self.sync.overlap,
                 )
             )
         return np.asarray(out)
@@ -320,7 +283,7 @@ class DiLoCo(Sync):
 
     def restore_extras(self, trainer: Trainer, extras: dict[str, Any]) -> None:
         if "diloco_wire" in extras:
-            w = extras["diloco_wire"]
+            w = extras.diloco_wire
             self._wire = {"t": w["t"], "free": w["free"], "arrive": dict(w["arrive"])}
 
     # ------------------------------------------------------------------ the synchronised model

@@ -198,9 +198,10 @@ def estimates(
     trainer = Trainer(cfg, abstract=True)
     # Compiled steps: one data-parallel step; a pipeline step per boundary mode (AQ-SGD's
     # deltas once every sample was seen, float32 in the first epoch).
-    aqsgd = cfg.stages > 1 and cfg.boundary == "aqsgd"
+    aqsgd = cfg.stages > 1 and cfg.boundary.key == "aqsgd"
     steady = None if cfg.stages == 1 else aqsgd
     results = []
+    diloco = cfg.sync is not None and cfg.sync.key == "diloco"
     for spec, overlap in [(n, o) for n in networks for o in overlaps or [cfg.overlap]]:
         network = NetworkSchedule.parse(spec).at(0)
         out: dict[str, Any] = {
@@ -213,13 +214,13 @@ def estimates(
             "devices": int(trainer.mesh.devices.size),
             "global_batch": cfg.global_batch,
         }
-        if cfg.sync_settings().get("method") == "diloco" and cfg.stages > 1:
+        if diloco and cfg.stages > 1:
             raise ValueError(
                 "train.estimate of sync.method=diloco on a pipeline (stages > 1) is not "
                 "modelled: each parameter group synchronises on its own steps inside GPipe's "
                 "timeline; estimate the data-parallel shape (stages=1), or run it"
             )
-        if cfg.sync_settings().get("method") == "diloco":
+        if diloco:
             out.update(_diloco(trainer, network, overlap, cfg.global_batch, branches))
         else:
             out.update(_mode(trainer, steady, network, overlap, cfg.global_batch, branches))
@@ -236,8 +237,8 @@ def estimates(
 def _step_time(est: dict[str, Any], cfg: Any, overlap: bool) -> str:
     """How ``step_s`` is made of ``compute_s`` and ``comm_s``, in words (the timeline the
     layout lays them on)."""
-    if cfg.sync_settings().get("method") == "diloco":
-        tau = cfg.sync_settings()["overlap"]
+    if cfg.sync is not None and cfg.sync.key == "diloco":
+        tau = cfg.sync.overlap
         return (
             f"the mean step of a period on DiLoCo's link clock: a synchronisation's transfer "
             f"runs while the next {tau} inner steps compute, and only a merge waits for it"

@@ -32,7 +32,6 @@ cluster); see the README.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import queue
 import re
@@ -402,7 +401,7 @@ def smaller_world(cfg: Any, survivors: int, min_processes: int, devices_per_proc
         if p < 1 or devices % cfg.stages:
             continue
         try:
-            dataclasses.replace(cfg, workers=devices // cfg.stages)
+            cfg.replace(workers=devices // cfg.stages)
         except ValueError:
             continue  # the global batch does not split over that many workers
         return p, devices // cfg.stages

@@ -69,16 +69,16 @@ class LocalSGD(Sync):
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.sync = cfg.sync_settings()
-        if not self.sync:
+        if cfg.sync is None:
             raise ValueError("LocalSGD needs a config with sync settings")
+        self.sync = cfg.sync
         self.sync_schedule: jaxcomm.Schedule | None = None
         self._branch_s: dict[int, float] = {}
         self._lag: np.ndarray | None = None  # each worker's time behind the clock (stragglers)
         self._workers = cfg.workers  # the world the profile, schedule and lags describe
 
     def fingerprint(self) -> dict[str, Any]:
-        return {"sync": self.sync}
+        return {"sync": self.sync.to_dict()}
 
     # ------------------------------------------------------------------ schedule
 
@@ -89,15 +89,15 @@ class LocalSGD(Sync):
             params = jax.eval_shape(lambda k: trainer.task.init(k, sample), jax.random.key(0))
             self.profile = self._profile(trainer, params, sample, layer_groups(params))
             # What the wrapper averages as one message: each layer, or (fused) the whole model.
-            self.layers = None if self.sync["fused"] else list(self.profile.names)
-            self.layer_wires = layer_wires(params, self.layers, n, reduce=self.sync["reduce"])
+            self.layers = None if getattr(self.sync, "fused", False) else list(self.profile.names)
+            self.layer_wires = layer_wires(params, self.layers, n, reduce=self.sync.reduce)
             self.sync_schedule = self._schedule(self.cfg.network_schedule().at(0))
         wrapper = jaxcomm.partial_local_sgd(
             make_optimizer(self.cfg),
             AXIS,
             schedule=self.sync_schedule,
             layers=self.layers,
-            reduce=self.sync["reduce"],
+            reduce=self.sync.reduce,
         )
         return optax.chain(optax.identity(), wrapper)
 
@@ -113,7 +113,7 @@ class LocalSGD(Sync):
         head on the last stage. DreamDDP partitions them by the unpipelined model's
         profile: each group's backward seconds (a stage's blocks: the blocks' total over
         the stages) and averaging seconds on the network of step 0."""
-        if self.sync["fused"]:
+        if getattr(self.sync, "fused", False):
             raise ValueError(
                 f"sync.fused=true with stages={stages}: a pipeline's groups live on different "
                 "devices and cannot travel as one message; leave fused out"
@@ -141,7 +141,7 @@ class LocalSGD(Sync):
                 params=None,
             )
             self.layers = names
-            self.layer_wires = layer_wires(units, names, n, reduce=self.sync["reduce"])
+            self.layer_wires = layer_wires(units, names, n, reduce=self.sync.reduce)
             self.sync_schedule = self._schedule(self.cfg.network_schedule().at(0))
         out = {}
         for u, name in enumerate(names):
@@ -151,7 +151,7 @@ class LocalSGD(Sync):
                 AXIS,
                 schedule=jaxcomm.as_schedule(own, 1),
                 layers=None,
-                reduce=self.sync["reduce"],
+                reduce=self.sync.reduce,
             )
             out[name] = optax.chain(optax.identity(), wrapper)
         return out
@@ -186,7 +186,7 @@ class LocalSGD(Sync):
         return profile
 
     def _schedule(self, network: Network) -> jaxcomm.Schedule:
-        method, period = self.sync["method"], self.sync["period"]
+        method, period = self.sync.key, self.sync.period
         num = len(self.layer_wires)
         if method == "local_sgd":
             return jaxcomm.full_sync_schedule(num, period)
@@ -197,7 +197,7 @@ class LocalSGD(Sync):
             layer_comm_s(self.layer_wires, network),
             period,
             forward_s=self.profile.forward_s,
-            fill_bubbles=self.sync["fill_bubbles"],
+            fill_bubbles=getattr(self.sync, "fill_bubbles", True),
         )
 
     def checkpoint_extras(self) -> dict[str, Any]:

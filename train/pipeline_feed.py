@@ -1,6 +1,6 @@
 """What a pipeline step is fed: its batch in microbatches, and at every AQ-SGD boundary
 the previous messages of its samples from a :class:`jaxcomm.MessageBuffer` (and, with
-``boundary_args.bw_memory``, their gradient memory from a second one).
+``boundary.memory``, their gradient memory from a second one).
 
 A step's inputs are prepared while the step before it runs (batch read, buffer reads
 waited on, host-to-device copies issued); its new messages are written back after it
@@ -54,16 +54,18 @@ class Feed:
 
     def __init__(self, p: Pipeline, t: Trainer):
         self.p, self.t, cfg = p, t, p.cfg
+        self.buffer_dir = getattr(cfg.boundary, "buffer_dir", "")
         act = (p.gpt_cfg.seq_len, p.gpt_cfg.width)
         # Only AQ-SGD needs previous messages; the other boundaries ignore them.
-        count = p.stages - 1 if cfg.boundary == "aqsgd" and not p.abstract else 0
-        paths = [self.path(b) for b in range(count)] if cfg.buffer_dir else []
+        aqsgd = cfg.boundary.key == "aqsgd"
+        count = p.stages - 1 if aqsgd and not p.abstract else 0
+        paths = [self.path(b) for b in range(count)] if self.buffer_dir else []
         # Buffers found on disk belong to an earlier run: only a resume may keep them.
         # The gradient memory of a boundary keeping one (``bw_memory``): a second buffer
         # of the same rows, written and saved with the messages.
         # (An abstract layout keeps no buffers, but its states have the memory's shape.)
         self.memory = p.boundary.bw_memory
-        if self.memory and count and cfg.buffer_dir:
+        if self.memory and count and self.buffer_dir:
             paths += [self.path(b, "gradient") for b in range(count)]
         self.stale = [q for q in paths if Path(q).exists() and any(Path(q).iterdir())]
 
@@ -71,7 +73,7 @@ class Feed:
             return jaxcomm.MessageBuffer(
                 len(t.train_data),
                 act,
-                storage_bits=cfg.buffer_bits or None,
+                storage_bits=getattr(cfg.boundary, "buffer_bits", 0) or None,
                 path=self.path(b, kind),
             )
 
@@ -98,10 +100,10 @@ class Feed:
         """Where boundary ``b``'s buffer (``kind``: ``boundary`` for the messages,
         ``gradient`` for the gradient memory) lives on disk (None: in memory); each process
         of a multi-process run keeps its own, for the replicas whose stages it holds."""
-        if not self.p.cfg.buffer_dir:
+        if not self.buffer_dir:
             return None
         sub = f"/process{jax.process_index()}" if jax.process_count() > 1 else ""
-        return f"{self.p.cfg.buffer_dir}{sub}/{kind}{b}"
+        return f"{self.buffer_dir}{sub}/{kind}{b}"
 
     def _named(self) -> list[tuple[str, int, jaxcomm.MessageBuffer]]:
         """Every open buffer as ``(kind, boundary, buffer)``, ``kind`` ``boundary`` (the
@@ -114,9 +116,9 @@ class Feed:
         """Refuse buffers on disk that no resumed checkpoint owns."""
         if self.stale:
             raise ValueError(
-                f"buffer_dir={self.p.cfg.buffer_dir!r} already holds message buffers "
+                f"boundary.buffer_dir={self.buffer_dir!r} already holds message buffers "
                 f"({', '.join(self.stale)}) and this run does not resume a checkpoint that "
-                "owns them; empty it, choose another buffer_dir, or pass --resume"
+                "owns them; empty it, choose another boundary.buffer_dir, or pass --resume"
             )
 
     # ------------------------------------------------------------------ inputs

@@ -71,18 +71,8 @@ GROUPS = ("embed", "blocks", "head")
 
 
 def make_boundary(cfg: Config) -> jaxcomm.Boundary:
-    """The boundary codec named by ``cfg.boundary`` with its bit widths."""
-    bw = cfg.bw_bits or None
-    if cfg.boundary == "fp32":
-        return jaxcomm.fp32_boundary(bw)
-    if cfg.boundary == "directq":
-        return jaxcomm.directq_boundary(cfg.fw_bits, bw)
-    codecs = cfg.boundary_codecs()
-    if codecs is not None:
-        forward, backward, first = codecs
-        memory = cfg.boundary_args.get("bw_memory", False)
-        return jaxcomm.delta_boundary(forward, backward, first=first, backward_memory=memory)
-    return jaxcomm.aqsgd_boundary(cfg.fw_bits, bw)
+    """The boundary of ``cfg.boundary`` with its codecs."""
+    return cfg.boundary.build()
 
 
 class Pipeline(Layout):
@@ -129,17 +119,19 @@ class Pipeline(Layout):
     # ------------------------------------------------------------------ state
 
     def _check_codec_sizes(self) -> None:
-        """Refuse a ``boundary_args`` chunk or rank that one sample ``[seq_len, width]``
+        """Refuse a boundary codec's chunk or rank that one sample ``[seq_len, width]``
         cannot hold (a typo would otherwise pad every row to a huge chunk, or fail while
         tracing with a message that does not name the key)."""
         t, w = self.gpt_cfg.seq_len, self.gpt_cfg.width
-        for key, value in self.cfg.boundary_args.items():
-            most = {"chunk": t * w, "rank": min(t, w)}.get(key[3:])
-            if most is not None and value > most:
-                raise ValueError(
-                    f"boundary_args.{key}={value} is larger than one sample of {t} x {w} "
-                    f"activations allows (at most {most})"
-                )
+        for side in ("forward", "backward", "first"):
+            codec = getattr(self.cfg.boundary, side, None)
+            for key, most in (("chunk", t * w), ("rank", min(t, w))):
+                value = getattr(codec, key, None)
+                if value is not None and value > most:
+                    raise ValueError(
+                        f"boundary.{side}.{key}={value} is larger than one sample of {t} x "
+                        f"{w} activations allows (at most {most})"
+                    )
 
     def init_state(self, t: Trainer) -> tuple[Any, Any]:
         cfg = self.cfg
@@ -409,15 +401,7 @@ class Pipeline(Layout):
         return {
             "stages": self.stages,
             "microbatches": cfg.microbatches,
-            "boundary": cfg.boundary,
-            "fw_bits": cfg.fw_bits,
-            "bw_bits": cfg.bw_bits,
-            # Only when set, so checkpoints of runs without it still resume.
-            **(
-                {"boundary_args": dict(sorted(cfg.boundary_args.items()))}
-                if cfg.boundary_args
-                else {}
-            ),
+            "boundary": cfg.boundary.to_dict(),
             # Optimizer state per group: blocks on every stage, embed and head on their own.
             "state_layout": "blocks+embed+head, saved [D, S] (owner stage)",
         }

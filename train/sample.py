@@ -41,7 +41,6 @@ def load_run(run_dir: str | Path) -> tuple[Any, Any]:
     """
     import jax
 
-    from models import build_task
     from train.checkpoint import load_model_params
     from train.config import config_from_dict, read_saved_config
 
@@ -59,7 +58,7 @@ def load_run(run_dir: str | Path) -> tuple[Any, Any]:
             f"{str(run_dir)!r} trained task {cfg.task!r} on {cfg.dataset!r}, not a GPT: "
             "train.sample generates text from GPT runs only (task: gpt)"
         )
-    task = build_task(cfg.task, **cfg.model)
+    task = cfg.model.build()
     gpt = task.module.cfg
     if gpt.vocab_size != BYTE_VOCAB:
         raise SampleError(

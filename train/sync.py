@@ -24,11 +24,9 @@ from typing import TYPE_CHECKING, Any
 import jax
 import optax
 
-import jaxcomm
-from jaxcomm._checks import did_you_mean
-from jaxcomm.network import Network
 from models import layer_groups
-from train.config import DENSE_AGGREGATORS, Config
+from train.aggregators import BuildContext
+from train.config import Config
 from train.programs import AXIS
 
 if TYPE_CHECKING:
@@ -48,10 +46,10 @@ __all__ = [
 
 
 def make_schedule(cfg: Config) -> float | optax.Schedule:
-    """The learning rate of ``cfg``: ``cfg.lr`` (a constant, as it always was) or the
-    ``optax`` schedule of its ``lr_*`` keys (:meth:`train.config.Config.lr_settings`),
-    a function of the optimizer's own update count (0 at the first step)."""
-    settings = cfg.lr_settings()
+    """The learning rate of ``cfg``: ``optimizer.lr`` (a constant, as it always was) or
+    the ``optax`` schedule of ``optimizer.schedule``, a function of the optimizer's own
+    update count (0 at the first step)."""
+    settings = cfg.optimizer.schedule.resolved(cfg.steps)
     if settings is None:
         return cfg.lr
     peak, warmup = cfg.lr, settings["warmup_steps"]
@@ -72,10 +70,10 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     """The inner optimizer named by ``cfg.optimizer`` at the learning rate of
     :func:`make_schedule`, behind ``clip_norm``'s clipping and (``sgd``, ``momentum``)
     ``weight_decay``; ``adamw`` takes ``weight_decay`` as its decoupled decay. With the
-    defaults it is exactly ``optax.adam(cfg.lr)`` (etc.), as before these settings."""
+    defaults it is exactly ``optax.adam(lr)`` (etc.), as before these settings."""
     lr = make_schedule(cfg)
-    wd = cfg.weight_decay
-    if cfg.optimizer == "muon":
+    wd = cfg.optimizer.weight_decay
+    if cfg.optimizer.name == "muon":
         return _chain_before(cfg, muon(cfg, lr))
     adamw = (lambda: optax.adamw(lr)) if wd is None else (lambda: optax.adamw(lr, weight_decay=wd))
     base = {
@@ -84,17 +82,17 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
         "momentum": lambda: optax.sgd(lr, momentum=0.9),
         "adam": lambda: optax.adam(lr),
         "adamw": adamw,
-    }[cfg.optimizer]()
+    }[cfg.optimizer.name]()
     return _chain_before(cfg, base)
 
 
 def _chain_before(cfg: Config, base: optax.GradientTransformation) -> optax.GradientTransformation:
     """``base`` behind ``clip_norm``'s clipping and (SGD) ``weight_decay``."""
-    before = []
-    if cfg.clip_norm:
-        before.append(optax.clip_by_global_norm(cfg.clip_norm))
-    if cfg.weight_decay is not None and cfg.optimizer in ("sgd", "momentum"):
-        before.append(optax.add_decayed_weights(cfg.weight_decay))
+    before, opt = [], cfg.optimizer
+    if opt.clip_norm:
+        before.append(optax.clip_by_global_norm(opt.clip_norm))
+    if opt.weight_decay is not None and opt.name in ("sgd", "momentum"):
+        before.append(optax.add_decayed_weights(opt.weight_decay))
     return optax.chain(*before, base) if before else base
 
 
@@ -122,9 +120,10 @@ def muon(cfg: Config, lr: float | optax.Schedule) -> optax.GradientTransformatio
     decoupled on both (times each part's learning rate; unset: none)."""
     from optax.contrib import muon as optax_muon
 
-    ratio = cfg.muon_lr / cfg.lr
-    muon_rate = (lambda step: ratio * lr(step)) if callable(lr) else cfg.muon_lr
-    wd = 0.0 if cfg.weight_decay is None else cfg.weight_decay
+    opt = cfg.optimizer
+    ratio = opt.muon_lr / opt.lr
+    muon_rate = (lambda step: ratio * lr(step)) if callable(lr) else opt.muon_lr
+    wd = 0.0 if opt.weight_decay is None else opt.weight_decay
     return optax_muon(
         muon_rate,
         weight_decay=wd,
@@ -136,36 +135,14 @@ def muon(cfg: Config, lr: float | optax.Schedule) -> optax.GradientTransformatio
 
 
 def make_aggregator(cfg: Config) -> optax.GradientTransformation:
-    """The gradient aggregator named by ``cfg.aggregator`` over the ``data`` axis."""
-    args = dict(cfg.aggregator_args)
-    if cfg.aggregator == "none":  # local gradients: a sync wrapper averages parameters
-        return optax.identity()
-    if cfg.aggregator in DENSE_AGGREGATORS:
-        factory, args = jaxcomm.dense_allreduce, {"reduce": cfg.aggregator, **args}
-    elif cfg.aggregator == "ec_quantized":
-        factory = jaxcomm.ec_quantized_allreduce
-    else:
-        factory = getattr(jaxcomm, cfg.aggregator)
-    if cfg.aggregator in ("marsit", "ssdm", "cascading_sign"):
-        args.setdefault("seed", cfg.seed)
-    if cfg.aggregator == "ar_topk" and args.get("reduce") == "auto":
-        net = args.get("network") or cfg.network_schedule().at(0)
-        args["network"] = Network.parse(net) if isinstance(net, str) else net
-    import inspect
+    """The aggregator of ``cfg`` over the ``data`` axis (its registered class's build)."""
+    return cfg.aggregator.build(build_context(cfg))
 
-    accepted = [
-        n for n, q in inspect.signature(factory).parameters.items() if q.kind == q.KEYWORD_ONLY
-    ]
-    odd = sorted(set(cfg.aggregator_args) - set(accepted))
-    if odd and accepted:
-        raise ValueError(
-            f"aggregator_args: {cfg.aggregator!r} takes no {odd[0]!r}; it takes {accepted}"
-            + did_you_mean(odd[0], accepted)
-        )
-    try:
-        return factory(AXIS, **args)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"aggregator_args {args!r} do not fit {cfg.aggregator!r}: {e}") from e
+
+def build_context(cfg: Config) -> BuildContext:
+    """What an aggregator's factory takes from the run: the ``data`` axis, the run's seed,
+    the network of step 0."""
+    return BuildContext(axis=AXIS, seed=cfg.seed, network=cfg.network_schedule().at(0))
 
 
 class Part:
@@ -263,11 +240,11 @@ class EveryStep(Sync):
 
 def make_sync(cfg: Config) -> Sync:
     """The synchronisation of ``cfg``: its ``sync`` wrapper, else its aggregator each step."""
-    if cfg.sync and cfg.sync.get("method") == "diloco":
+    if cfg.sync is not None and cfg.sync.key == "diloco":
         from train.diloco import DiLoCo
 
         return DiLoCo(cfg)
-    if cfg.sync:
+    if cfg.sync is not None:
         from train.localsgd import LocalSGD
 
         return LocalSGD(cfg)

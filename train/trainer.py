@@ -50,7 +50,6 @@ import optax
 
 import jaxcomm
 from jaxcomm.network import Network, SimClock
-from models import build_task
 from train.checkpoint import (
     Checkpoints,
     RunFolderBusy,
@@ -116,7 +115,7 @@ class Trainer:
         ]
         self.mesh, self.n = self.layout.mesh, self.layout.n
         self.sharded, self.replicated = self.layout.sharded, self.layout.replicated
-        self.task = build_task(cfg.task, **cfg.model)
+        self.task = cfg.model.build()
         data_kwargs = {"seq_len": self.task.module.cfg.seq_len} if cfg.task == "gpt" else {}
         self.train_data = get_dataset(cfg.dataset, "train", **data_kwargs)
         self.valid_data = get_dataset(cfg.dataset, "valid", **data_kwargs)
