@@ -137,13 +137,13 @@ def test_marsit_resnet50_config_is_the_papers_setting():
     import jax
     import jax.numpy as jnp
 
-    from models import build_task, param_count
+    from models import param_count
     from train.config import load_config
 
     cfg = load_config("configs/marsit_resnet50.yaml", [])
     assert (cfg.workers, cfg.global_batch, cfg.compute) == (64, 6144, "t4")
     assert cfg.aggregator_args["full_sync_every"] == 100
-    task = build_task(cfg.task, **cfg.model)
+    task = cfg.model.build()
     shapes = jax.eval_shape(
         lambda k: task.init(k, {"image": jnp.zeros((1, 224, 224, 3))}), jax.random.key(0)
     )

@@ -158,7 +158,7 @@ def test_config_errors(tmp_path):
     with pytest.raises(ValueError, match="latency|bandwidth|network"):
         load_config(None, ["network=fast"])
     cfg = load_config(ROOT / "configs/dp_default.yaml", ["model.width=64", "steps=7"])
-    assert cfg.model["width"] == 64 and cfg.model["num_layers"] == 4 and cfg.steps == 7
+    assert cfg.model.width == 64 and cfg.model.num_layers == 4 and cfg.steps == 7
 
 
 def test_every_shipped_config_parses():

@@ -334,23 +334,36 @@ def _stop_after(step):
 # --------------------------------------------------------------------------- settings
 
 
+MARSIT = {"name": "marsit", "local_lr": 0.1, "global_lr": 0.01, "full_sync_every": 5}
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(optimizer="none", aggregator="marsit", lr_schedule="cosine"), "lr_schedule"),
-        (dict(optimizer="none", aggregator="signsgd_mv", lr_warmup_steps=5), "lr_warmup_steps"),
-        (dict(optimizer="none", aggregator="ef_signsgd", clip_norm=1.0), "clip_norm"),
-        (dict(optimizer="none", aggregator="marsit", weight_decay=0.1), "weight_decay"),
-        (dict(optimizer="adam", weight_decay=0.1), "use optimizer='adamw'"),
-        (dict(clip_norm=1.0, stages=2, workers=2, global_batch=16), "each pipeline stage"),
-        (dict(lr_schedule="cosine", steps=5, lr_warmup_steps=4), "lr_decay_steps"),
-        (dict(lr_schedule="cosin"), "did you mean 'cosine'"),
-        (dict(lr_floor=1.5), "lr_floor"),
-        (dict(lr_warmup_steps=-1), "lr_warmup_steps"),
-        (dict(clip_norm=-1.0), "clip_norm"),
+        (dict(optimizer={"name": "none", "schedule": "cosine"}, aggregator=MARSIT), "schedule"),
+        (
+            dict(optimizer={"name": "none", "schedule": {"warmup_steps": 5}},
+                 aggregator={"name": "signsgd_mv", "lr": 0.1}),
+            "optimizer.schedule",
+        ),  # fmt: skip
+        (
+            dict(optimizer={"name": "none", "clip_norm": 1.0},
+                 aggregator={"name": "ef_signsgd", "lr": 0.1}),
+            "clip_norm",
+        ),  # fmt: skip
+        (dict(optimizer={"name": "none", "weight_decay": 0.1}, aggregator=MARSIT), "weight_decay"),
+        (dict(optimizer={"name": "adam", "weight_decay": 0.1}), "use optimizer adamw"),
+        (dict(optimizer={"clip_norm": 1.0}, stages=2, workers=2, global_batch=16),
+         "each pipeline stage"),  # fmt: skip
+        (dict(steps=5, optimizer={"schedule": {"name": "cosine", "warmup_steps": 4}}),
+         "decay_steps"),  # fmt: skip
+        (dict(optimizer={"schedule": "cosin"}), "did you mean 'cosine'"),
+        (dict(optimizer={"schedule": {"floor": 1.5}}), "optimizer.schedule.floor"),
+        (dict(optimizer={"schedule": {"warmup_steps": -1}}), "optimizer.schedule.warmup_steps"),
+        (dict(optimizer={"clip_norm": -1.0}), "optimizer.clip_norm"),
         (
             dict(aggregator="none", sync={"method": "local_sgd", "period": 2, "warmup_steps": 2}),
-            "unknown keys",
+            "unknown key 'warmup_steps'",
         ),
         (
             dict(aggregator="none", sync={"method": "diloco", "period": 2, "warmup_steps": -1}),
@@ -360,22 +373,16 @@ def _stop_after(step):
 )
 def test_bad_settings_are_refused_naming_the_key(kw, match):
     with pytest.raises(ValueError, match=match):
-        Config(**{**dict(task="gpt", workers=8, global_batch=32), **kw})
+        Config(**{**dict(workers=8, global_batch=32), **kw})
 
 
 def test_the_keys_are_documented():
     docs = {key: text for key, _, text in key_docs()}
-    for key in (
-        "lr_schedule",
-        "lr_warmup_steps",
-        "lr_warmup_from",
-        "lr_floor",
-        "lr_decay_steps",
-        "weight_decay",
-        "clip_norm",
-    ):
-        assert len(docs[key]) > 40, key
-    assert "warmup_steps" in docs["sync"]
+    for key in ("name", "warmup_steps", "warmup_from", "floor", "decay_steps"):
+        assert len(docs[f"optimizer.schedule.{key}"]) > 20, key
+    for key in ("weight_decay", "clip_norm", "muon_lr"):
+        assert len(docs[f"optimizer.{key}"]) > 20, key
+    assert "DiLoCo starts from a trained model" in docs["sync.warmup_steps (diloco)"]
 
 
 def test_sparseloco_averaged_over_senders_sends_the_same_bytes(tmp_path):

@@ -751,7 +751,8 @@ class Checkpoints:
         if diff:
             details = "; ".join(
                 "parameter shapes differ" if k == "param_shapes"
-                else f"{k}: checkpoint {a!r} vs config {b!r}"
+                else "; ".join(f"{k}{sub}: checkpoint {x!r} vs config {y!r}"
+                               for sub, x, y in _differences(a, b))
                 for k, (a, b) in diff.items()
             )  # fmt: skip
             raise ValueError(
@@ -784,6 +785,15 @@ class Checkpoints:
             extras = {}  # a checkpoint written before host-side extras were saved
         self.saved_step = latest
         return latest, state, extras
+
+
+def _differences(a: Any, b: Any, where: str = "") -> list[tuple[str, Any, Any]]:
+    """``(.key.path, a's value, b's value)`` where two fingerprint entries differ (mappings
+    compared key by key, so a changed model width is named, not the whole model)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
+                for d in _differences(a.get(k), b.get(k), f"{where}.{k}")]  # fmt: skip
+    return [(where, a, b)]
 
 
 # ---------------------------------------------------------------------- a trainer's state

@@ -1217,6 +1217,9 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
 def _unknown(key: str) -> ValueError:
     allowed = list(Config.model_fields)
     hint = did_you_mean(key, allowed)  # first: the list after it is long
+    old = did_you_mean(key, LEGACY_KEYS)
+    if not hint and old:
+        hint = f"; did you mean {LEGACY_KEYS[old.split(chr(39))[1]]!r}?"
     return ValueError(f"unknown config key {key!r}{hint} (allowed keys: {sorted(allowed)})")
 
 

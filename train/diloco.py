@@ -283,7 +283,7 @@ class DiLoCo(Sync):
 
     def restore_extras(self, trainer: Trainer, extras: dict[str, Any]) -> None:
         if "diloco_wire" in extras:
-            w = extras.diloco_wire
+            w = extras["diloco_wire"]
             self._wire = {"t": w["t"], "free": w["free"], "arrive": dict(w["arrive"])}
 
     # ------------------------------------------------------------------ the synchronised model

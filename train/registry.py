@@ -196,4 +196,8 @@ def first_error(e: ValidationError, prefix: str = "") -> str:
         msg = msg.removeprefix("Value error, ")
         return f"{where}: {msg}" if where and not msg.startswith(where) else msg
     given = err.get("input")
-    return f"{where}: {msg[0].lower() + msg[1:]}, got {given!r}"
+    hint = ""
+    if kind == "literal_error":
+        allowed = [a.strip().strip("'") for a in err["ctx"]["expected"].replace(" or ", ",").split(",")]
+        hint = did_you_mean(given, [a for a in allowed if a])
+    return f"{where}: {msg[0].lower() + msg[1:]}, got {given!r}{hint}"
