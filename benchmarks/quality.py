@@ -121,7 +121,7 @@ METHODS: dict[str, dict[str, Any]] = {
     "sparseloco_h30": _family(30, compress="sparseloco"),
     "sparseloco_h30_warm": _family(30, warm=True, compress="sparseloco"),
     # Each entry averaged over the workers that sent it (the authors' code), not all N.
-    "sparseloco_h30_senders": _family(30, compress={"method": "sparseloco", "average": "senders"}),
+    "sparseloco_h30_senders": _family(30, compress={"name": "sparseloco", "average": "senders"}),
     "ar_topk_h30": _family(30, compress="ar_topk"),
     "muloco_h30": {
         "fixed": {**_diloco(30, compress="statistical"), "optimizer": "muon"},
@@ -202,22 +202,24 @@ def config(size: str, method: str, setting: dict[str, Any], seed: int, steps: in
 
     spec = METHODS[method]
     fixed = json.loads(json.dumps(spec["fixed"]))
+    optimizer: dict[str, Any] = {
+        "name": fixed.pop("optimizer", "adamw"),
+        "lr": setting.get("lr", 3e-3),
+        "schedule": {"name": "cosine", "warmup_steps": max(1, steps // 20), "floor": 0.1},
+        "weight_decay": 0.1,
+        "clip_norm": 1.0,
+    }
+    if "muon_lr" in setting:
+        optimizer["muon_lr"] = setting["muon_lr"]
     kw: dict[str, Any] = dict(
         name=f"{method}_{setting_key(setting)}_s{seed}",
-        task="gpt",
-        model=dict(SIZES[size]),
+        model={"name": "gpt", **SIZES[size]},
         dataset="shakespeare_complete",
         workers=workers,
         global_batch=GLOBAL_BATCH,
         steps=steps,
         seed=seed,
-        optimizer="adamw",
-        lr=3e-3,
-        lr_schedule="cosine",
-        lr_warmup_steps=max(1, steps // 20),
-        lr_floor=0.1,
-        weight_decay=0.1,
-        clip_norm=1.0,
+        optimizer=optimizer,
         network=NETWORKS[TRAIN_NET],
         compute="v100",
         eval_every=max(steps // 20, 1),
@@ -228,9 +230,6 @@ def config(size: str, method: str, setting: dict[str, Any], seed: int, steps: in
     sync = fixed.pop("sync", None)
     kw.update(fixed)
     kw["eval_batches"] = max(1, EVAL_WINDOWS // kw["global_batch"])
-    for key in ("lr", "muon_lr"):
-        if key in setting:
-            kw[key] = setting[key]
     if sync is not None:
         outer_lr, outer_mu = _norm(setting["outer"])
         sync.update(outer_lr=outer_lr, outer_momentum=outer_mu)

@@ -60,12 +60,14 @@ def test_a_setting_reaches_the_config(quality, tmp_path):
     warm = quality.config("xs", "sparseloco_h30_warm", {"lr": 2e-3, "outer": (0.5, 0.9)}, 3,
                           600, tmp_path)  # fmt: skip
     assert (warm.lr, warm.seed, warm.steps) == (2e-3, 3, 600)
-    assert warm.sync["outer_lr"] == 0.5 and warm.sync["outer_momentum"] == 0.9
-    assert warm.sync["warmup_steps"] == 30 and warm.sync["compress"] == "sparseloco"
-    assert (600 - warm.sync["warmup_steps"]) % warm.sync["period"] == 0  # whole periods
+    assert warm.sync.outer_lr == 0.5 and warm.sync.outer_momentum == 0.9
+    assert warm.sync.warmup_steps == 30 and warm.sync.compress.key == "chunk_topk"
+    assert (warm.sync.compress.chunk, warm.sync.compress.k) == (4096, 64)  # the preset
+    assert (600 - warm.sync.warmup_steps) % warm.sync.period == 0  # whole periods
     mu = quality.config("xs", "muloco_h30", {"muon_lr": 0.01, "lr": 6e-3, "outer": (1.0, 0.0)},
                         0, 600, tmp_path)  # fmt: skip
-    assert (mu.optimizer, mu.muon_lr, mu.lr, mu.sync["outer_momentum"]) == ("muon", 0.01, 6e-3, 0)
+    opt = mu.optimizer
+    assert (opt.name, opt.muon_lr, opt.lr, mu.sync.outer_momentum) == ("muon", 0.01, 6e-3, 0)
     one = quality.config("xs", "single", {"lr": 1e-3}, 0, 600, tmp_path)
     # The same 1,024 evaluation windows as every method, whatever the batch.
     assert one.workers == 1 and one.global_batch * one.eval_batches == 1024

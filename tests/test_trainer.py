@@ -417,7 +417,7 @@ def test_config_reads_numbers_as_written_and_names_bad_files(tmp_path):
         None,
         ["aggregator=ar_topk", "aggregator_args.ratio=1e-2", "adaptive={candidates: [1e-1, 1e-2]}"],
     )
-    assert nested.aggregator_args == {"ratio": 0.01} and nested.adaptive["candidates"] == [
+    assert nested.aggregator.ratio == 0.01 and nested.adaptive["candidates"] == [
         0.1,
         0.01,
     ]

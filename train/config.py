@@ -483,7 +483,15 @@ def _compress(value: Any) -> Any:
             if len(value) > 1:
                 raise ValueError(f"compress none takes no arguments, got {value!r}")
             return None
-        preset = COMPRESS_PRESETS.get(value.get("name"))
+        name = value.get("name")
+        if name not in COMPRESS_PRESETS and name not in AGGREGATORS.names():
+            allowed = ["none", *COMPRESS_PRESETS, *AGGREGATORS.names()]
+            raise ValueError(
+                f"compress must be none, a preset ({', '.join(COMPRESS_PRESETS)}) or an "
+                f"aggregator ({', '.join(AGGREGATORS.names())}), got {name!r}"
+                + did_you_mean(name, allowed)
+            )
+        preset = COMPRESS_PRESETS.get(name)
         if preset is not None:
             fixed = sorted({"bits"} & set(value)) if value["name"] in ("int8", "int4") else []
             if fixed:

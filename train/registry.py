@@ -18,6 +18,7 @@ ratio: 0.01}`` sets its fields. Adding a choice is one class::
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from typing import Annotated, Any, ClassVar, Generic, TypeVar
@@ -51,11 +52,13 @@ _NUMBER = re.compile(r"^\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*$")
 
 def number(value: Any) -> Any:
     """``value`` as a float when it is a number as people write it (``1e-3``, ``3``); other
-    values unchanged (the field's type check names them)."""
+    values unchanged (the field's type check names them). Infinity and NaN are refused."""
     if isinstance(value, str) and _NUMBER.match(value):
-        return float(value)
+        value = float(value)
     if isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value = float(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"must be a finite number, got {value!r}")
     return value
 
 
