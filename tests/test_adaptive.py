@@ -152,12 +152,14 @@ def test_bad_settings_are_named():
         AdaptiveRatio(candidates=(0.1, 0.0))
     with pytest.raises(ValueError, match="trial_steps"):
         AdaptiveRatio(trial_steps=0)
-    with pytest.raises(ValueError, match="needs aggregator='ar_topk'"):
+    with pytest.raises(ValueError, match="needs aggregator ar_topk"):
         load_config(None, ["adaptive={trial_steps: 2}"])
     with pytest.raises(ValueError, match="adaptive .*unexpected keyword"):
         load_config(None, ["aggregator=ar_topk", "adaptive={bogus: 1}"])
     # The one combination the composed trainer still refuses names both settings.
-    with pytest.raises(ValueError, match=r"adaptive=.* with sync=.*local SGD runs no aggregator"):
+    with pytest.raises(
+        ValueError, match=r"adaptive=.* with sync 'local_sgd'.*local SGD runs no aggregator"
+    ):
         load_config(
             None,
             ["aggregator=none", "adaptive={trial_steps: 2}", "sync={method: local_sgd, period: 2}"],

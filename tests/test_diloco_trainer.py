@@ -212,7 +212,10 @@ def test_a_pipeline_runs_diloco_across_its_replicas(tmp_path):
 def test_bad_diloco_settings_are_refused(tmp_path):
     for sync, match in [
         ({"period": 3, "overlap": 3}, r"sync.overlap must be an integer in \[0, period - 1\]"),
-        ({"period": 3, "compress": "int2"}, "compress must be none, a preset .*did you mean 'int8'"),
+        (
+            {"period": 3, "compress": "int2"},
+            "compress must be none, a preset .*did you mean 'int8'",
+        ),
         ({"period": 3, "outer_lr": 0}, "sync.outer_lr: input should be greater than 0"),
         ({"period": 3, "outer_momentum": 1.0}, "sync.outer_momentum: input should be less than 1"),
         ({"period": 3, "fused": True}, "sync: unknown key 'fused'"),

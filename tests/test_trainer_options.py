@@ -342,21 +342,29 @@ MARSIT = {"name": "marsit", "local_lr": 0.1, "global_lr": 0.01, "full_sync_every
     [
         (dict(optimizer={"name": "none", "schedule": "cosine"}, aggregator=MARSIT), "schedule"),
         (
-            dict(optimizer={"name": "none", "schedule": {"warmup_steps": 5}},
-                 aggregator={"name": "signsgd_mv", "lr": 0.1}),
+            dict(
+                optimizer={"name": "none", "schedule": {"warmup_steps": 5}},
+                aggregator={"name": "signsgd_mv", "lr": 0.1},
+            ),
             "optimizer.schedule",
         ),  # fmt: skip
         (
-            dict(optimizer={"name": "none", "clip_norm": 1.0},
-                 aggregator={"name": "ef_signsgd", "lr": 0.1}),
+            dict(
+                optimizer={"name": "none", "clip_norm": 1.0},
+                aggregator={"name": "ef_signsgd", "lr": 0.1},
+            ),
             "clip_norm",
         ),  # fmt: skip
         (dict(optimizer={"name": "none", "weight_decay": 0.1}, aggregator=MARSIT), "weight_decay"),
         (dict(optimizer={"name": "adam", "weight_decay": 0.1}), "use optimizer adamw"),
-        (dict(optimizer={"clip_norm": 1.0}, stages=2, workers=2, global_batch=16),
-         "each pipeline stage"),  # fmt: skip
-        (dict(steps=5, optimizer={"schedule": {"name": "cosine", "warmup_steps": 4}}),
-         "decay_steps"),  # fmt: skip
+        (
+            dict(optimizer={"clip_norm": 1.0}, stages=2, workers=2, global_batch=16),
+            "each pipeline stage",
+        ),  # fmt: skip
+        (
+            dict(steps=5, optimizer={"schedule": {"name": "cosine", "warmup_steps": 4}}),
+            "decay_steps",
+        ),  # fmt: skip
         (dict(optimizer={"schedule": "cosin"}), "did you mean 'cosine'"),
         (dict(optimizer={"schedule": {"floor": 1.5}}), "optimizer.schedule.floor"),
         (dict(optimizer={"schedule": {"warmup_steps": -1}}), "optimizer.schedule.warmup_steps"),

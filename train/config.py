@@ -31,7 +31,7 @@ from pydantic import BeforeValidator, Field, SerializeAsAny, ValidationError, mo
 
 from jaxcomm._checks import did_you_mean
 from train.aggregators import AGGREGATORS, MAX_SEED, Aggregator
-from train.registry import Choice, Ints, Number, Registry, Section, first_error
+from train.registry import Choice, Ints, Mapping, Number, Registry, Section, first_error
 
 __all__ = [
     "Config",
@@ -627,7 +627,7 @@ class Config(Section):
     memory_efficiency: Number = Field(
         0.8, gt=0, le=1, description="the roofline's share of peak memory bandwidth"
     )
-    stragglers: dict = Field(
+    stragglers: Mapping = Field(
         {},
         description="deterministic stragglers and latency jitter: ``jaxcomm.network."
         "Stragglers``' fields (``seed``, ``compute_sigma``, ``slow``, ``latency_jitter``)",
@@ -649,7 +649,7 @@ class Config(Section):
         description="what crosses a stage boundary: ``fp32``, ``directq`` or ``aqsgd`` with "
         "a codec each way",
     )
-    estimate: dict = Field(
+    estimate: Mapping = Field(
         {},
         description="``python -m train.estimate``'s extras: ``networks`` (more networks) and "
         "``baseline`` (config keys of a second config estimated beside)",
@@ -657,7 +657,7 @@ class Config(Section):
     init_params: str = Field(
         "", description="start from this ``params.msgpack`` ('': a random init)"
     )
-    adaptive: dict = Field(
+    adaptive: Mapping = Field(
         {},
         description="AR-Topk's adaptive ratio (``aggregator: ar_topk``): "
         "``jaxcomm.adaptive.AdaptiveRatio``'s fields (``candidates``, ``trial_steps``, ...)",
@@ -673,6 +673,10 @@ class Config(Section):
             super().__init__(**data)
         except ValidationError as e:
             raise ValueError(first_error(e)) from None
+
+    @classmethod
+    def unknown_key(cls, key: str) -> ValueError:
+        return _unknown(key)
 
     @model_validator(mode="before")
     @classmethod
@@ -837,11 +841,6 @@ def check_config(cfg: Config) -> None:
             raise ValueError(
                 f"adaptive={cfg.adaptive!r} chooses AR-Topk's ratio and needs aggregator "
                 f"ar_topk; got aggregator {agg.key!r}"
-            )
-        if agg.ratio is not None:
-            raise ValueError(
-                "aggregator.ratio with adaptive: the adaptive ratio chooses it (the first "
-                "candidate until its first search); leave aggregator.ratio unset"
             )
         cfg.adaptive_model()
     elif agg.key == "ar_topk" and agg.ratio is None:

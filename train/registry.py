@@ -42,6 +42,7 @@ __all__ = [
     "Number",
     "Numbers",
     "Ints",
+    "Mapping",
     "first_error",
     "number",
 ]
@@ -66,6 +67,20 @@ def _tuple(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
+def _numbers_inside(value: Any) -> Any:
+    """Text that is a number as people write it (``1e-3``) as floats, through mappings and
+    lists (a free-form mapping's values: adaptive candidates, straggler settings)."""
+    if isinstance(value, str) and _NUMBER.match(value) and not value.strip().isdigit():
+        return float(value)
+    if isinstance(value, dict):
+        return {k: _numbers_inside(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_numbers_inside(v) for v in value]
+    return value
+
+
+#: A free-form mapping (checked by the class it configures), numbers read as written.
+Mapping = Annotated[dict, BeforeValidator(_numbers_inside)]
 #: A float field that also takes ``1e-3`` written in YAML (read as text) and integers.
 Number = Annotated[float, BeforeValidator(number)]
 #: A tuple of numbers, given as a YAML list.
@@ -90,10 +105,14 @@ class Section(BaseModel):
             known = list(cls.model_fields)
             unknown = sorted(set(data) - set(known) - {getattr(cls, "key_field", "")})
             if unknown:
-                raise ValueError(
-                    f"unknown key {unknown[0]!r}{did_you_mean(unknown[0], known)}; known: {known}"
-                )
+                raise cls.unknown_key(unknown[0])
         return data
+
+    @classmethod
+    def unknown_key(cls, key: str) -> ValueError:
+        """The error for a key this section does not have."""
+        known = list(cls.model_fields)
+        return ValueError(f"unknown key {key!r}{did_you_mean(key, known)}; known: {known}")
 
     def to_dict(self) -> dict[str, Any]:
         """The section as plain data (YAML/JSON), every field written out."""
@@ -195,12 +214,16 @@ def first_error(e: ValidationError, prefix: str = "") -> str:
     loc = [str(p) for p in err["loc"] if not str(p).startswith("function-")]
     where = ".".join(x for x in (prefix, *loc) if x)
     kind, msg = err["type"], err["msg"]
+    if kind == "missing":
+        return f"{where} is required"
     if kind == "value_error":
         msg = msg.removeprefix("Value error, ")
         return f"{where}: {msg}" if where and not msg.startswith(where) else msg
     given = err.get("input")
     hint = ""
     if kind == "literal_error":
-        allowed = [a.strip().strip("'") for a in err["ctx"]["expected"].replace(" or ", ",").split(",")]
+        allowed = [
+            a.strip().strip("'") for a in err["ctx"]["expected"].replace(" or ", ",").split(",")
+        ]
         hint = did_you_mean(given, [a for a in allowed if a])
     return f"{where}: {msg[0].lower() + msg[1:]}, got {given!r}{hint}"
