@@ -56,8 +56,6 @@ __all__ = [
     "all_reduce_wire",
     "dense_allreduce",
     "ec_quantized_allreduce",
-    "ring_sent_bytes",
-    "tree_sent_bytes",
     "whole_optimizer",
     "worker_state",
 ]
@@ -211,21 +209,6 @@ class DenseState(NamedTuple):
     """
 
     log: CommLog
-
-
-def ring_sent_bytes(segment: Any, n: int) -> int:
-    """Bytes one worker sends in a ring all-reduce whose segments look like ``segment``."""
-    return 2 * (n - 1) * payload_bytes(segment)
-
-
-def tree_sent_bytes(message: Any, n: int) -> int:
-    """Bytes the busiest worker sends in :func:`jaxcomm.tree_all_reduce` of ``message``.
-
-    That is the root, which forwards the result ``ceil(log2 N)`` times in the broadcast
-    (every other device sends once in the reduce and at most ``ceil(log2 N) - 1`` times in
-    the broadcast); :func:`jaxcomm.collectives.tree_all_reduce_wire` has every device's count.
-    """
-    return max(tree_all_reduce_wire(message, n).sent, default=0)
 
 
 def dense_allreduce(axis_name: Any, *, reduce: str = "psum") -> optax.GradientTransformation:

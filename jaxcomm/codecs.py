@@ -670,7 +670,7 @@ def _sample_indices(x: jax.Array, k: int) -> jax.Array:
 
 
 def topk_indices(
-    x: jax.Array, k: int, *, method: str = "exact", rounds: int = EXACT_ROUNDS
+    x: jax.Array, k: int, *, method: str = "auto", rounds: int = EXACT_ROUNDS
 ) -> jax.Array:
     """``int32[k]`` indices of the ``k`` largest-magnitude entries of a flat array.
 

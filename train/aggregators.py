@@ -43,6 +43,9 @@ class Aggregator(Choice):
     whole_optimizer: ClassVar[bool] = False
     #: True where each worker keeps its own gradient (``none``: a sync wrapper averages).
     local: ClassVar[bool] = False
+    #: Fields that are step sizes: they shape no state, so a resumed run may change them
+    #: (e.g. a smaller step after a non-finite stop).
+    step_sizes: ClassVar[tuple[str, ...]] = ()
 
     def build(self, ctx: BuildContext) -> optax.GradientTransformation:
         """The transform over ``ctx.axis`` (its factory's errors name this aggregator)."""
@@ -209,6 +212,7 @@ class Marsit(_Seeded):
     (:func:`jaxcomm.marsit`)."""
 
     whole_optimizer: ClassVar[bool] = True
+    step_sizes: ClassVar[tuple[str, ...]] = ("local_lr", "global_lr")
     local_lr: Number = Field(description="scales the worker's gradient before compensation")
     global_lr: Number = Field(description="scales the merged signs of one-bit rounds")
     full_sync_every: int = Field(ge=1, description="steps between full-precision rounds")
@@ -225,6 +229,7 @@ class SignSGDMV(Aggregator):
     """signSGD with majority vote, a whole optimizer (:func:`jaxcomm.signsgd_mv`)."""
 
     whole_optimizer: ClassVar[bool] = True
+    step_sizes: ClassVar[tuple[str, ...]] = ("lr",)
     lr: Number = Field(gt=0, description="step size")
 
     def _build(self, ctx: BuildContext) -> optax.GradientTransformation:
@@ -236,6 +241,7 @@ class EFSignSGD(Aggregator):
     """Error-feedback signSGD, a whole optimizer (:func:`jaxcomm.ef_signsgd`)."""
 
     whole_optimizer: ClassVar[bool] = True
+    step_sizes: ClassVar[tuple[str, ...]] = ("lr",)
     lr: Number = Field(gt=0, description="step size")
 
     def _build(self, ctx: BuildContext) -> optax.GradientTransformation:
@@ -247,6 +253,7 @@ class SSDM(_Seeded):
     """Stochastic sign descent with momentum, a whole optimizer (:func:`jaxcomm.ssdm`)."""
 
     whole_optimizer: ClassVar[bool] = True
+    step_sizes: ClassVar[tuple[str, ...]] = ("lr", "momentum")
     lr: Number = Field(gt=0, description="step size")
     momentum: Number = Field(0.9, ge=0, lt=1, description="momentum of the signed direction")
 
@@ -260,6 +267,7 @@ class CascadingSign(_Seeded):
     the Marsit paper argues against; :func:`jaxcomm.cascading_sign`)."""
 
     whole_optimizer: ClassVar[bool] = True
+    step_sizes: ClassVar[tuple[str, ...]] = ("lr",)
     lr: Number = Field(gt=0, description="step size")
 
     def _build(self, ctx: BuildContext) -> optax.GradientTransformation:

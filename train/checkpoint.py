@@ -6,7 +6,7 @@ model parameters.
 run (what a checkpoint must match to be resumed) and host-side extras as JSON; restoring
 checks the files against the sums written at the commit, moves damaged newer checkpoints
 aside, and refuses a checkpoint of a different run, naming what differs. Step sizes
-(:data:`STEP_SIZES`) may change on resume.
+(an aggregator's ``step_sizes``) may change on resume.
 
 A state array whose leading (worker) axis holds the same bits in every row (parameters and
 optimizer state under synchronous training, the synchronised model of local SGD just after
@@ -47,30 +47,27 @@ __all__ = [
     "verify_checksums",
     "save_model_params",
     "load_model_params",
-    "STEP_SIZES",
     "resume_note",
     "run_fingerprint",
     "save_run",
     "restore_run",
 ]
 
-# Aggregator settings that are step sizes: they change no state's shape, so a resumed run
-# may change them (e.g. a smaller step after a non-finite stop).
-STEP_SIZES = ("lr", "local_lr", "global_lr", "momentum")
 # The file of a run folder naming the run that owns it: every checkpoint stores the same id.
 RUN_FILE = "run.json"
 
 
-def _changed_step_sizes(old: Any, new: Any) -> dict[str, tuple[Any, Any]] | None:
-    """``{key: (old, new)}`` of the step sizes that differ when ``old`` and ``new``
-    aggregator arguments differ in step sizes only; None when anything else differs (or
-    nothing does)."""
+def _changed_step_sizes(old: Any, new: Any, sizes: Any) -> dict[str, tuple[Any, Any]] | None:
+    """``{key: (old, new)}`` of the step sizes (the keys ``sizes``) that differ when
+    ``old`` and ``new`` aggregator arguments differ in step sizes only; None when anything
+    else differs (or nothing does)."""
     if not isinstance(old, dict) or not isinstance(new, dict) or old == new:
         return None
-    rest = lambda d: {k: v for k, v in d.items() if k not in STEP_SIZES}  # noqa: E731
+    sizes = tuple(sizes or ())
+    rest = lambda d: {k: v for k, v in d.items() if k not in sizes}  # noqa: E731
     if rest(old) != rest(new):
         return None
-    return {k: (old.get(k), new.get(k)) for k in STEP_SIZES if old.get(k) != new.get(k)}
+    return {k: (old.get(k), new.get(k)) for k in sizes if old.get(k) != new.get(k)}
 
 
 def _sha256(path: Any) -> str:
@@ -736,7 +733,9 @@ class Checkpoints:
             manager.reload()
         meta = manager.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         meta = {k: v for k, v in meta.items() if k not in ("run_id", "step")}
-        changed = _changed_step_sizes(meta.get("aggregator_args"), mine.get("aggregator_args"))
+        changed = _changed_step_sizes(
+            meta.get("aggregator_args"), mine.get("aggregator_args"), mine.get("step_sizes")
+        )
         if changed is not None:  # step sizes may change on resume; nothing else may
             meta = {**meta, "aggregator_args": mine.get("aggregator_args")}
         changed = {f"aggregator_args.{k}": v for k, v in (changed or {}).items()}
@@ -820,6 +819,7 @@ def run_fingerprint(t: Any) -> dict[str, Any]:
         **cfg.optimizer.settings(cfg.steps),
         "aggregator": cfg.aggregator.key,
         "aggregator_args": fields(cfg.aggregator),
+        "step_sizes": list(type(cfg.aggregator).step_sizes),
         **{k: v for part in t.parts for k, v in part.fingerprint().items()},
         "param_shapes": jax.tree_util.tree_flatten_with_path(shapes)[0].__repr__(),
     }
