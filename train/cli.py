@@ -122,9 +122,13 @@ def list_keys() -> str:
 
     out = []
     for key, default, text in key_docs():
-        out.append(f"{key} (default: {default!r})")
+        out.append(f"{key} ({_default(default)})")
         out += textwrap.wrap(plain(text), width=92, initial_indent="    ", subsequent_indent="    ")
     return "\n".join(out)
+
+
+def _default(value: Any, quote: str = "") -> str:
+    return "required" if value is ... else f"default: {quote}{value!r}{quote}"
 
 
 def plain(text: str) -> str:
@@ -186,7 +190,7 @@ def reference_page() -> str:
         "",
     ]
     for key, default, text in key_docs():
-        parts += [f"`{key}` (default `{default!r}`)", f": {text}", ""]
+        parts += [f"`{key}` ({_default(default, '`')})", f": {text}", ""]
     return "\n".join(parts).rstrip() + "\n"
 
 

@@ -1052,12 +1052,13 @@ def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:
 
 def key_docs() -> list[tuple[str, Any, str]]:
     """``(key, default, meaning)`` of every config key and every registered choice's
-    fields (``aggregator.ratio (ar_topk)``), from the classes' field descriptions."""
+    fields (``aggregator.ratio (ar_topk)``), from the classes' field descriptions; the
+    default of a required field is ``...``."""
     out: list[tuple[str, Any, str]] = []
 
     def fields(prefix: str, cls: type, owner: str = "") -> None:
         for name, f in cls.model_fields.items():
-            default = None if f.is_required() else f.get_default(call_default_factory=True)
+            default = ... if f.is_required() else f.get_default(call_default_factory=True)
             if isinstance(default, Section):
                 default = default.to_dict()
             label = f"{prefix}{name}" + (f" ({owner})" if owner else "")
