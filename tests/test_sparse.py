@@ -552,3 +552,20 @@ def test_auto_takes_the_exact_sort_for_integers():
     got = sorted(np.asarray(jaxcomm.topk_indices(x, 3, method="auto")).tolist())
     want = sorted(np.asarray(lax.top_k(jnp.abs(x), 3)[1]).tolist())
     assert got == want
+
+
+def test_topk_indices_defaults_to_the_selection_topk_encode_makes():
+    """``topk_indices(x, k)`` and ``topk_encode(x, k=k)`` choose the same entries by default
+    (one automatic, exact selection; not ``lax.top_k`` on one and the host kernel on the
+    other)."""
+    x = jax.random.normal(jax.random.key(3), (1 << 16,))
+    for k in (1, 100, 3000):
+        got = np.sort(np.asarray(jaxcomm.topk_indices(x, k)))
+        want = np.sort(np.asarray(jaxcomm.topk_encode(x, k=k).indices))
+        np.testing.assert_array_equal(got, want)
+        exact = np.sort(np.argsort(-np.abs(np.asarray(x)), kind="stable")[:k])
+        np.testing.assert_array_equal(got, exact)
+    # The same program as the automatic choice (on the CPU at this size, the host kernel).
+    default = jax.jit(lambda v: jaxcomm.topk_indices(v, 100)).lower(x).as_text()
+    auto = jax.jit(lambda v: jaxcomm.topk_indices(v, 100, method="auto")).lower(x).as_text()
+    assert default == auto

@@ -1202,6 +1202,7 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     if not overrides:
         return cfg
     data = cfg.to_dict()
+    done: list[tuple[str, list[str]]] = []  # (override, path) already applied
     for item in overrides:
         try:
             item.encode("utf-8")
@@ -1218,7 +1219,14 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         if path[0] in LEGACY_KEYS and len(path) > 1:
             data = translate_legacy({**data, path[0]: {}})  # e.g. aggregator_args.ratio
             path = [LEGACY_KEYS[path[0]].split(".")[0], *path[1:]]
+        for earlier, where in done:
+            if len(where) > len(path) and where[: len(path)] == path:
+                raise ValueError(
+                    f"override {item!r} replaces {'.'.join(path)!r} after {earlier!r} set a "
+                    f"field of it, which would be lost; give {item!r} first"
+                )
         _set_path(data, path, value)
+        done.append((item, path))
     return Config(**data)
 
 
