@@ -54,7 +54,7 @@ from train.trainer import Trainer, wire_time  # noqa: E402
 BANDWIDTHS = {"10Gbps": 10e9, "1Gbps": 1e9, "500Mbps": 500e6, "300Mbps": 300e6, "100Mbps": 100e6}
 MODEL = {"num_layers": 8, "width": 128, "num_heads": 4, "seq_len": 64}
 BATCH = 32
-# (label, boundary, fw_bits, bw_bits)
+# (label, boundary, forward bits, backward bits)
 SETTINGS = [
     ("FP32", "fp32", 4, 0),
     ("DirectQ fw2/bw4", "directq", 2, 4),
@@ -74,63 +74,73 @@ E2E = [
 ]
 
 
-# The frontier (``--frontier``): (label, boundary, fw_bits, bw_bits, boundary_args). A
-# top-k codec "topK/C" keeps K of every C entries of a sample's delta (forward) or gradient
-# (backward), values at 4 bits with one scale per chunk; "q1/b1024" is one-bit stochastic
-# quantization with one scale per 1,024 elements; "rankR" a rank-R factorization of each
-# sample's [T, W] with 8-bit factors. "first q4": first visits at 4 bits.
-_SPARSE = {"first_bits": 4}
+def _q(bits: int, bucket: int | None = None) -> dict:
+    return {"name": "quantize", "bits": bits, "bucket": bucket}
+
+
+def _top(k: int) -> dict:
+    return {"name": "chunk_topk", "chunk": 1024, "k": k, "bits": 4}
+
+
+def _rank(rank: int, bits: int = 8) -> dict:
+    return {"name": "lowrank", "rank": rank, "bits": bits}
+
+
+def _aq(forward: dict, backward: dict, first: bool = True, memory: bool = False) -> dict:
+    """An AQ-SGD boundary; ``first``: first visits at 4 bits (else float32)."""
+    out = {"name": "aqsgd", "forward": forward, "backward": backward, "memory": memory}
+    return {**out, "first": _q(4)} if first else out
+
+
+def _per_token(boundary: str, fw: int, bw: int) -> dict:
+    """Boundary ``boundary`` (fp32, directq, aqsgd) quantizing each token at ``fw`` bits
+    forward and ``bw`` backward (0: float32; fp32 sends float32 forward whatever ``fw``)."""
+    out = {"name": boundary, "backward": _q(bw) if bw else "fp32"}
+    return out if boundary == "fp32" else {**out, "forward": _q(fw)}
+
+
+# The frontier (``--frontier``): (label, boundary). A top-k codec "topK/C" keeps K of every
+# C entries of a sample's delta (forward) or gradient (backward), values at 4 bits with one
+# scale per chunk; "q1/b1024" is one-bit stochastic quantization with one scale per 1,024
+# elements; "rankR" a rank-R factorization of each sample's [T, W] with 8-bit factors.
+# "first q4": first visits at 4 bits.
 FRONTIER = [
-    ("FP32", "fp32", 4, 0, {}),
-    ("AQ-SGD fw2/bw4", "aqsgd", 2, 4, {}),
-    ("q1/b1024 fw, q2/b1024 bw, first q4", "aqsgd", 1, 2,
-     {"fw_bucket": 1024, "bw_bucket": 1024, **_SPARSE}),
-    ("top32/1024 fw, top32/1024 bw, first q4", "aqsgd", 4, 4,
-     {"fw_chunk": 1024, "fw_k": 32, "bw_chunk": 1024, "bw_k": 32, **_SPARSE}),
-    ("top16/1024 fw, top32/1024 bw, first q4", "aqsgd", 4, 4,
-     {"fw_chunk": 1024, "fw_k": 16, "bw_chunk": 1024, "bw_k": 32, **_SPARSE}),
-    ("top16/1024 fw, top16/1024 bw, first q4", "aqsgd", 4, 4,
-     {"fw_chunk": 1024, "fw_k": 16, "bw_chunk": 1024, "bw_k": 16, **_SPARSE}),
-    ("top8/1024 fw, top16/1024 bw, first q4", "aqsgd", 4, 4,
-     {"fw_chunk": 1024, "fw_k": 8, "bw_chunk": 1024, "bw_k": 16, **_SPARSE}),
-    ("top16/1024 fw, top16/1024 bw, first fp32", "aqsgd", 4, 4,
-     {"fw_chunk": 1024, "fw_k": 16, "bw_chunk": 1024, "bw_k": 16}),
+    ("FP32", _per_token("fp32", 4, 0)),
+    ("AQ-SGD fw2/bw4", _per_token("aqsgd", 2, 4)),
+    ("q1/b1024 fw, q2/b1024 bw, first q4", _aq(_q(1, 1024), _q(2, 1024))),
+    ("top32/1024 fw, top32/1024 bw, first q4", _aq(_top(32), _top(32))),
+    ("top16/1024 fw, top32/1024 bw, first q4", _aq(_top(16), _top(32))),
+    ("top16/1024 fw, top16/1024 bw, first q4", _aq(_top(16), _top(16))),
+    ("top8/1024 fw, top16/1024 bw, first q4", _aq(_top(8), _top(16))),
+    ("top16/1024 fw, top16/1024 bw, first fp32", _aq(_top(16), _top(16), first=False)),
     # Low rank (benchmarks/delta_lowrank.py: below sparsity's error at equal bytes on these
     # deltas): each sample's [64, 128] delta or gradient as rank r, 8-bit factors unless
     # "rankR/B-bit" says otherwise.
-    ("rank2 fw, rank2 bw, first q4", "aqsgd", 8, 8, {"fw_rank": 2, "bw_rank": 2, **_SPARSE}),
-    ("rank2 fw, bw4, first q4", "aqsgd", 8, 4, {"fw_rank": 2, **_SPARSE}),
-    ("rank3/4-bit fw, rank3/4-bit bw, first q4", "aqsgd", 4, 4,
-     {"fw_rank": 3, "bw_rank": 3, **_SPARSE}),
-    ("rank3/4-bit fw, rank3/3-bit bw, first q4", "aqsgd", 4, 3,
-     {"fw_rank": 3, "bw_rank": 3, **_SPARSE}),
-    # The gradient memory (bw_memory): what the backward codec drops is sent at later visits.
-    ("rank3/4-bit fw, rank3/4-bit bw + memory, first q4", "aqsgd", 4, 4,
-     {"fw_rank": 3, "bw_rank": 3, "bw_memory": True, **_SPARSE}),
+    ("rank2 fw, rank2 bw, first q4", _aq(_rank(2), _rank(2))),
+    ("rank2 fw, bw4, first q4", _aq(_rank(2), _q(4))),
+    ("rank3/4-bit fw, rank3/4-bit bw, first q4", _aq(_rank(3, 4), _rank(3, 4))),
+    ("rank3/4-bit fw, rank3/3-bit bw, first q4", _aq(_rank(3, 4), _rank(3, 3))),
+    # The gradient memory (memory): what the backward codec drops is sent at later visits.
+    ("rank3/4-bit fw, rank3/4-bit bw + memory, first q4",
+     _aq(_rank(3, 4), _rank(3, 4), memory=True)),
     # One direction compressed hard at a time: where the loss goes.
-    ("top16/1024 fw, bw4, first q4", "aqsgd", 4, 4, {"fw_chunk": 1024, "fw_k": 16, **_SPARSE}),
-    ("fw2, top32/1024 bw", "aqsgd", 2, 4, {"bw_chunk": 1024, "bw_k": 32}),
+    ("top16/1024 fw, bw4, first q4", _aq(_top(16), _q(4))),
+    ("fw2, top32/1024 bw", _aq(_q(2), _top(32), first=False)),
 ]  # fmt: skip
 # Settings screened at the largest stage count and the first seed only (``--frontier`` runs
 # them there): shown in the table, never marked as the cheapest within the goal.
 SCREEN = [
-    ("fw2, rank2 bw", "aqsgd", 2, 8, {"bw_rank": 2}),
-    ("rank2/6-bit fw, rank2/6-bit bw, first q4", "aqsgd", 6, 6,
-     {"fw_rank": 2, "bw_rank": 2, **_SPARSE}),
-    ("rank2 fw, rank1 bw, first q4", "aqsgd", 8, 8, {"fw_rank": 2, "bw_rank": 1, **_SPARSE}),
-    ("rank1 fw, rank2 bw, first q4", "aqsgd", 8, 8, {"fw_rank": 1, "bw_rank": 2, **_SPARSE}),
-    ("rank2 fw, rank3/4-bit bw, first q4", "aqsgd", 8, 4, {"fw_rank": 2, "bw_rank": 3, **_SPARSE}),
-    ("rank4/3-bit fw, rank4/3-bit bw, first q4", "aqsgd", 3, 3,
-     {"fw_rank": 4, "bw_rank": 4, **_SPARSE}),
-    ("rank4/4-bit fw, rank4/4-bit bw, first q4", "aqsgd", 4, 4,
-     {"fw_rank": 4, "bw_rank": 4, **_SPARSE}),
-    ("rank2 fw, rank2 bw + memory, first q4", "aqsgd", 8, 8,
-     {"fw_rank": 2, "bw_rank": 2, "bw_memory": True, **_SPARSE}),
-    ("rank2 fw, rank1 bw + memory, first q4", "aqsgd", 8, 8,
-     {"fw_rank": 2, "bw_rank": 1, "bw_memory": True, **_SPARSE}),
-    ("top16/1024 fw, top16/1024 bw + memory, first q4", "aqsgd", 4, 4,
-     {"fw_chunk": 1024, "fw_k": 16, "bw_chunk": 1024, "bw_k": 16, "bw_memory": True,
-      **_SPARSE}),
+    ("fw2, rank2 bw", _aq(_q(2), _rank(2), first=False)),
+    ("rank2/6-bit fw, rank2/6-bit bw, first q4", _aq(_rank(2, 6), _rank(2, 6))),
+    ("rank2 fw, rank1 bw, first q4", _aq(_rank(2), _rank(1))),
+    ("rank1 fw, rank2 bw, first q4", _aq(_rank(1), _rank(2))),
+    ("rank2 fw, rank3/4-bit bw, first q4", _aq(_rank(2), _rank(3, 4))),
+    ("rank4/3-bit fw, rank4/3-bit bw, first q4", _aq(_rank(4, 3), _rank(4, 3))),
+    ("rank4/4-bit fw, rank4/4-bit bw, first q4", _aq(_rank(4, 4), _rank(4, 4))),
+    ("rank2 fw, rank2 bw + memory, first q4", _aq(_rank(2), _rank(2), memory=True)),
+    ("rank2 fw, rank1 bw + memory, first q4", _aq(_rank(2), _rank(1), memory=True)),
+    ("top16/1024 fw, top16/1024 bw + memory, first q4",
+     _aq(_top(16), _top(16), memory=True)),
 ]  # fmt: skip
 GAP_GOAL = 0.02  # final loss within 2% of FP32's
 
@@ -145,14 +155,12 @@ def pretrain(args, out: Path) -> str:
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = Config(
         name="pretrain",
-        task="gpt",
-        model=MODEL,
+        model={"name": "gpt", **MODEL},
         workers=1,
         global_batch=BATCH,
         steps=args.pretrain_steps,
         seed=args.seed,
-        optimizer="adam",
-        lr=3e-3,
+        optimizer={"name": "adam", "lr": 3e-3},
         checkpoint_every=0,
         out_dir=str(run_dir),
         progress=False,
@@ -165,26 +173,23 @@ def pretrain(args, out: Path) -> str:
 def run_one(
     label,
     boundary,
-    fw,
-    bw,
     stages,
     workers,
     aggregator,
     args,
     out,
     init,
-    boundary_args=None,
     seed=None,
     folder=None,
 ) -> dict:
-    """Fine-tune one setting; returns its metric rows, summary and buffer I/O probe."""
+    """Fine-tune one setting (``boundary``: the config's boundary section); returns its
+    metric rows, summary and buffer I/O probe."""
     folder = folder or f"{_slug(label)}_d{workers}_s{stages}"
     run_dir = out / "runs" / folder
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = Config(
         name=f"{label} {workers}x{stages}".replace("/", "-"),
-        task="gpt",
-        model=MODEL,
+        model={"name": "gpt", **MODEL},
         workers=workers,
         stages=stages,
         microbatches=4,
@@ -192,13 +197,9 @@ def run_one(
         train_samples=args.samples,
         steps=args.steps,
         seed=args.seed if seed is None else seed,
-        optimizer="adam",
-        lr=args.lr,
+        optimizer={"name": "adam", "lr": args.lr},
         aggregator=aggregator,
         boundary=boundary,
-        fw_bits=fw,
-        bw_bits=bw,
-        boundary_args=boundary_args or {},
         init_params=init,
         eval_every=0,
         checkpoint_every=0,
@@ -291,16 +292,14 @@ def frontier(args, out: Path) -> int:
     todo = [(f, st, sd) for st in stages for sd in seeds for f in FRONTIER]
     todo += [(f, max(stages), seeds[0]) for f in SCREEN]
     runs, reused = [], []
-    for (label, boundary, fw, bw, bargs), st, sd in tqdm(todo, desc="frontier", unit="run"):
+    for (label, boundary), st, sd in tqdm(todo, desc="frontier", unit="run"):
         folder = f"{_slug(label)}_s{st}_seed{sd}"
         if (out / "runs" / folder / "summary.json").exists() and not args.fresh:
             reused.append(folder)
             res = load_run(label, st, 1, out, folder)
         else:
-            res = run_one(
-                label, boundary, fw, bw, st, 1, "ring", args, out, init, bargs, sd, folder
-            )
-        runs.append({**res, "seed": sd, "boundary_args": bargs, "fw": fw, "bw": bw})
+            res = run_one(label, boundary, st, 1, "ring", args, out, init, sd, folder)
+        runs.append({**res, "seed": sd, "boundary": boundary})
     meta = run_meta(
         None, t0, steps=args.steps, samples=args.samples,
         pretrain_steps=args.pretrain_steps, lr=args.lr, seeds=seeds, stages=stages,
@@ -337,9 +336,7 @@ def _frontier_rows(runs: list[dict]) -> list[dict]:
             {
                 "method": r["label"],
                 "stages": r["stages"],
-                "boundary_args": r["boundary_args"],
-                "fw_bits": r["fw"],
-                "bw_bits": r["bw"],
+                "boundary": r["boundary"],
                 "steady_bytes": steady,
                 "total_bytes": total,
                 "steady_ratio": ref_steady / steady,
@@ -515,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
         if only and f"{_slug(label)}_d{workers}_s{stages}" not in only:
             results.append(load_run(label, stages, workers, out))
             continue
-        results.append(run_one(label, boundary, fw, bw, stages, workers, agg, args, out, init))
+        section = _per_token(boundary, fw, bw)
+        results.append(run_one(label, section, stages, workers, agg, args, out, init))
     table = [analyse(r) for r in results]
     meta = run_meta(
         argv,

@@ -64,15 +64,13 @@ def config(name: str, out: Path, steps: int, lr: float, **kw) -> Config:
         shutil.rmtree(run_dir)
     base = dict(
         name=name,
-        task="mlp",
-        model={"features": [512, 512]},
+        model={"name": "mlp", "features": [512, 512]},
         dataset="digits",
         workers=8,
         global_batch=128,
         steps=steps,
         seed=0,
-        optimizer="momentum",
-        lr=lr,
+        optimizer={"name": "momentum", "lr": lr},
         aggregator="ring",
         network=NETWORK,
         compute="v100",
@@ -143,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             out,
             args.steps,
             args.lr,
-            aggregator=agg,
-            aggregator_args=agg_args,
+            aggregator={"name": agg, **agg_args},
         )
         static[label] = run(cfg)
     adaptive = {}
@@ -155,15 +152,19 @@ def main(argv: list[str] | None = None) -> int:
             out,
             args.adaptive_steps,
             args.lr,
-            aggregator="ar_topk",
-            aggregator_args={"ratio": 0.1, "select": "star"},
+            aggregator={"name": "ar_topk", "ratio": 0.1, "select": "star"},
             adaptive={"trial_steps": 10, "min_interval": 50},
             network=preset,
-            model=wide,
+            model={"name": "mlp", **wide},
         )
         adaptive[preset] = run(cfg)
         dense = config(
-            f"dense_{preset}", out, args.adaptive_steps, args.lr, network=preset, model=wide
+            f"dense_{preset}",
+            out,
+            args.adaptive_steps,
+            args.lr,
+            network=preset,
+            model={"name": "mlp", **wide},
         )
         adaptive[f"dense_{preset}"] = run(dense)
     record = {

@@ -34,7 +34,7 @@ from train.estimate import estimates  # noqa: E402
 
 NETWORKS = {"intercontinental": "100ms,1Gbps", "one continent": "20ms,10Gbps"}
 SETTINGS = {
-    "DP (fp32 ring every step)": ["aggregator=ring", "sync={}", "optimizer=adamw"],
+    "DP (fp32 ring every step)": ["aggregator=ring", "sync={}", "optimizer.name=adamw"],
     "DiLoCo H=100 int8": [],
     "Streaming DiLoCo H=100 F=4 tau=5 int4": [
         "sync={method: diloco, period: 100, fragments: 4, overlap: 5, compress: int4}"

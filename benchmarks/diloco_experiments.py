@@ -85,15 +85,13 @@ def config(slug: str, out: Path, steps: int, seed: int, **kw) -> Config:
         shutil.rmtree(run_dir)
     base = dict(
         name=slug,
-        task="gpt",
-        model={"num_layers": 4, "width": 128, "num_heads": 4, "seq_len": 64},
+        model={"name": "gpt", "num_layers": 4, "width": 128, "num_heads": 4, "seq_len": 64},
         dataset="shakespeare",
         workers=8,
         global_batch=64,
         steps=steps,
         seed=seed,
-        optimizer="adam",
-        lr=3e-3,
+        optimizer={"name": "adam", "lr": 3e-3},
         network=NETWORKS[TRAIN_NET],
         compute="v100",
         eval_every=max(steps // 12, 1),

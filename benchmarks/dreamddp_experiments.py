@@ -77,15 +77,13 @@ def config(name: str, out: Path, steps: int, **kw) -> Config:
         shutil.rmtree(run_dir)
     base = dict(
         name=name,
-        task="gpt",
-        model={"num_layers": 4, "width": 128, "num_heads": 4, "seq_len": 64},
+        model={"name": "gpt", "num_layers": 4, "width": 128, "num_heads": 4, "seq_len": 64},
         dataset="shakespeare",
         workers=8,
         global_batch=64,
         steps=steps,
         seed=SEED[0],
-        optimizer="adam",
-        lr=3e-3,
+        optimizer={"name": "adam", "lr": 3e-3},
         aggregator="ring",
         network=NETWORKS["1 Gbps"],
         compute="v100",
@@ -142,9 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         if name == "S-SGD":
             cfg = config("ssgd", out, steps)
         else:
-            sync = {"method": LOCAL[name], "period": h, "fused": name == "FLSGD (fused)"}
+            fused = name == "FLSGD (fused)"
+            sync = {"method": LOCAL[name], "period": h, **({"fused": True} if fused else {})}
             network = NETWORKS[net or "1 Gbps"]
-            slug = f"{LOCAL[name]}{'_fused' * sync['fused']}_h{h}"
+            slug = f"{LOCAL[name]}{'_fused' * fused}_h{h}"
             slug += f"_{net.replace(' ', '')}" if net else ""
             cfg = config(slug, out, steps, aggregator="none", sync=sync, network=network)
         trainer = Trainer(cfg)

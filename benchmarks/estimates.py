@@ -32,7 +32,7 @@ from train.config import load_config  # noqa: E402
 from train.estimate import estimates  # noqa: E402
 
 BANDWIDTHS = ("10Gbps", "1Gbps", "500Mbps", "300Mbps", "100Mbps")
-SETTINGS = [  # label, boundary, fw_bits, bw_bits
+SETTINGS = [  # label, boundary, forward bits, backward bits
     ("FP32", "fp32", 4, 0),
     ("DirectQ fw2/bw4", "directq", 2, 4),
     ("DirectQ fw3/bw6", "directq", 3, 6),
@@ -49,6 +49,15 @@ PAPER_FP32 = (3.8, 3.2, 2.7, 1.8, 0.5)
 PAPER_COMPRESSED = ((4.0, 4.1), (3.9, 4.0), (3.9, 3.9), (3.8, 3.9), (3.0, 3.5))
 
 
+def _boundary(name: str, fw: int, bw: int) -> str:
+    """The ``boundary=`` override of boundary ``name`` quantizing each token at ``fw`` bits
+    forward (fp32: float32 whatever ``fw``) and ``bw`` backward (0: float32)."""
+    section = {"name": name, "backward": {"name": "quantize", "bits": bw} if bw else "fp32"}
+    if name != "fp32":
+        section["forward"] = {"name": "quantize", "bits": fw}
+    return f"boundary={json.dumps(section)}"
+
+
 # AQ-SGD + QuantizedAdam against no compression with data parallelism (the paper's Sec. 4.3:
 # 4 replicas x 8 stages = 32 V100s; forward 3 bits, backward 6, model gradients 4). The
 # paper reports "up to 8.5x" throughput from its Figure 5(c), whose values are not in the
@@ -56,11 +65,8 @@ PAPER_COMPRESSED = ((4.0, 4.1), (3.9, 4.0), (3.9, 3.9), (3.8, 3.9), (3.0, 3.5))
 # assumed. Error-compensated 4-bit all-reduce followed by Adam stands in for QuantizedAdam
 # (same bytes on the wire: 4-bit codes and a scale per bucket).
 E2E = [  # label, overrides
-    ("FP32 + dense ring", ["boundary=fp32", "bw_bits=0", "aggregator=ring"]),
-    (
-        "AQ-SGD fw3/bw6 + 4-bit EC",
-        ["boundary=aqsgd", "fw_bits=3", "bw_bits=6", "aggregator=ec_quantized"],
-    ),
+    ("FP32 + dense ring", [_boundary("fp32", 4, 0), "aggregator=ring"]),
+    ("AQ-SGD fw3/bw6 + 4-bit EC", [_boundary("aqsgd", 3, 6), "aggregator=ec_quantized"]),
 ]
 E2E_SET = ["workers=4", "global_batch=128"]
 
@@ -94,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, boundary, fw, bw in SETTINGS:
         cfg = load_config(
             "configs/aqsgd_gpt2xl.yaml",
-            [f"compute={args.compute}", f"boundary={boundary}", f"fw_bits={fw}", f"bw_bits={bw}"],
+            [f"compute={args.compute}", _boundary(boundary, fw, bw)],
         )
         for est in estimates(cfg, nets, [False, True]):
             rows.append({"method": label, **est})
@@ -128,7 +134,7 @@ def _marsit(out: Path, argv: list[str] | None, t0: float) -> None:
     nets = [f"{MARSIT_LATENCY},{b}" for b in MARSIT_BANDWIDTHS]
     runs = {
         "PSGD (fp32 ring)": (
-            ["aggregator=ring", "aggregator_args={}", "optimizer=momentum", "lr=0.1"],
+            ["aggregator=ring", "optimizer=momentum", "optimizer.lr=0.1"],
             None,
         ),
         "Marsit one-bit round": ([], {"marsit_round": 0}),

@@ -54,16 +54,14 @@ from train.netns import NetnsCluster, address, available, ping_pong  # noqa: E40
 METHODS = {
     "dense fp32 ring": ["aggregator=ring", "optimizer=adam"],
     "Marsit (1-bit)": [
-        "aggregator=marsit",
         "optimizer=none",
-        "aggregator_args={local_lr: 0.1, global_lr: 0.002, full_sync_every: 100000}",
+        "aggregator={name: marsit, local_lr: 0.1, global_lr: 0.002, full_sync_every: 100000}",
     ],
     "ec_quantized 4-bit": ["aggregator=ec_quantized", "optimizer=adam"],
     "AR-Topk STAR 1% ring": [
-        "aggregator=ar_topk",
         "optimizer=momentum",
-        "lr=0.05",
-        "aggregator_args={ratio: 0.01, select: star, reduce: ring}",
+        "optimizer.lr=0.05",
+        "aggregator={name: ar_topk, ratio: 0.01, select: star, reduce: ring}",
     ],
     # One stage per process: every boundary message crosses a link. 32 training samples
     # and 16 per step: from step 3 every sample has a previous message, so the forward
@@ -71,9 +69,8 @@ METHODS = {
     "AQ-SGD pipeline (4 stages; fw 4 / bw 8 bits)": [
         "workers=1",
         "stages=4",
-        "boundary=aqsgd",
-        "fw_bits=4",
-        "bw_bits=8",
+        "boundary={name: aqsgd, forward: {name: quantize, bits: 4}, "
+        "backward: {name: quantize, bits: 8}}",
         "global_batch=16",
         "microbatches=4",
         "train_samples=32",

@@ -53,21 +53,24 @@ GPT = {"num_layers": 4, "width": 128, "num_heads": 4, "seq_len": 64}
 CASES = {
     "mlp psum (tiny step)": (
         Trainer,
-        dict(task="mlp", model={"features": [32]}, dataset="digits", aggregator="psum"),
+        dict(model={"name": "mlp", "features": [32]}, dataset="digits", aggregator="psum"),
     ),
     "gpt ring (README model)": (
         Trainer,
-        dict(task="gpt", model=GPT, dataset="shakespeare", global_batch=64, aggregator="ring"),
+        dict(
+            model={"name": "gpt", **GPT},
+            dataset="shakespeare",
+            global_batch=64,
+            aggregator="ring",
+        ),
     ),
     "mlp local SGD (H=4)": (
         Trainer,
         dict(
-            task="mlp",
-            model={"features": [32]},
+            model={"name": "mlp", "features": [32]},
             dataset="digits",
             aggregator="none",
-            optimizer="sgd",
-            lr=0.05,
+            optimizer={"name": "sgd", "lr": 0.05},
             sync={"method": "local_sgd", "period": 4},
         ),
     ),

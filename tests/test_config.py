@@ -97,6 +97,9 @@ def test_overrides_reach_any_depth_and_a_name_alone_takes_defaults():
     cfg = apply_overrides(Config(aggregator={"name": "ar_topk", "ratio": 0.5}),
                           ["aggregator=lw_topk", "aggregator.ratio=0.2"])  # fmt: skip
     assert cfg.aggregator.to_dict() == {"name": "lw_topk", "ratio": 0.2}
+    # The optimizer's fields are every optimizer's: a name alone changes the name only.
+    cfg = apply_overrides(Config(optimizer={"name": "adam", "lr": 1e-4}), ["optimizer=sgd"])
+    assert (cfg.optimizer.name, cfg.optimizer.lr) == ("sgd", 1e-4)
 
 
 @pytest.mark.parametrize(

@@ -385,7 +385,9 @@ def test_step_sizes_may_change_on_resume_and_nothing_else(tmp_path, capsys):
     resumed.run(resume=True)
     assert "resuming with lr changed" in capsys.readouterr().out
     other = {**MARSIT, "aggregator_args": {**MARSIT["aggregator_args"], "full_sync_every": 2}}
-    with pytest.raises(ValueError, match="aggregator_args.full_sync_every: checkpoint 4 vs config 2"):
+    with pytest.raises(
+        ValueError, match="aggregator_args.full_sync_every: checkpoint 4 vs config 2"
+    ):
         Trainer(_cfg(tmp_path, steps=6, **other)).run(resume=True)
 
 

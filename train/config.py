@@ -1225,6 +1225,8 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
                     f"override {item!r} replaces {'.'.join(path)!r} after {earlier!r} set a "
                     f"field of it, which would be lost; give {item!r} first"
                 )
+        if path == ["optimizer"] and isinstance(value, str):
+            path = ["optimizer", "name"]  # the optimizer's other fields are every one's
         _set_path(data, path, value)
         done.append((item, path))
     return Config(**data)
