@@ -209,15 +209,23 @@ def layout_of(tree: Any) -> Layout:
 # --------------------------------------------------------------------------- checks
 
 
-def _vma_checked() -> bool:
-    """Whether the enclosing ``shard_map`` types values by the axes they vary over
-    (``check_vma=True``)."""
-    try:
-        from jax._src import config as jax_config
+def _varying(x: Any) -> frozenset | None:
+    """The mesh axes ``x`` is typed as varying over inside ``shard_map`` (None: this JAX
+    does not type values so)."""
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)  # JAX 0.10
+    if mat is not None:
+        return frozenset(mat.varying)
+    vma = getattr(t, "vma", None)  # earlier JAX
+    return None if vma is None else frozenset(vma)
 
-        return bool(jax_config._check_vma.value)
-    except (ImportError, AttributeError):  # pragma: no cover - a JAX without the flag
-        return False
+
+def _vma_checked(axis_name: Any) -> bool:
+    """Whether the enclosing ``shard_map`` types values by the axes they vary over
+    (``check_vma=True``): probed on the index of an axis, which varies over it when the
+    types are checked (public API only)."""
+    name = _names(axis_name)[0]
+    return bool(_varying(jax.lax.axis_index(name)))
 
 
 def _leaf_paths(tree: Any, pick: Callable[[Any], bool]) -> list[str]:
@@ -252,12 +260,12 @@ def check_grads(who: str, grads: Any, axis_name: Any) -> None:
             f"the leaves {_short(bad)} are {', '.join(dtypes)}. Keep integer state out of the "
             "differentiated parameters"
         )
-    if not _vma_checked():
+    if not _vma_checked(axis_name):
         return
 
     def invariant(x: Any) -> bool:
-        mat = getattr(jax.typeof(x), "manual_axis_type", None)
-        return mat is not None and any(n not in mat.varying for n in names)
+        varying = _varying(x)
+        return varying is not None and any(n not in varying for n in names)
 
     same = _leaf_paths(grads, invariant)
     if same:

@@ -324,7 +324,7 @@ def test_the_vma_flag_the_check_reads_exists():
     seen = {}
 
     def probe(x):
-        seen["on"] = _vma_checked()
+        seen["on"] = _vma_checked("data")
         return x
 
     x = jax.device_put(jnp.zeros(N), NamedSharding(mesh, P("data")))
