@@ -3,8 +3,8 @@
 The paper measures, on 8 inter-node V100s at 1 ms latency and 10, 5 and 1 Gbps, the
 communication time of AG top-k, ART-Ring and ART-Tree for ResNet18, ResNet50, AlexNet and
 ViT at CR 0.1, 0.01 and 0.001 (gradients fused into 64 MB buckets). This script puts the
-alpha-beta model's times (:func:`jaxcomm.collective_time`) and the winner that
-:func:`jaxcomm.choose_collective` picks beside the measured ones, in two settings: the
+alpha-beta model's times (:func:`jaxcomm.network.collective_time`) and the winner that
+:func:`jaxcomm.network.choose_collective` picks beside the measured ones, in two settings: the
 whole model as one message, and one collective per 64 MB bucket (the paper's bucketing:
 every bucket pays the latency terms again). No training runs here; it takes a second.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from _meta import run_meta
 
 import jaxcomm
-from jaxcomm import Network
+from jaxcomm.network import Network
 
 N = 8
 BUCKET = 64 * 2**20  # bytes
@@ -93,11 +93,11 @@ def model_row(params: int, gbps: float, ratio: float, bucketed: bool) -> dict[st
     nbytes = 4 * params
     calls = math.ceil(nbytes / BUCKET) if bucketed else 1
     times = {
-        name: 1e3 * jaxcomm.collective_time(kind, nbytes, N, net, ratio=ratio, calls=calls)
+        name: 1e3 * jaxcomm.network.collective_time(kind, nbytes, N, net, ratio=ratio, calls=calls)
         for name, kind in KINDS.items()
     }
     # Every bucket is its own message of the same size, so the pick is the per-bucket one.
-    pick = CHOICE[jaxcomm.choose_collective(nbytes / calls, N, ratio, net)]
+    pick = CHOICE[jaxcomm.network.choose_collective(nbytes / calls, N, ratio, net)]
     assert times[pick] == min(times.values())
     return {**times, "pick": pick, "calls": calls}
 
@@ -171,7 +171,7 @@ def render(record: dict) -> str:
         f"`{meta['command']}` ({meta['date']}, {meta['machine']}, jax {meta['jax']}).",
         "",
         "Communication ms at 1 ms latency, 8 workers. *paper*: measured on 8 inter-node V100s "
-        "(Table VI). *model*: `jaxcomm.collective_time` (Eqs. 4a, 4b and the AG cost), the "
+        "(Table VI). *model*: `jaxcomm.network.collective_time` (Eqs. 4a, 4b and the AG cost), the "
         "model as one fused message and, in brackets, as one collective per 64 MB bucket "
         "like the paper's PyTorch bucketing. Parameters are the torchvision models that the "
         "paper's published code builds (sahiltyagi4/ARTopk, "

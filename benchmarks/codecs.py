@@ -21,7 +21,7 @@ script measures:
   the whole array (``x + 0.0``, ``x * 1.0`` and the identity compile to the same ``copy`` on
   this JAX version). The script checks that the compiled HLO contains a ``copy`` and that the
   output buffer is not the input buffer, and stops if either fails.
-* **bytes**: ``jaxcomm.payload_bytes`` of the payload, checked against the formula
+* **bytes**: ``jaxcomm.codecs.payload_bytes`` of the payload, checked against the formula
   (``ceil(n*b/8) + 4*ceil(n/512)`` for quantization, twice the scales for min/max,
   ``ceil(n/8)`` (+4 with a scale) for signs, ``8*k`` with ``k = ceil(ratio*n)`` for top-k);
   a mismatch stops the script.
@@ -118,7 +118,7 @@ def make_cases(n: int) -> list[Case]:
                 continue
 
             def enc(x: jax.Array, key: jax.Array, bits: int = bits, sym: bool = symmetric) -> Any:
-                return jaxcomm.quantize(
+                return jaxcomm.codecs.quantize(
                     x, key, bits=bits, bucket_size=BUCKET, stochastic=True, symmetric=sym
                 )
 
@@ -127,7 +127,7 @@ def make_cases(n: int) -> list[Case]:
                 Case(
                     f"quantize {bits}-bit" + ("" if symmetric else " min/max"),
                     enc,
-                    jaxcomm.dequantize,
+                    jaxcomm.codecs.dequantize,
                     -(-n * bits // 8) + 4 * scales * -(-n // BUCKET),
                     f"ceil(n*{bits}/8) + {4 * scales}*ceil(n/{BUCKET})",
                 )
@@ -136,13 +136,13 @@ def make_cases(n: int) -> list[Case]:
 
         def enc(x: jax.Array, key: jax.Array, bits: int = bits) -> Any:
             del key
-            return jaxcomm.quantize(x, None, bits=bits, bucket_size=BUCKET, stochastic=False)
+            return jaxcomm.codecs.quantize(x, None, bits=bits, bucket_size=BUCKET, stochastic=False)
 
         cases.append(
             Case(
                 f"quantize {bits}-bit nearest",
                 enc,
-                jaxcomm.dequantize,
+                jaxcomm.codecs.dequantize,
                 -(-n * bits // 8) + 4 * -(-n // BUCKET),
                 f"ceil(n*{bits}/8) + 4*ceil(n/{BUCKET})",
             )
@@ -151,13 +151,13 @@ def make_cases(n: int) -> list[Case]:
 
         def enc(x: jax.Array, key: jax.Array, scale: bool = scale) -> Any:
             del key
-            return jaxcomm.sign_encode(x, scale=scale)
+            return jaxcomm.codecs.sign_encode(x, scale=scale)
 
         cases.append(
             Case(
                 "sign + scale" if scale else "sign",
                 enc,
-                jaxcomm.sign_decode,
+                jaxcomm.codecs.sign_decode,
                 -(-n // 8) + (4 if scale else 0),
                 "ceil(n/8) + 4" if scale else "ceil(n/8)",
             )
@@ -165,8 +165,8 @@ def make_cases(n: int) -> list[Case]:
     cases.append(
         Case(
             "stochastic sign (SSDM)",
-            jaxcomm.stochastic_sign_encode,
-            jaxcomm.sign_decode,
+            jaxcomm.codecs.stochastic_sign_encode,
+            jaxcomm.codecs.sign_decode,
             -(-n // 8) + 4,
             "ceil(n/8) + 4",
         )
@@ -175,14 +175,14 @@ def make_cases(n: int) -> list[Case]:
     def merge(x: jax.Array, key: jax.Array) -> Any:
         # One Marsit hop: this worker's sign bits merged into received bits (the signs of
         # a shifted copy), m = 4 workers; the merged words are what the next hop sends.
-        own = jaxcomm.pack_bits(x > 0)
-        received = jaxcomm.pack_bits(jnp.roll(x, 1) > 0)
-        return jaxcomm.SignCode(
-            jaxcomm.sign_merge(received, own, key, 4), None, tuple(x.shape), "float32"
+        own = jaxcomm.codecs.pack_bits(x > 0)
+        received = jaxcomm.codecs.pack_bits(jnp.roll(x, 1) > 0)
+        return jaxcomm.codecs.SignCode(
+            jaxcomm.collectives.sign_merge(received, own, key, 4), None, tuple(x.shape), "float32"
         )
 
     cases.append(
-        Case("sign merge (Marsit, m=4)", merge, jaxcomm.sign_decode, -(-n // 8), "ceil(n/8)")
+        Case("sign merge (Marsit, m=4)", merge, jaxcomm.codecs.sign_decode, -(-n // 8), "ceil(n/8)")
     )
     for ratio in (0.1, 0.01, 0.001):
         k = max(1, math.ceil(ratio * n))
@@ -192,13 +192,13 @@ def make_cases(n: int) -> list[Case]:
                 x: jax.Array, key: jax.Array, ratio: float = ratio, method: str = method
             ) -> Any:
                 del key
-                return jaxcomm.topk_encode(x, ratio=ratio, method=method)
+                return jaxcomm.codecs.topk_encode(x, ratio=ratio, method=method)
 
             cases.append(
                 Case(
                     f"top-k {ratio:g} {method}",
                     enc,
-                    jaxcomm.topk_decode,
+                    jaxcomm.codecs.topk_decode,
                     8 * k,
                     f"8*k, k=ceil({ratio:g}*n)={k}",
                 )
@@ -247,7 +247,7 @@ def run_case(
     t_full_c, full = compile_fn(lambda x, key: case.decode(case.encode(x, key)), x, key)
 
     _, payload = timed(enc, x, key)
-    nbytes = jaxcomm.payload_bytes(payload)
+    nbytes = jaxcomm.codecs.payload_bytes(payload)
     if nbytes != case.expected_bytes:
         raise SystemExit(
             f"{case.name}: payload_bytes = {nbytes}, formula {case.formula} gives "
@@ -365,7 +365,7 @@ def write_md(path: Path, meta: dict[str, Any], results: list[Result]) -> None:
         "and one encode+decode call, interleaved, after ahead-of-time compilation and one "
         "untimed call. Ratios divide by the copy median of the same case. The copy is "
         "`jax.jit(jnp.copy)` without donation (checked to compile to an HLO `copy` into a "
-        "new buffer). Payload bytes are `jaxcomm.payload_bytes` and were checked against "
+        "new buffer). Payload bytes are `jaxcomm.codecs.payload_bytes` and were checked against "
         "the formulas (quantize `ceil(n*b/8) + 4*ceil(n/512)`, twice the scales for min/max, "
         "sign `ceil(n/8)` (+4 with a scale), top-k `8*k`). Relative error is "
         "`||x_hat - x|| / ||x||` in float64. Memory share: `(8n + 2 * payload bytes) / "

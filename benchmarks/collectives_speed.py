@@ -2,9 +2,10 @@
 
 On 8 devices (simulated CPU devices unless an accelerator is present), for float32 vectors
 of ``--sizes`` elements per device, times one all-reduce of each kind inside ``shard_map``:
-``psum`` (XLA's collective; NCCL on a GPU), ``jaxcomm.ring_all_reduce`` (XLA's reduce-
+``psum`` (XLA's collective; NCCL on a GPU), ``jaxcomm.collectives.ring_all_reduce`` (XLA's reduce-
 scatter and all-gather of ``1/N`` segments), the same ring hop by hop (``hops=True``: ``2 (N
-- 1)`` ``ppermute`` hops of ``1/N`` of the vector) and ``jaxcomm.tree_all_reduce`` (binomial
+- 1)`` ``ppermute`` hops of ``1/N`` of the vector) and
+``jaxcomm.collectives.tree_all_reduce`` (binomial
 reduce and broadcast of the whole vector), and one hop of the ring alone (a ``ppermute`` of
 ``1/N`` of the vector: what one of the ring's ``2 (N - 1)`` hops costs on its own, dispatch
 included). Each program is compiled ahead of time and called once untimed; then
@@ -47,9 +48,9 @@ import jaxcomm  # noqa: E402
 N = 8
 KINDS = {
     "psum": lambda v: jax.lax.psum(v, "data"),
-    "ring": lambda v: jaxcomm.ring_all_reduce(v, "data"),
-    "ring_hops": lambda v: jaxcomm.ring_all_reduce(v, "data", hops=True),
-    "tree": lambda v: jaxcomm.tree_all_reduce(v, "data"),
+    "ring": lambda v: jaxcomm.collectives.ring_all_reduce(v, "data"),
+    "ring_hops": lambda v: jaxcomm.collectives.ring_all_reduce(v, "data", hops=True),
+    "tree": lambda v: jaxcomm.collectives.tree_all_reduce(v, "data"),
 }
 
 

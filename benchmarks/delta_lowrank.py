@@ -6,7 +6,7 @@ A pipeline boundary sends, for a sample seen before, the change of its activatio
 model, ``--runs``), the relative error ``||d - code(d)|| / ||d||`` of two codes of the same
 size per element:
 
-* chunk-wise top-k (:func:`jaxcomm.topk_rows`: ``k`` of every 1,024 entries, 10-bit
+* chunk-wise top-k (:func:`jaxcomm.pipeline.topk_rows`: ``k`` of every 1,024 entries, 10-bit
   positions, 4-bit values, one float32 scale per chunk), as sent;
 * rank ``r`` (the truncated SVD of the ``T x W`` delta, ``r (T + W)`` factor entries at 8
   bits with a float32 scale per factor column): its error is that of the exact truncated
@@ -101,7 +101,7 @@ def errors(deltas: np.ndarray, budget: float) -> dict:
     """Mean relative error of each code of ``deltas`` ``[N, T, W]`` at ``budget``."""
     n, t, w = deltas.shape
     k = topk_k(budget)
-    codec = jaxcomm.topk_rows(CHUNK, k, bits=VALUE_BITS)
+    codec = jaxcomm.pipeline.topk_rows(CHUNK, k, bits=VALUE_BITS)
     d = jnp.asarray(deltas)
     sent = np.asarray(codec.decode(codec.encode(d, jax.random.key(0))))
     norms = np.linalg.norm(deltas.reshape(n, -1), axis=1)

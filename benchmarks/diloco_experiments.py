@@ -51,7 +51,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from _meta import run_meta  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from jaxcomm import Network  # noqa: E402
+from jaxcomm.network import Network  # noqa: E402
 from train.clock import wire_time  # noqa: E402
 from train.config import Config  # noqa: E402
 from train.diloco import DiLoCo  # noqa: E402

@@ -7,7 +7,7 @@ period H, nor the bandwidth in effect for that table (its clusters have 1 GB/s a
 Ethernet, and its experiments vary the bandwidth from 10 MB/s up). So this script:
 
 1. profiles each model's layers (``models.layer_groups``) on the paper's GPU with
-   :func:`jaxcomm.profile_layers` (the roofline of the compiled backward prefixes; nothing
+   :func:`jaxcomm.compute.profile_layers` (the roofline of the compiled backward prefixes; nothing
    is allocated), at an assumed per-GPU batch (below);
 2. takes the one unknown that sets the scale, the bandwidth, from the paper's own S-SGD
    time: S-SGD = forward + backward + one ring all-reduce of the whole gradient, at 0.1 ms
@@ -15,7 +15,7 @@ Ethernet, and its experiments vary the bandwidth from 10 MB/s up). So this scrip
 3. predicts the other four rows with that bandwidth, at H = 2 and H = 5: ASC-WFBP as
    wait-free backpropagation (every layer's all-reduce after its own backward, the timeline
    with every layer in the group), FLSGD, PLSGD-ENP and DreamDDP by
-   :func:`jaxcomm.simulate_period` of their schedules.
+   :func:`jaxcomm.schedules.simulate_period` of their schedules.
 
 So S-SGD matches by construction; the other rows, and the speed-ups S1 = ASC-WFBP / DreamDDP
 and S2 = FLSGD / DreamDDP, are predictions.
@@ -38,8 +38,8 @@ import jax.numpy as jnp
 from _meta import run_meta
 
 import jaxcomm
-from jaxcomm import Network
-from jaxcomm.network import collective_time
+from jaxcomm._src.network import collective_time
+from jaxcomm.network import Network
 from models import build_task, layer_groups
 
 N = 8
@@ -88,8 +88,12 @@ def estimate(name: str) -> dict:
     batch = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in shapes.items()}
     params = jax.eval_shape(lambda b: task.init(jax.random.key(0), b), batch)
     names = layer_groups(params)
-    prof = jaxcomm.profile_layers(
-        lambda p, b: task.loss(p, b)[0], params, batch, names, roofline=jaxcomm.roofline(device)
+    prof = jaxcomm.compute.profile_layers(
+        lambda p, b: task.loss(p, b)[0],
+        params,
+        batch,
+        names,
+        roofline=jaxcomm.compute.roofline(device),
     )
     fwd, bwd = prof.forward_s, list(prof.backward_s)
     total = 4 * sum(int(x.size) for x in jax.tree.leaves(params))
@@ -99,17 +103,18 @@ def estimate(name: str) -> dict:
     net = Network(LATENCY, bandwidth)
     ssgd = fwd + sum(bwd) + collective_time("ring_allreduce", total, N, net)
     layer_comm = prof.comm_s(net, N)
-    wfbp = jaxcomm.iteration_time(range(len(names)), fwd, bwd, layer_comm)
+    wfbp = jaxcomm.schedules.iteration_time(range(len(names)), fwd, bwd, layer_comm)
     by_h = {}
     for h in PERIODS:
-        dream = jaxcomm.dreamddp_schedule(bwd, layer_comm, h, forward_s=fwd)
+        dream = jaxcomm.schedules.dreamddp_schedule(bwd, layer_comm, h, forward_s=fwd)
         schedules = {
-            "FLSGD": jaxcomm.full_sync_schedule(len(names), h),
-            "PLSGD-ENP": jaxcomm.enp_schedule(len(names), h),
+            "FLSGD": jaxcomm.schedules.full_sync_schedule(len(names), h),
+            "PLSGD-ENP": jaxcomm.schedules.enp_schedule(len(names), h),
             "DreamDDP": dream,
         }
         times = {
-            k: jaxcomm.simulate_period(s, fwd, bwd, layer_comm) / h for k, s in schedules.items()
+            k: jaxcomm.schedules.simulate_period(s, fwd, bwd, layer_comm) / h
+            for k, s in schedules.items()
         }
         by_h[h] = {"times": times, "schedule": str(dream)}
     return {
@@ -138,7 +143,8 @@ def render(record: dict) -> str:
         "compiling only).",
         "",
         "8 workers; per-layer compute: the roofline (mfu 0.5, memory 0.8, uncalibrated) of the "
-        "compiled backward prefixes on the paper's GPU (`jaxcomm.profile_layers`); one ring "
+        "compiled backward prefixes on the paper's GPU (`jaxcomm.compute.profile_layers`); "
+        "one ring "
         "all-reduce per layer at 0.1 ms latency. Assumed (the paper does not state them): "
         "per-GPU batch 32 images (ResNets), 4 sequences of 1024 tokens (GPT-2 small: 124M "
         "parameters with the input and output embeddings tied; here they are separate "

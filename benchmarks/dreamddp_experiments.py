@@ -51,7 +51,7 @@ from _meta import run_meta  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 import jaxcomm  # noqa: E402
-from jaxcomm import Network  # noqa: E402
+from jaxcomm.network import Network  # noqa: E402
 from train.config import Config  # noqa: E402
 from train.localsgd import LocalSGD  # noqa: E402
 from train.plot import read_metrics  # noqa: E402
@@ -227,7 +227,7 @@ def profile_record(runs: dict) -> dict:
     wfbp = {}
     for net, text in NETWORKS.items():
         comm = prof.comm_s(Network.parse(text), trainer.n)
-        wfbp[net] = jaxcomm.iteration_time(
+        wfbp[net] = jaxcomm.schedules.iteration_time(
             range(prof.num_layers), forward, list(prof.backward_s), comm
         )
     return {

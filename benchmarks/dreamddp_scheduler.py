@@ -3,7 +3,7 @@
 The DreamDDP paper compares the non-overlapped communication of its DFS schedule with a brute
 force over all partitions for up to 30 layers at ``H = 5`` (its Fig. 15) and reports that they
 agree "in most cases". This script does the same on random but realistic profiles, timing every
-schedule with :func:`jaxcomm.dreamddp.simulate_period` (the exact event model), and measures:
+schedule with :func:`jaxcomm.schedules.simulate_period` (the exact event model), and measures:
 
 - how often the DFS period equals the brute-force minimum (exactly, and within 1%), the worst
   gap, and the same broken down by ``H``;
@@ -12,7 +12,7 @@ schedule with :func:`jaxcomm.dreamddp.simulate_period` (the exact event model), 
   never lengthens a period, so there is no time gain to report);
 - the scheduler's runtime at ``L = 100, H = 10`` (the DFS, also the literal recursion that lists
   every solution) and the brute force's at the largest ``L, H`` of the set (the exact dynamic
-  programme that :func:`~jaxcomm.dreamddp.brute_force_schedule` uses, and an explicit numpy
+  programme that :func:`~jaxcomm.schedules.brute_force_schedule` uses, and an explicit numpy
   enumeration of all ``C(L+H-1, H-1)`` partitions, checked to give the same minimum).
 
 Instance generator (``numpy.random.default_rng(seed)``, one draw per instance, in this order):
@@ -20,7 +20,7 @@ Instance generator (``numpy.random.default_rng(seed)``, one draw per instance, i
 [1, 20] ms; per-layer parameter counts log-uniform in [1e4, 1e7] (fp32, so 40 kB to 40 MB: from
 a small conv to a large embedding or MLP matrix); ``N`` workers from {4, 8, 16, 32}; bandwidth
 log-uniform in [1, 10] Gbps; latency log-uniform in [10 us, 1 ms]; each layer's averaging is
-one ring all-reduce of its parameters, :func:`jaxcomm.collective_time` ``("ring_allreduce",
+one ring all-reduce of its parameters, :func:`jaxcomm.network.collective_time` ``("ring_allreduce",
 ...)`` = ``2 (N-1) alpha + 2 (N-1)/N * bytes * 8 / bandwidth``; forward seconds = half the
 total backward.
 
@@ -48,7 +48,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from _meta import run_meta  # noqa: E402
 
-from jaxcomm.dreamddp import (  # noqa: E402
+from jaxcomm._src.dreamddp import (  # noqa: E402
     _solve_subproblem,
     brute_force_schedule,
     dreamddp_schedule,
@@ -57,7 +57,7 @@ from jaxcomm.dreamddp import (  # noqa: E402
     iteration_time,
     simulate_period,
 )
-from jaxcomm.network import Network, collective_time  # noqa: E402
+from jaxcomm._src.network import Network, collective_time  # noqa: E402
 
 MAX_L, MAX_H = 24, 6
 WORKERS = (4, 8, 16, 32)
@@ -329,7 +329,7 @@ def render(record: dict) -> str:
         f"N in {{{', '.join(map(str, WORKERS))}}} workers at 1-10 Gbps and 10 us - 1 ms "
         "latency (log-uniform), "
         "forward = half the backward. Every schedule is timed with "
-        "`jaxcomm.dreamddp.simulate_period` (exact event model); DFS = "
+        "`jaxcomm.schedules.simulate_period` (exact event model); DFS = "
         "`dreamddp_schedule(..., fill_bubbles=False)`, BF = `brute_force_schedule` (exact "
         "minimum over all contiguous partitions). Gap = DFS period / BF period - 1.",
         "",

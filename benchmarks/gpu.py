@@ -5,7 +5,7 @@ On the machine's default JAX backend (a GPU when there is one), in this order:
 1. **Codecs** (``benchmarks/codecs.py``): each wire codec's encode+decode time against a
    device copy, and its memory traffic (read ``x``, write and read the payload, write the
    decoded array) per second as a share of the device's HBM bandwidth from
-   :data:`jaxcomm.DEVICES` (goal: at least 50%); on a CPU, as a share of the copy's rate.
+   :data:`jaxcomm.compute.DEVICES` (goal: at least 50%); on a CPU, as a share of the copy's rate.
 2. **Top-k selection** (``benchmarks/topk_selection.py``): every selection method against a
    copy, at the sizes given.
 3. **Collectives** (``benchmarks/collectives_speed.py``): jaxcomm's ring and tree all-reduce
@@ -66,10 +66,10 @@ def _load(name: str):
 
 
 def device_name(requested: str | None) -> str | None:
-    """The :data:`jaxcomm.DEVICES` key of this machine's accelerator (``--device`` wins);
+    """The :data:`jaxcomm.compute.DEVICES` key of this machine's accelerator (``--device`` wins);
     None on a CPU or an accelerator not in the table."""
     if requested:
-        jaxcomm.get_device(requested)  # an unknown name is an error that lists the known
+        jaxcomm.compute.get_device(requested)  # an unknown name is an error that lists the known
         return requested.lower()
     if jax.default_backend() == "cpu":
         return None
@@ -77,7 +77,7 @@ def device_name(requested: str | None) -> str | None:
 
 
 def match_device(kind: str) -> str | None:
-    """The :data:`jaxcomm.DEVICES` key of a JAX ``device_kind`` (e.g. ``NVIDIA H100 80GB
+    """The :data:`jaxcomm.compute.DEVICES` key of a JAX ``device_kind`` (e.g. ``NVIDIA H100 80GB
     HBM3`` -> ``h100``, ``NVIDIA GeForce RTX 2080 Ti`` -> ``rtx2080ti``); None for one not
     in the table. The table's H100 and H200 are SXM parts: a PCIe or NVL card, or a MIG
     slice, has other peaks and bandwidth, so it is not matched (name it with --device)."""
@@ -85,7 +85,7 @@ def match_device(kind: str) -> str | None:
     if re.search(r"pcie|nvl|mig", kind):
         return None
     squeezed = re.sub(r"[\s_-]", "", kind)
-    for name in jaxcomm.DEVICES:
+    for name in jaxcomm.compute.DEVICES:
         if re.search(rf"\b{name}\b", kind) or name in squeezed:
             return name
     return None
@@ -95,7 +95,7 @@ def codecs_part(out: Path, size: int, device: str | None) -> list[dict]:
     """Run the codec benchmark; rows ``{codec, time_x_copy, share, share_of}``."""
     _load("codecs").main(["--size", str(size), "--repeats", "5", "--out", str(out)])
     record = json.loads((out / "codecs.json").read_text())
-    bandwidth = jaxcomm.get_device(device).memory_bandwidth if device else None
+    bandwidth = jaxcomm.compute.get_device(device).memory_bandwidth if device else None
     rows = []
     for r in record["results"]:
         n = r["fp32_bytes"] // 4
@@ -139,7 +139,7 @@ def step_part(device: str | None, steps: int) -> dict:
     late = rows[2:] or rows
     measured = statistics.median(r["compute_s"] for r in late)
     modelled = statistics.median(r["sim_compute_s"] for r in late)
-    assumed = jaxcomm.roofline(device or "v100").mfu
+    assumed = jaxcomm.compute.roofline(device or "v100").mfu
     return {
         "workers": workers,
         "steps": steps,
@@ -239,7 +239,9 @@ def render(meta: dict, parts: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     """Run every part; write the summary and each part's files; returns the record."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default=None, help="a jaxcomm.DEVICES key (default: detected)")
+    ap.add_argument(
+        "--device", default=None, help="a jaxcomm.compute.DEVICES key (default: detected)"
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu")
     ap.add_argument("--small", action="store_true", help="CPU-sized inputs")
     ap.add_argument("--steps", type=int, default=30, help="steps of the main job")

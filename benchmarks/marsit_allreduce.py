@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 import jaxcomm  # noqa: E402
-from jaxcomm.marsit import sign_all_reduce  # noqa: E402
+from jaxcomm._src.marsit import sign_all_reduce  # noqa: E402
 
 N = 8
 
@@ -64,7 +64,7 @@ def measure(d: int, repeats: int, mesh) -> dict:
         return sign_all_reduce(v[0], "data", k).bits[None]
 
     def ring(v):
-        return jaxcomm.ring_all_reduce(v[0], "data")[None]
+        return jaxcomm.collectives.ring_all_reduce(v[0], "data")[None]
 
     def psum(v):
         return jax.lax.psum(v[0], "data")[None]

@@ -40,7 +40,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from _meta import run_meta  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from jaxcomm import Network  # noqa: E402
+from jaxcomm.network import Network  # noqa: E402
 from train.config import Config  # noqa: E402
 from train.plot import read_metrics  # noqa: E402
 from train.trainer import Trainer, wire_time  # noqa: E402

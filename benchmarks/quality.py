@@ -260,7 +260,7 @@ def run_one(size: str, method: str, setting: dict[str, Any], seed: int, steps: i
 
     import jax
 
-    from jaxcomm import Network
+    from jaxcomm.network import Network
     from train.plot import read_metrics
     from train.trainer import Trainer, nothing_to_resume
 

@@ -1,7 +1,7 @@
 """Cost of top-k selection as a ratio to a device copy, for the AR-Topk aggregators.
 
 For float32 arrays of 1M to 64M elements (standard normal, numpy seed 0) and ratios 0.1,
-0.01 and 0.001, times ``jax.jit`` of ``x -> jaxcomm.topk_indices(x, k, method=...)`` for
+0.01 and 0.001, times ``jax.jit`` of ``x -> jaxcomm.codecs.topk_indices(x, k, method=...)`` for
 ``exact`` (``lax.top_k``; ``lax.approx_max_k`` is the same sort on the CPU), ``threshold``
 (bisection on the magnitudes' bit patterns: 31 rounds, exact, and 25 rounds as MSTopk),
 ``sample`` (thresholds from a strided sample, one candidate pass, an exact selection between
@@ -80,7 +80,7 @@ def measure(size: int, repeats: int) -> list[dict]:
     for ratio in RATIOS:
         k = math.ceil(ratio * size)
         for name, kw in METHODS.items():
-            f = jax.jit(lambda v, k=k, kw=kw: jaxcomm.topk_indices(v, k, **kw))
+            f = jax.jit(lambda v, k=k, kw=kw: jaxcomm.codecs.topk_indices(v, k, **kw))
             progs[ratio, name] = f.lower(x).compile()
     exact = {r: np.asarray(progs[r, "exact"](x)) for r in RATIOS}
     recall = {
@@ -146,7 +146,7 @@ def render(record: dict) -> str:
         f"`{meta['command']}` ({meta['date']}, {meta['machine']}, {meta['device']}, "
         f"jax {meta['jax']}).",
         "",
-        "Median time of `jaxcomm.topk_indices` divided by the median time of a copy of the "
+        "Median time of `jaxcomm.codecs.topk_indices` divided by the median time of a copy of the "
         "same float32 array (interleaved rounds in a random order; on the CPU a memcpy into "
         "an existing buffer, `copy ms`; `jax copy ms` is `jax.jit(jnp.copy)`, which writes a "
         "fresh buffer whose pages fault in); recall = share of the exact top-k indices "

@@ -35,7 +35,7 @@ def loss_fn(params, x, y):
 
 def measure(grad: str) -> dict:
     mesh = jax.make_mesh((8,), ("data",))
-    tx = optax.chain(jaxcomm.dense_allreduce("data", reduce="ring"), optax.sgd(LR))
+    tx = optax.chain(jaxcomm.dense_all_reduce("data", reduce="ring"), optax.sgd(LR))
     state_specs = (P("data"), P())
     take = jaxcomm.worker_grad(loss_fn, "data") if grad == "worker" else jax.grad(loss_fn)
 

@@ -45,7 +45,7 @@ def main(argv=None):
     mesh = jax.make_mesh((8,), ("data",))
     model = CNN()
     params = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))["params"]
-    tx = optax.chain(jaxcomm.ec_quantized_allreduce("data", bits=args.bits), optax.adam(3e-3))
+    tx = optax.chain(jaxcomm.ec_quantized_all_reduce("data", bits=args.bits), optax.adam(3e-3))
 
     def create(params):  # inside shard_map: the aggregator's state is built per worker
         state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
@@ -93,8 +93,8 @@ def main(argv=None):
         if i % 50 == 0 or i == args.steps - 1:
             print(f"step {i:4d}  loss {losses[-1]:.3f}")
     # What crossed the wire in the last step, per worker (from the aggregator's log).
-    (log,) = jaxcomm.find_logs(state.opt_state)
-    sent = int(jaxcomm.as_bytes(np.asarray(log.sent_bytes)[0]))
+    (log,) = jaxcomm.network.find_logs(state.opt_state)
+    sent = int(jaxcomm.network.as_bytes(np.asarray(log.sent_bytes)[0]))
     print(
         f"bytes sent per worker per step: {sent:,} "
         f"(a float32 ring all-reduce: {2 * 7 * 4 * -(-num(params) // 8):,})"

@@ -61,11 +61,11 @@ def main(argv=None):
         tx = jaxcomm.local_sgd(inner, "data", period=args.period)
     else:  # DreamDDP: which layers to average at which local step, from a layer profile
         batch = (images[:32], labels[:32])
-        prof = jaxcomm.profile_layers(
-            loss_fn, params, batch, LAYERS, roofline=jaxcomm.roofline("v100")
+        prof = jaxcomm.compute.profile_layers(
+            loss_fn, params, batch, LAYERS, roofline=jaxcomm.compute.roofline("v100")
         )
-        comm = prof.comm_s(jaxcomm.Network.parse(args.network), n=8)
-        schedule = jaxcomm.dreamddp_schedule(
+        comm = prof.comm_s(jaxcomm.network.Network.parse(args.network), n=8)
+        schedule = jaxcomm.schedules.dreamddp_schedule(
             prof.backward_s, comm, args.period, forward_s=prof.forward_s
         )
         print(schedule)
@@ -98,8 +98,8 @@ def main(argv=None):
             unlogged = jaxcomm.unlogged_traffic(train_step.lower(params, opt_state, x, y).compile())
         params, opt_state, loss = train_step(params, opt_state, x, y)
         # The state's traffic logs hold what this step sent (nothing on a purely local step).
-        for log in jaxcomm.find_logs(opt_state):
-            sent += jaxcomm.as_bytes(np.asarray(log.sent_bytes)).reshape(-1)
+        for log in jaxcomm.network.find_logs(opt_state):
+            sent += jaxcomm.network.as_bytes(np.asarray(log.sent_bytes)).reshape(-1)
         losses.append(float(jnp.mean(loss)))
         if i % 50 == 0 or i == args.steps - 1:
             spread = max(float(jnp.max(jnp.std(a, axis=0))) for a in jax.tree.leaves(params))

@@ -94,10 +94,10 @@ def main(argv=None):
         if i == 0:
             unlogged = jaxcomm.unlogged_traffic(train_step.lower(params, opt_state, x, y).compile())
         params, opt_state = train_step(params, opt_state, x, y)
-        (log,) = jaxcomm.find_logs(opt_state)
+        (log,) = jaxcomm.network.find_logs(opt_state)
         # A process reads only its own workers' rows of the per-worker log.
         words = [np.asarray(shard.data) for shard in log.sent_bytes.addressable_shards]
-        sent += int(jaxcomm.as_bytes(np.concatenate(words)).max())
+        sent += int(jaxcomm.network.as_bytes(np.concatenate(words)).max())
         if i % 25 == 0 or i == args.steps - 1:
             host = jax.tree.map(np.asarray, params)  # replicated: each process holds it all
             print(f"[process {me}] step {i:4d}  loss {float(loss_fn(host, images, labels)):.3f}",

@@ -30,10 +30,10 @@ import jaxcomm
 
 # Aggregators chain before Adam; the sign family and Marsit are whole optimizers.
 AGGREGATORS = {
-    "psum": lambda: jaxcomm.dense_allreduce("data", reduce="psum"),
-    "ring": lambda: jaxcomm.dense_allreduce("data", reduce="ring"),
-    "tree": lambda: jaxcomm.dense_allreduce("data", reduce="tree"),
-    "ec_quantized": lambda: jaxcomm.ec_quantized_allreduce("data", bits=4),
+    "psum": lambda: jaxcomm.dense_all_reduce("data", reduce="psum"),
+    "ring": lambda: jaxcomm.dense_all_reduce("data", reduce="ring"),
+    "tree": lambda: jaxcomm.dense_all_reduce("data", reduce="tree"),
+    "ec_quantized": lambda: jaxcomm.ec_quantized_all_reduce("data", bits=4),
     "ar_topk": lambda: jaxcomm.ar_topk("data", ratio=0.05),
     "ar_topk_var": lambda: jaxcomm.ar_topk("data", ratio=0.05, select="var"),
     "lw_topk": lambda: jaxcomm.lw_topk("data", ratio=0.05),
@@ -140,8 +140,8 @@ def main(argv=None):
 def step_bytes(opt_state) -> np.ndarray:
     """``int64[workers]``: the bytes each worker sent in the step that wrote ``opt_state``'s
     traffic logs (every log in the state, summed)."""
-    logs = jaxcomm.find_logs(opt_state)
-    return sum(jaxcomm.as_bytes(np.asarray(log.sent_bytes)).reshape(-1) for log in logs)
+    logs = jaxcomm.network.find_logs(opt_state)
+    return sum(jaxcomm.network.as_bytes(np.asarray(log.sent_bytes)).reshape(-1) for log in logs)
 
 
 if __name__ == "__main__":

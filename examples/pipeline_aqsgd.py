@@ -61,8 +61,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     mesh = jax.make_mesh((S,), ("stage",), devices=jax.devices()[:S])
-    boundary = jaxcomm.aqsgd_boundary(args.fw_bits, args.bw_bits)
-    loss_fn = jaxcomm.gpipe(first_fn, stage_fn, last_fn, axis_name="stage", boundary=boundary)
+    boundary = jaxcomm.pipeline.aqsgd_boundary(args.fw_bits, args.bw_bits)
+    loss_fn = jaxcomm.pipeline.gpipe(
+        first_fn, stage_fn, last_fn, axis_name="stage", boundary=boundary
+    )
     tx = optax.adam(3e-3)  # each stage updates its own parameters: no data axis here
 
     def step(params, opt_state, inputs, state, key, seen):
@@ -88,7 +90,7 @@ def main(argv=None):
     sharded = NamedSharding(mesh, P("stage"))
     params = jax.device_put(jax.vmap(init_stage)(jax.random.split(jax.random.key(0), S)), sharded)
     opt_state = jax.jit(jax.vmap(tx.init), out_shardings=sharded)(params)
-    buffers = [jaxcomm.MessageBuffer(args.samples, (WIDTH,)) for _ in range(S - 1)]
+    buffers = [jaxcomm.pipeline.MessageBuffer(args.samples, (WIDTH,)) for _ in range(S - 1)]
 
     digits = load_digits()
     images = (digits.images.reshape(-1, 64) / 16.0).astype(np.float32)[: args.samples]
@@ -102,7 +104,7 @@ def main(argv=None):
             seen = bool(all(buf.seen(ids).all() for buf in buffers))
             prev = [buf.read(ids).reshape(M, MB, WIDTH) for buf in buffers]
             zeros = np.zeros((M, MB, WIDTH), np.float32)
-            state = jaxcomm.BoundaryState(
+            state = jaxcomm.pipeline.BoundaryState(
                 prev_in=np.stack([zeros, *prev]), prev_out=np.stack([*prev, zeros])
             )  # stage s receives over boundary s - 1 and sends over boundary s
             inputs = {"x": images[ids].reshape(M, MB, 64), "y": labels[ids].reshape(M, MB)}

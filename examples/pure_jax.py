@@ -85,7 +85,7 @@ def main(argv=None):
             compiled = train_step.lower(params, opt_state, x, y).compile()
             unlogged = jaxcomm.unlogged_traffic(compiled)
             audited = int(
-                jaxcomm.wire_audit(compiled).traffic({jaxcomm.sparse.ROOT_SCOPE: 0}).sent.max()
+                jaxcomm.wire_audit(compiled).traffic({jaxcomm.audit.ROOT_SCOPE: 0}).sent.max()
             )
         params, opt_state = train_step(params, opt_state, x, y)
         if i % 50 == 0 or i == args.steps - 1:

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxcomm.adaptive import AdaptiveRatio, Trial, knee, non_dominated
-from jaxcomm.network import Network
+from jaxcomm._src.adaptive import AdaptiveRatio, Trial, knee, non_dominated
+from jaxcomm._src.network import Network
 from train.config import Config, load_config
 from train.trainer import Trainer
 

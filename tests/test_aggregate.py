@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.network import as_bytes
+from jaxcomm._src.network import as_bytes
 
 N = 8
 
@@ -34,7 +34,7 @@ def test_dense_allreduce_is_the_mean(mesh8, reduce):
         "w": jax.random.normal(jax.random.key(0), (N, 13, 7)),
         "b": jax.random.normal(jax.random.key(1), (N, 5)),
     }
-    upd, state = _apply(mesh8, jaxcomm.dense_allreduce("data", reduce=reduce), grads)
+    upd, state = _apply(mesh8, jaxcomm.dense_all_reduce("data", reduce=reduce), grads)
     for k in grads:
         expect = np.asarray(grads[k]).mean(0)
         for w in range(N):
@@ -42,7 +42,7 @@ def test_dense_allreduce_is_the_mean(mesh8, reduce):
     d = 13 * 7 + 5
     log = state.log
     kind = {"psum": "allreduce", "ring": "ring_allreduce", "tree": "tree_allreduce"}[reduce]
-    i = jaxcomm.KINDS.index(kind)
+    i = jaxcomm.network.KINDS.index(kind)
     assert np.all(np.asarray(log.calls)[:, i] == 1)
     assert np.all(as_bytes(log.message_bytes)[:, i] == 4 * d)
     seg = -(-d // N)
@@ -59,7 +59,7 @@ def test_dense_allreduce_is_the_mean(mesh8, reduce):
 
 
 def test_dense_allreduce_chains_with_optax(mesh8):
-    tx = optax.chain(jaxcomm.dense_allreduce("data", reduce="ring"), optax.sgd(0.5))
+    tx = optax.chain(jaxcomm.dense_all_reduce("data", reduce="ring"), optax.sgd(0.5))
     grads = {"w": jnp.arange(N * 4, dtype=jnp.float32).reshape(N, 4)}
     upd, _ = _apply(mesh8, tx, grads)
     expect = -0.5 * np.asarray(grads["w"]).mean(0)
@@ -68,7 +68,7 @@ def test_dense_allreduce_chains_with_optax(mesh8):
 
 def test_dense_allreduce_rejects_bad_reduce():
     with pytest.raises(ValueError, match=r"reduce must be one of \('psum', 'ring', 'tree'\)"):
-        jaxcomm.dense_allreduce("data", reduce="star")
+        jaxcomm.dense_all_reduce("data", reduce="star")
 
 
 def _steps(mesh, tx, grads_seq):
@@ -97,7 +97,7 @@ def test_ec_quantized_allreduce_error_feedback(mesh8):
     g = jax.random.normal(jax.random.key(0), (N, d))
     grads = jnp.broadcast_to(g, (steps, N, d))
     upd, state = _steps(
-        mesh8, jaxcomm.ec_quantized_allreduce("data", bits=2, bucket_size=64), grads
+        mesh8, jaxcomm.ec_quantized_all_reduce("data", bits=2, bucket_size=64), grads
     )
     upd = np.asarray(upd)
     mean = np.asarray(g).mean(0)
@@ -110,16 +110,16 @@ def test_ec_quantized_allreduce_error_feedback(mesh8):
     seg = -(-d // N)
     seg_bytes = -(-seg * 2 // 8) + 4 * (-(-seg // 64))
     assert np.all(as_bytes(state.log.sent_bytes) == 2 * (N - 1) * seg_bytes)
-    kinds = [jaxcomm.KINDS[i] for i in np.flatnonzero(np.asarray(state.log.calls)[0])]
+    kinds = [jaxcomm.network.KINDS[i] for i in np.flatnonzero(np.asarray(state.log.calls)[0])]
     assert kinds == ["alltoall", "ring_allgather"]
 
 
 def test_ec_quantized_allreduce_8bit_close_to_mean(mesh8):
     g = jax.random.normal(jax.random.key(1), (1, N, 257))
-    upd, _ = _steps(mesh8, jaxcomm.ec_quantized_allreduce("data", bits=8), g)
+    upd, _ = _steps(mesh8, jaxcomm.ec_quantized_all_reduce("data", bits=8), g)
     np.testing.assert_allclose(np.asarray(upd)[0, 0], np.asarray(g[0]).mean(0), atol=0.03)
     with pytest.raises(ValueError, match=r"bits must be an integer in \[1, 8\], got 0"):
-        jaxcomm.ec_quantized_allreduce("data", bits=0)
+        jaxcomm.ec_quantized_all_reduce("data", bits=0)
 
 
 # (d, bucket, positions) on 8 workers. d = 100: segments of 13, buckets [0, 8) and [8, 13)
@@ -138,7 +138,7 @@ def test_ec_quantized_nonfinite_at_every_position_reaches_every_update(mesh8, d,
     boundary) makes every worker's update non-finite; none gets a finite wrong value."""
     g = np.array(jax.random.normal(jax.random.key(2), (N, d)), np.float32)
     g[3, pos] = bad
-    tx = jaxcomm.ec_quantized_allreduce("data", bits=3, bucket_size=bucket)
+    tx = jaxcomm.ec_quantized_all_reduce("data", bits=3, bucket_size=bucket)
     upd, state = _apply(mesh8, tx, {"g": jnp.asarray(g)})
     upd = np.asarray(upd["g"])
     assert np.all(~np.isfinite(upd).all(axis=1)), np.isfinite(upd).all(axis=1)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm import aqsgd
-from jaxcomm.codecs import Quantized, dequantize, lowrank_decode, lowrank_encode, payload_bytes
-from jaxcomm.collectives import send
+from jaxcomm._src import aqsgd
+from jaxcomm._src.codecs import Quantized, dequantize, lowrank_decode, lowrank_encode, payload_bytes
+from jaxcomm._src.collectives import send
 
 B, T, H = 4, 3, 16
 

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.collectives import broadcast_wire, pack_message, unpack_message
+from jaxcomm._src.collectives import broadcast_wire, pack_message, unpack_message
 
 N = 8
 RING = [(j, (j + 1) % N) for j in range(N)]
@@ -101,10 +101,10 @@ def test_broadcast_sends_only_from_holders_and_traced_root_matches():
     x = jnp.arange(N * 4, dtype=jnp.float32).reshape(N, 4)
 
     def static(v):
-        return jaxcomm.broadcast(v, 5, "data")
+        return jaxcomm.collectives.broadcast(v, 5, "data")
 
     def traced(v, root):
-        return jaxcomm.broadcast(v, root[0], "data")
+        return jaxcomm.collectives.broadcast(v, root[0], "data")
 
     audit = jaxcomm.wire_audit(_compile(static, x))
     want = broadcast_wire(jax.ShapeDtypeStruct((1, 4), jnp.float32), N, 5)
@@ -126,7 +126,7 @@ def test_ring_all_reduce_sends_what_its_wire_says(hops):
     and nothing outside jaxcomm's wire scope."""
     d = 1001
     x = jnp.arange(N * d, dtype=jnp.float32)
-    program = _compile(lambda v: jaxcomm.ring_all_reduce(v, "data", hops=hops), x)
+    program = _compile(lambda v: jaxcomm.collectives.ring_all_reduce(v, "data", hops=hops), x)
     audit = jaxcomm.wire_audit(program)
     t = audit.traffic()
     seg = -(-d // N)
@@ -145,17 +145,19 @@ def test_results_are_typed_replicated():
     mesh = jax.make_mesh((N,), ("data",))
     x = jax.device_put(jnp.arange(N * 5, dtype=jnp.float32), NamedSharding(mesh, P("data")))
     for fn in (
-        lambda v: jaxcomm.ring_all_reduce(v, "data"),
-        lambda v: jaxcomm.tree_all_reduce(v, "data"),
-        lambda v: jaxcomm.ring_all_gather(v, "data"),
-        lambda v: jaxcomm.broadcast(v, 2, "data"),
+        lambda v: jaxcomm.collectives.ring_all_reduce(v, "data"),
+        lambda v: jaxcomm.collectives.tree_all_reduce(v, "data"),
+        lambda v: jaxcomm.collectives.ring_all_gather(v, "data"),
+        lambda v: jaxcomm.collectives.broadcast(v, 2, "data"),
     ):
         out = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("data"), out_specs=P()))(x)
         assert np.all(np.isfinite(np.asarray(out)))
     with pytest.raises(Exception, match="replicat|vary|out_specs"):
         jax.jit(
             jax.shard_map(
-                lambda v: jaxcomm.ring_reduce_scatter(jnp.tile(v, N).reshape(N, -1), "data"),
+                lambda v: jaxcomm.collectives.ring_reduce_scatter(
+                    jnp.tile(v, N).reshape(N, -1), "data"
+                ),
                 mesh=mesh,
                 in_specs=P("data"),
                 out_specs=P(),

@@ -1,4 +1,4 @@
-"""Tests of jaxcomm.buffer.MessageBuffer: the off-device AQ-SGD per-sample message buffer."""
+"""Tests of jaxcomm.pipeline.MessageBuffer: the off-device AQ-SGD per-sample message buffer."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import jaxcomm.buffer as buffer_mod
-from jaxcomm.buffer import MessageBuffer
+import jaxcomm._src.buffer as buffer_mod
+from jaxcomm._src.buffer import MessageBuffer
 
 SHAPE = (4, 24)  # one sample's message, e.g. [seq, hidden]
 N = 50
@@ -443,7 +443,7 @@ def test_save_is_atomic_on_failure(tmp_path, monkeypatch):
 _KILLED_SAVE = """
 import os, signal, sys
 import numpy as np
-import jaxcomm.buffer as m
+import jaxcomm._src.buffer as m
 root = sys.argv[1]
 buf = m.MessageBuffer(8, (3, 5), path=os.path.join(root, "live"))
 buf.write(np.arange(8), np.full((8, 3, 5), 1.0, np.float32))

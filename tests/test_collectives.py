@@ -29,16 +29,18 @@ def run(mesh, fn, x, out_spec=None):
 @pytest.mark.parametrize("shape", [(1000,), (3, 5), (7,), (1,)])
 def test_ring_all_reduce_equals_psum(mesh8, shape, hops):
     x = jax.random.normal(jax.random.key(0), (N, *shape))
-    ring = run(mesh8, lambda v: jaxcomm.ring_all_reduce(v, "data", hops=hops), x)
+    ring = run(mesh8, lambda v: jaxcomm.collectives.ring_all_reduce(v, "data", hops=hops), x)
     ref = run(mesh8, lambda v: jax.lax.psum(v, "data"), x)
     np.testing.assert_allclose(np.asarray(ring), np.asarray(ref), rtol=1e-5, atol=1e-5)
-    mean = run(mesh8, lambda v: jaxcomm.ring_all_reduce(v, "data", mean=True, hops=hops), x)
+    mean = run(
+        mesh8, lambda v: jaxcomm.collectives.ring_all_reduce(v, "data", mean=True, hops=hops), x
+    )
     np.testing.assert_allclose(np.asarray(mean), np.asarray(ref) / N, rtol=1e-5, atol=1e-6)
 
 
 def test_tree_all_reduce_equals_psum(mesh8):
     x = jax.random.normal(jax.random.key(1), (N, 257))
-    tree = run(mesh8, lambda v: jaxcomm.tree_all_reduce(v, "data"), x)
+    tree = run(mesh8, lambda v: jaxcomm.collectives.tree_all_reduce(v, "data"), x)
     ref = run(mesh8, lambda v: jax.lax.psum(v, "data"), x)
     np.testing.assert_allclose(np.asarray(tree), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
@@ -47,9 +49,9 @@ def test_tree_all_reduce_equals_psum(mesh8):
 def test_uint8_all_reduce_exact(mesh8, reduce):
     x = jax.random.randint(jax.random.key(2), (N, 99), 0, 256).astype(jnp.uint8)
     fns = {
-        "ring": jaxcomm.ring_all_reduce,
-        "ring_hops": lambda v, a: jaxcomm.ring_all_reduce(v, a, hops=True),
-        "tree": jaxcomm.tree_all_reduce,
+        "ring": jaxcomm.collectives.ring_all_reduce,
+        "ring_hops": lambda v, a: jaxcomm.collectives.ring_all_reduce(v, a, hops=True),
+        "tree": jaxcomm.collectives.tree_all_reduce,
     }
     out = np.asarray(run(mesh8, lambda v: fns[reduce](v, "data"), x))
     expect = (np.asarray(x).astype(np.int64).sum(0) % 256).astype(np.uint8)
@@ -60,7 +62,7 @@ def test_uint8_all_reduce_exact(mesh8, reduce):
 
 def test_ring_reduce_scatter_matches_psum_scatter(mesh8):
     x = jax.random.normal(jax.random.key(3), (N, N, 6))
-    ring = run(mesh8, lambda v: jaxcomm.ring_reduce_scatter(v, "data"), x)
+    ring = run(mesh8, lambda v: jaxcomm.collectives.ring_reduce_scatter(v, "data"), x)
     ref = run(mesh8, lambda v: jax.lax.psum_scatter(v, "data", tiled=False), x)
     np.testing.assert_allclose(np.asarray(ring), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
@@ -72,7 +74,7 @@ def test_ring_reduce_scatter_custom_combine_sees_hop_counts(mesh8):
     def fn(v):
         init = lambda seg: (seg, jnp.int32(1))
         combine = lambda msg, seg, step: (msg[0] | seg, jnp.maximum(msg[1] + 1, step + 2))
-        return jaxcomm.ring_reduce_scatter(v, "data", combine=combine, init=init)
+        return jaxcomm.collectives.ring_reduce_scatter(v, "data", combine=combine, init=init)
 
     bits, count = run(mesh8, fn, words, out_spec=(P("data"), P("data")))
     expect = np.bitwise_or.reduce(np.asarray(words), axis=0)  # [N segments, 5]
@@ -82,7 +84,9 @@ def test_ring_reduce_scatter_custom_combine_sees_hop_counts(mesh8):
 
 def test_ring_all_gather_pytree(mesh8):
     x = jnp.arange(N * 3, dtype=jnp.uint8).reshape(N, 3)
-    f = lambda v: jaxcomm.ring_all_gather({"a": v, "b": v.astype(jnp.float32) * 2}, "data")
+    f = lambda v: jaxcomm.collectives.ring_all_gather(
+        {"a": v, "b": v.astype(jnp.float32) * 2}, "data"
+    )
     out = run(mesh8, f, x, out_spec={"a": P("data"), "b": P("data")})
     a, b = np.asarray(out["a"]), np.asarray(out["b"])
     for d in range(N):
@@ -99,7 +103,7 @@ def test_all_gather_by_doubling_matches_lax_and_its_wire(n):
     idx = jnp.arange(n * 3, dtype=jnp.int32).reshape(n, 3)
 
     def f(v, i):
-        out = jaxcomm.all_gather({"v": v[0], "i": i[0]}, "data")
+        out = jaxcomm.collectives.all_gather({"v": v[0], "i": i[0]}, "data")
         ref = jax.lax.all_gather({"v": v[0], "i": i[0]}, "data")
         return jax.tree.map(lambda a: a[None], (out, ref))
 
@@ -110,7 +114,7 @@ def test_all_gather_by_doubling_matches_lax_and_its_wire(n):
     mine = jax.jit(
         jax.shard_map(
             lambda v, i: jax.tree.map(
-                lambda a: a[None], jaxcomm.all_gather({"v": v[0], "i": i[0]}, "data")
+                lambda a: a[None], jaxcomm.collectives.all_gather({"v": v[0], "i": i[0]}, "data")
             ),
             mesh=mesh,
             in_specs=P("data"),
@@ -137,7 +141,7 @@ def test_broadcast_traced_root(mesh8, root):
 
     def fn(pair):
         v, r = pair
-        return jaxcomm.broadcast(v, r, "data")
+        return jaxcomm.collectives.broadcast(v, r, "data")
 
     xs = jax.device_put(x, NamedSharding(mesh8, P("data")))
     rs = jax.device_put(roots, NamedSharding(mesh8, P("data")))
@@ -159,7 +163,7 @@ def test_broadcast_root_chosen_inside_step(mesh8):
 
     def fn(v):
         norms = jax.lax.all_gather(jnp.sum(v * v), "data")
-        return jaxcomm.broadcast(v, jnp.argmax(norms), "data")
+        return jaxcomm.collectives.broadcast(v, jnp.argmax(norms), "data")
 
     out = np.asarray(run(mesh8, fn, x))
     for d in range(N):
@@ -169,11 +173,11 @@ def test_broadcast_root_chosen_inside_step(mesh8):
 def test_errors_name_the_problem(mesh8):
     x = jnp.zeros((N, 4))
     with pytest.raises(ValueError, match="axis_name='model' is not bound"):
-        run(mesh8, lambda v: jaxcomm.ring_all_reduce(v, "model"), x)
+        run(mesh8, lambda v: jaxcomm.collectives.ring_all_reduce(v, "model"), x)
     with pytest.raises(ValueError, match="leading axis of size 8"):
-        run(mesh8, lambda v: jaxcomm.ring_reduce_scatter(v, "data"), x)
+        run(mesh8, lambda v: jaxcomm.collectives.ring_reduce_scatter(v, "data"), x)
     with pytest.raises(ValueError, match=r"root must be an integer in \[0, 7\], got 9"):
-        run(mesh8, lambda v: jaxcomm.broadcast(v, 9, "data"), x)
+        run(mesh8, lambda v: jaxcomm.collectives.broadcast(v, 9, "data"), x)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
@@ -181,8 +185,8 @@ def test_rings_on_other_sizes(n):
     mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
     x = jax.random.normal(jax.random.key(n), (n, 13))
     xs = jax.device_put(x, NamedSharding(mesh, P("data")))
-    hops = lambda v, a: jaxcomm.ring_all_reduce(v, a, hops=True)
-    for fn in (jaxcomm.ring_all_reduce, hops, jaxcomm.tree_all_reduce):
+    hops = lambda v, a: jaxcomm.collectives.ring_all_reduce(v, a, hops=True)
+    for fn in (jaxcomm.collectives.ring_all_reduce, hops, jaxcomm.collectives.tree_all_reduce):
         f = jax.shard_map(
             lambda v, fn=fn: fn(v[0], "data")[None],
             mesh=mesh,
@@ -205,12 +209,14 @@ def test_gradients_through_replicated_results_match_lax(mesh8, op):
 
     def ours(v):
         if op in ("ring", "ring_hops"):
-            return jnp.tile(jaxcomm.ring_all_reduce(v, "data", hops=op == "ring_hops"), 8)
+            return jnp.tile(
+                jaxcomm.collectives.ring_all_reduce(v, "data", hops=op == "ring_hops"), 8
+            )
         if op == "tree":
-            return jnp.tile(jaxcomm.tree_all_reduce(v, "data"), 8)
+            return jnp.tile(jaxcomm.collectives.tree_all_reduce(v, "data"), 8)
         if op == "gather":
             return jaxcomm.collectives.ring_all_gather(v, "data").reshape(-1)
-        return jnp.tile(jaxcomm.broadcast(v, 3, "data"), 8)
+        return jnp.tile(jaxcomm.collectives.broadcast(v, 3, "data"), 8)
 
     def reference(v):
         i = jax.lax.axis_index("data")
@@ -250,12 +256,16 @@ def test_a_tuple_of_axes_in_either_order():
 
     for axes in (("a", "b"), ("b", "a")):
         for hops in (False, True):
-            out = run2(lambda v, a=axes, h=hops: jaxcomm.ring_all_reduce(v, a, hops=h))
+            out = run2(lambda v, a=axes, h=hops: jaxcomm.collectives.ring_all_reduce(v, a, hops=h))
             np.testing.assert_array_equal(out, np.broadcast_to(np.asarray(x).sum(0), (8, 6)))
     np.testing.assert_array_equal(
-        run2(lambda v: jaxcomm.tree_all_reduce(v, ("a", "b"))),
+        run2(lambda v: jaxcomm.collectives.tree_all_reduce(v, ("a", "b"))),
         np.broadcast_to(np.asarray(x).sum(0), (8, 6)),
     )
-    for fn in (jaxcomm.tree_all_reduce, jaxcomm.ring_all_gather, jaxcomm.all_gather):
+    for fn in (
+        jaxcomm.collectives.tree_all_reduce,
+        jaxcomm.collectives.ring_all_gather,
+        jaxcomm.collectives.all_gather,
+    ):
         with pytest.raises(ValueError, match=r"out of the mesh's order.*pass \('a', 'b'\)"):
             run2(lambda v, fn=fn: fn(v, ("b", "a")))

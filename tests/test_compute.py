@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 import jaxcomm
-from jaxcomm.audit import ComputeCost
-from jaxcomm.compute import DEVICES, get_device, roofline
+from jaxcomm._src.audit import ComputeCost
+from jaxcomm._src.compute import DEVICES, get_device, roofline
 
 
 def _cost(flops, matmul, hbm):
@@ -71,5 +71,5 @@ def test_v100_calibration_reproduces_the_papers_forward_from_the_compiled_progra
         return jax.lax.scan(step, x, params)[0]
 
     compiled = jax.jit(forward).lower(stacked, h).compile()
-    seconds = roofline("v100").seconds(jaxcomm.program_cost(compiled).per_device())[0]
+    seconds = roofline("v100").seconds(jaxcomm.audit.program_cost(compiled).per_device())[0]
     assert seconds == pytest.approx(0.044, rel=0.03)

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.network import as_bytes, find_logs, merge_logs
+from jaxcomm._src.network import as_bytes, find_logs, merge_logs
 
 N = 8
 SHAPES = {"w": (13, 7), "b": (5,)}  # d = 96: not a multiple of the segment or bucket sizes
@@ -60,12 +60,12 @@ def _marsit_rounds(step, state=None):
 
 def _root(step, state):
     # AR-Topk broadcasts from the root it logged (branch r of the switch = root r).
-    return {jaxcomm.sparse.ROOT_SCOPE: int(np.asarray(state.root).reshape(-1)[0])}
+    return {jaxcomm.audit.ROOT_SCOPE: int(np.asarray(state.root).reshape(-1)[0])}
 
 
 def _sync(schedule):
     def branches(step, state):
-        return {jaxcomm.localsgd.SYNC_SCOPE: jaxcomm.localsgd.sync_branch(schedule, step)}
+        return {jaxcomm.schedules.SYNC_SCOPE: jaxcomm.schedules.sync_branch(schedule, step)}
 
     return branches
 
@@ -75,12 +75,12 @@ def _diloco(period, schedule=None, overlap=0, root=False, warmup=0):
         out = {}
         if period > 1 or warmup:  # period 1 has one kind of step: no conditional
             out.update(
-                jaxcomm.diloco_branches(
+                jaxcomm.schedules.diloco_branches(
                     period, step, schedule=schedule, overlap=overlap, warmup=warmup
                 )
             )
         if root:  # AR-Topk inside: the root the synchronised fragment's state logged
-            synced = jaxcomm.diloco_steps(period, schedule=schedule, overlap=overlap)
+            synced = jaxcomm.schedules.diloco_steps(period, schedule=schedule, overlap=overlap)
             out.update(_root(step, state.reduce[synced[step % period][0]]))
         return out
 
@@ -88,10 +88,10 @@ def _diloco(period, schedule=None, overlap=0, root=False, warmup=0):
 
 
 CASES = {
-    "psum": Case(lambda ax: jaxcomm.dense_allreduce(ax, reduce="psum")),
-    "ring": Case(lambda ax: jaxcomm.dense_allreduce(ax, reduce="ring")),
-    "tree": Case(lambda ax: jaxcomm.dense_allreduce(ax, reduce="tree")),
-    "ec_quantized": Case(lambda ax: jaxcomm.ec_quantized_allreduce(ax, bits=3, bucket_size=8)),
+    "psum": Case(lambda ax: jaxcomm.dense_all_reduce(ax, reduce="psum")),
+    "ring": Case(lambda ax: jaxcomm.dense_all_reduce(ax, reduce="ring")),
+    "tree": Case(lambda ax: jaxcomm.dense_all_reduce(ax, reduce="tree")),
+    "ec_quantized": Case(lambda ax: jaxcomm.ec_quantized_all_reduce(ax, bits=3, bucket_size=8)),
     "marsit": Case(
         lambda ax: jaxcomm.marsit(ax, local_lr=0.1, global_lr=0.01, full_sync_every=2),
         branches=_marsit_rounds,
@@ -153,9 +153,9 @@ CASES = {
             layers=["b", "w"],
             fragments=2,
             overlap=1,
-            aggregate=jaxcomm.ec_quantized_allreduce(ax, bits=4, bucket_size=8),
+            aggregate=jaxcomm.ec_quantized_all_reduce(ax, bits=4, bucket_size=8),
         ),
-        branches=_diloco(2, jaxcomm.streaming_schedule(2, 2, 2), overlap=1),
+        branches=_diloco(2, jaxcomm.schedules.streaming_schedule(2, 2, 2), overlap=1),
         local=True,
         spreads=lambda step: False,
     ),
@@ -192,7 +192,7 @@ CASES = {
             fragments=2,
             aggregate=jaxcomm.ar_topk(ax, ratio=0.2),  # "b" has 5 entries: k >= 1
         ),
-        branches=_diloco(2, jaxcomm.streaming_schedule(2, 2, 2), root=True),
+        branches=_diloco(2, jaxcomm.schedules.streaming_schedule(2, 2, 2), root=True),
         local=True,
         spreads=lambda step: step % 2 == 1,
     ),
@@ -453,7 +453,7 @@ def test_logged_traffic_equals_the_compiled_program(name):
         _, state = update_f(g, state, params)
         want = audit.traffic(case.branches(step, state))
         log = merge_logs(*find_logs(state))  # one per aggregator (per DiLoCo fragment)
-        k = len(jaxcomm.KINDS)
+        k = len(jaxcomm.network.KINDS)
         sent = as_bytes(np.asarray(log.sent_bytes).reshape(N, 2))
         rounds = np.asarray(log.rounds).reshape(N, k).sum(1)
         path = as_bytes(np.asarray(log.path_bytes).reshape(N, k, 2)).sum(1)
@@ -468,7 +468,7 @@ def test_counters_work_for_a_600m_parameter_model():
     """A 600M-parameter update traces (nothing overflows int32 at trace time), and its byte
     counts, past 2**32, are exact."""
     mesh = jax.make_mesh((N,), ("data",))
-    tx = jaxcomm.dense_allreduce("data", reduce="ring")
+    tx = jaxcomm.dense_all_reduce("data", reduce="ring")
     d = 600_000_000
 
     def per_worker(g):
@@ -482,6 +482,6 @@ def test_counters_work_for_a_600m_parameter_model():
     assert out[1].log.sent_bytes.shape == (N, 2)
     seg = jax.ShapeDtypeStruct((d // N,), jnp.float32)
     wire = jaxcomm.collectives.ring_all_reduce_wire(seg, N, message_bytes=4 * d)
-    log = jaxcomm.log_wire(jaxcomm.empty_log(), wire)
+    log = jaxcomm.network.log_wire(jaxcomm.network.empty_log(), wire)
     assert int(as_bytes(log.sent_bytes)) == 2 * (N - 1) * 4 * d // N == 4_200_000_000
     assert int(as_bytes(log.message_bytes).sum()) == 2_400_000_000

@@ -24,8 +24,8 @@ def _matmul_scan(n):
 
 
 def test_k_loop_steps_cost_k_times_one():
-    one = jaxcomm.program_cost(_matmul_scan(1)).per_device()
-    ten = jaxcomm.program_cost(_matmul_scan(10)).per_device()
+    one = jaxcomm.audit.program_cost(_matmul_scan(1)).per_device()
+    ten = jaxcomm.audit.program_cost(_matmul_scan(10)).per_device()
     assert one.matmul_flops[0] == 2 * 64 * 128 * 128
     assert ten.matmul_flops[0] == 10 * one.matmul_flops[0]
     assert ten.transcendentals[0] == 10 * one.transcendentals[0] == 10 * 64 * 128
@@ -48,7 +48,7 @@ def test_gpt_step_matches_the_analytic_count(tmp_path):
         out_dir=str(tmp_path),
     )
     trainer = Trainer(cfg)
-    cost = jaxcomm.program_cost(trainer.layout.compiled_step(trainer)).per_device()
+    cost = jaxcomm.audit.program_cost(trainer.layout.compiled_step(trainer)).per_device()
     leaves = jax.tree_util.tree_flatten_with_path(trainer.worker_params(0))[0]
     matmul_params = sum(v.size for k, v in leaves if "kernel" in jax.tree_util.keystr(k))
     tokens = batch // 8 * seq
@@ -64,7 +64,7 @@ def test_conditionals_take_the_costliest_branch_unless_told():
         return lax.cond(p > 0, lambda: (x @ w).sum(), lambda: x.sum())
 
     x, w = jnp.ones((32, 64)), jnp.ones((64, 64))
-    cost = jaxcomm.program_cost(jax.jit(f).lower(x, w, 1.0).compile())
+    cost = jaxcomm.audit.program_cost(jax.jit(f).lower(x, w, 1.0).compile())
     (cond,) = cost.conditionals
     dot = 2 * 32 * 64 * 64
     assert cost.per_device().matmul_flops[0] == dot
@@ -77,7 +77,7 @@ def test_unknown_trip_count_is_an_error_naming_the_loop():
         return lax.while_loop(lambda c: c.sum() < 1e6, lambda c: jnp.tanh(c @ w) + 1.0, x)
 
     x, w = jnp.ones((8, 8)), jnp.ones((8, 8))
-    cost = jaxcomm.program_cost(jax.jit(f).lower(x, w).compile())
+    cost = jaxcomm.audit.program_cost(jax.jit(f).lower(x, w).compile())
     with pytest.raises(ValueError, match=r"runs in the loop .*while.*trip count"):
         cost.per_device()
 
@@ -95,14 +95,14 @@ def test_memory_bytes_are_linear_in_scan_length(n):
         return lax.scan(body, x, None, length=n)[1]
 
     x = jnp.ones((1000,))
-    mem = jaxcomm.program_cost(jax.jit(f).lower(x).compile()).per_device().hbm_bytes[0]
+    mem = jaxcomm.audit.program_cost(jax.jit(f).lower(x).compile()).per_device().hbm_bytes[0]
     row = 4 * 1000
     assert 2 * n * row <= mem <= 12 * n * row  # a whole-stack copy per step: ~n / 2 rows
 
 
 def test_elementwise_bytes_are_read_plus_write():
     x = jnp.ones((1 << 20,))
-    cost = jaxcomm.program_cost(jax.jit(lambda x: x * 2.0 + 1.0).lower(x).compile())
+    cost = jaxcomm.audit.program_cost(jax.jit(lambda x: x * 2.0 + 1.0).lower(x).compile())
     got = cost.per_device()
     assert got.hbm_bytes[0] == 2 * 4 * (1 << 20)
     assert got.flops[0] == 2 * (1 << 20)
@@ -120,7 +120,7 @@ def test_a_fused_slice_reads_only_its_slice_even_after_elementwise_ops():
         return [p - 0.1 * g[i * n : (i + 1) * n].reshape(p.shape) for i, p in enumerate(ps)]
 
     compiled = jax.jit(update).lower(jnp.ones(64 * n), params).compile()
-    got = jaxcomm.program_cost(compiled).per_device().hbm_bytes[0]
+    got = jaxcomm.audit.program_cost(compiled).per_device().hbm_bytes[0]
     assert got == pytest.approx(3 * 64 * n * 4, rel=0.02)  # read flat, read params, write
 
     # The same through a padded buffer cut back to size first (a ring's segments joined).
@@ -128,7 +128,7 @@ def test_a_fused_slice_reads_only_its_slice_even_after_elementwise_ops():
         return update(buf[: 64 * n] * 2.0, ps)
 
     compiled = jax.jit(padded).lower(jnp.ones(64 * n + 1000), params).compile()
-    got = jaxcomm.program_cost(compiled).per_device().hbm_bytes[0]
+    got = jaxcomm.audit.program_cost(compiled).per_device().hbm_bytes[0]
     assert got == pytest.approx(3 * 64 * n * 4, rel=0.02)
 
 
@@ -144,7 +144,7 @@ def test_a_strided_convolutions_input_gradient_costs_what_its_forward_does():
         return jax.vjp(lambda x: fwd(x, w), x)[1](jnp.ones((8, 16, 16, 32)))[0]
 
     flops = [
-        jaxcomm.program_cost(jax.jit(f).lower(x, w).compile()).per_device().matmul_flops[0]
+        jaxcomm.audit.program_cost(jax.jit(f).lower(x, w).compile()).per_device().matmul_flops[0]
         for f in (fwd, dx)
     ]
     assert flops[0] == 2 * 8 * 16 * 16 * 32 * 3 * 3 * 16  # every output: a 3x3x16 window
@@ -194,7 +194,7 @@ def test_gpu_library_calls_are_costed_from_their_shapes():
     counts its forward convolution's products (a stride-2 3x3 convolution of 3 into 64
     features: its input and filter gradients cost what its forward does); a custom call
     nothing can cost is listed in ``uncounted``."""
-    cost = jaxcomm.program_cost(_GPU_HLO)
+    cost = jaxcomm.audit.program_cost(_GPU_HLO)
     gemm = 2 * 128 * 256 * 512
     batched = 2 * (4 * 64 * 16) * 32
     conv = 2 * (8 * 32 * 32 * 64) * (3 * 3 * 3)
@@ -216,7 +216,7 @@ def test_cpu_top_k_is_costed_as_a_partial_sort():
     nothing left uncounted."""
     x = jnp.zeros(4096)
     compiled = jax.jit(lambda v: lax.top_k(v, 64)[1]).lower(x).compile()
-    cost = jaxcomm.program_cost(compiled)
+    cost = jaxcomm.audit.program_cost(compiled)
     if "TopK" not in compiled.as_text():
         pytest.skip("this backend does not compile top_k to a TopK custom call")
     assert cost.uncounted == ()

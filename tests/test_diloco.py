@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from test_localsgd import LAYERS, SHAPES, N, _loss, _problem  # noqa: E402
 
 import jaxcomm
-from jaxcomm.network import as_bytes, find_logs, merge_logs
+from jaxcomm._src.network import as_bytes, find_logs, merge_logs
 
 
 def _run(tx, steps, *, seed=0, dense=False):
@@ -235,9 +235,9 @@ def test_fragments_divide_the_peak_and_keep_the_total():
 
 
 def test_streaming_schedule():
-    s = jaxcomm.streaming_schedule(6, 6, 3)
+    s = jaxcomm.schedules.streaming_schedule(6, 6, 3)
     assert s.groups == ((), (3, 0), (), (4, 1), (), (5, 2))
-    s = jaxcomm.streaming_schedule(5, 4, 2, pattern="sequential")
+    s = jaxcomm.schedules.streaming_schedule(5, 4, 2, pattern="sequential")
     assert s.groups == ((), (2, 1, 0), (), (4, 3))
     # A DreamDDP-style schedule whose groups are disjoint works as fragments.
     tx = jaxcomm.diloco(
@@ -261,9 +261,9 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="alpha must be a finite number in"):
         jaxcomm.diloco(sgd, "data", period=4, alpha=1.0)
     with pytest.raises(ValueError, match="fragments=4 exceeds the model's 3 layers"):
-        jaxcomm.streaming_schedule(3, 8, 4)
+        jaxcomm.schedules.streaming_schedule(3, 8, 4)
     with pytest.raises(ValueError, match="fragments=3 exceeds period=2"):
-        jaxcomm.streaming_schedule(3, 2, 3)
+        jaxcomm.schedules.streaming_schedule(3, 2, 3)
     with pytest.raises(ValueError, match="fragments=2 splits the model by layers: pass layers="):
         jaxcomm.diloco(sgd, "data", period=2, fragments=2)
     with pytest.raises(TypeError, match="inner must be an optax.GradientTransformation"):
@@ -282,7 +282,9 @@ def test_bad_arguments():
         jaxcomm.diloco(sgd, "data", period=2, layers=LAYERS, schedule=((0, 1, 2), ()),
                        pattern="sequential")  # fmt: skip
     with pytest.raises(ValueError, match="give either schedule or fragments"):
-        jaxcomm.diloco_steps(6, fragments=3, schedule=jaxcomm.streaming_schedule(3, 6, 3))
+        jaxcomm.schedules.diloco_steps(
+            6, fragments=3, schedule=jaxcomm.schedules.streaming_schedule(3, 6, 3)
+        )
 
 
 def test_the_step_helpers_follow_the_fragment_count_as_diloco_does():
@@ -290,16 +292,16 @@ def test_the_step_helpers_follow_the_fragment_count_as_diloco_does():
     is) give the same synchronisation steps as the layer schedule the transform builds,
     whatever the layer count or pattern; without it, one fragment."""
     for layers, frags, pattern in ((6, 3, "strided"), (7, 3, "sequential"), (5, 5, "strided")):
-        sched = jaxcomm.streaming_schedule(layers, 10, frags, pattern=pattern)
+        sched = jaxcomm.schedules.streaming_schedule(layers, 10, frags, pattern=pattern)
         for overlap in (0, 2):
-            want = jaxcomm.diloco_steps(10, schedule=sched, overlap=overlap)
-            assert jaxcomm.diloco_steps(10, fragments=frags, overlap=overlap) == want
-            got = [jaxcomm.diloco_branch(10, t, fragments=frags, overlap=overlap) for t in
+            want = jaxcomm.schedules.diloco_steps(10, schedule=sched, overlap=overlap)
+            assert jaxcomm.schedules.diloco_steps(10, fragments=frags, overlap=overlap) == want
+            got = [jaxcomm.schedules.diloco_branch(10, t, fragments=frags, overlap=overlap) for t in
                    range(20)]  # fmt: skip
-            assert got == [jaxcomm.diloco_branch(10, t, schedule=sched, overlap=overlap)
+            assert got == [jaxcomm.schedules.diloco_branch(10, t, schedule=sched, overlap=overlap)
                            for t in range(20)]  # fmt: skip
-    assert [s for s, _ in jaxcomm.diloco_steps(6, fragments=3)] == [-1, 0, -1, 1, -1, 2]
-    assert [s for s, _ in jaxcomm.diloco_steps(6)] == [-1, -1, -1, -1, -1, 0]
+    assert [s for s, _ in jaxcomm.schedules.diloco_steps(6, fragments=3)] == [-1, 0, -1, 1, -1, 2]
+    assert [s for s, _ in jaxcomm.schedules.diloco_steps(6)] == [-1, -1, -1, -1, -1, 0]
 
 
 # --------------------------------------------------------------------------- chunk top-k
@@ -331,14 +333,14 @@ def test_chunk_topk_keeps_each_chunks_largest(d, chunk, frac, seed, ties):
     x = rng.normal(size=d).astype(np.float32)
     if ties:
         x = np.round(x * 2) / 2  # many equal magnitudes
-    p = jaxcomm.chunk_topk_encode(jnp.asarray(x), chunk=chunk, k=k)
+    p = jaxcomm.codecs.chunk_topk_encode(jnp.asarray(x), chunk=chunk, k=k)
     np.testing.assert_array_equal(
-        np.asarray(jaxcomm.chunk_topk_decode(p)), _chunk_reference(x, chunk, k)
+        np.asarray(jaxcomm.codecs.chunk_topk_decode(p)), _chunk_reference(x, chunk, k)
     )
     # Bytes: positions in ceil(log2 chunk) bits, float32 values.
     chunks = -(-d // chunk)
     bits = max(1, int(np.ceil(np.log2(chunk))))
-    assert jaxcomm.payload_bytes(p) == -(-chunks * k * bits // 8) + 4 * chunks * k
+    assert jaxcomm.codecs.payload_bytes(p) == -(-chunks * k * bits // 8) + 4 * chunks * k
 
 
 @settings(max_examples=30, deadline=None)
@@ -352,10 +354,10 @@ def test_pack_uints_round_trips(bits, n, seed):
 
 def test_chunk_topk_two_bit_values_and_a_nan_anywhere():
     x = np.random.default_rng(0).normal(size=4096 * 3 + 17).astype(np.float32)
-    p = jaxcomm.chunk_topk_encode(jnp.asarray(x), chunk=4096, k=64, bits=2)
+    p = jaxcomm.codecs.chunk_topk_encode(jnp.asarray(x), chunk=4096, k=64, bits=2)
     # SparseLoCo's payload: 64 12-bit positions, 64 2-bit codes and one scale per chunk.
-    assert jaxcomm.payload_bytes(p) == 4 * (64 * 12 // 8 + 64 * 2 // 8 + 4)
-    dense = np.asarray(jaxcomm.chunk_topk_decode(p))
+    assert jaxcomm.codecs.payload_bytes(p) == 4 * (64 * 12 // 8 + 64 * 2 // 8 + 4)
+    dense = np.asarray(jaxcomm.codecs.chunk_topk_decode(p))
     kept = _chunk_reference(x, 4096, 64)
     assert np.array_equal(dense != 0, kept != 0)  # the same positions
     scale = np.abs(kept).reshape(-1)[: 4096 * 3].reshape(3, 4096).max(1)
@@ -363,7 +365,9 @@ def test_chunk_topk_two_bit_values_and_a_nan_anywhere():
     assert set(np.round(levels[levels != 0] * 3).astype(int)) <= {-3, -1, 1, 3}
     np.testing.assert_allclose(dense, _two_bit_reference(kept, 4096), rtol=1e-6, atol=0)
     encode = jax.jit(
-        lambda v: jaxcomm.chunk_topk_decode(jaxcomm.chunk_topk_encode(v, chunk=4096, k=64, bits=2))
+        lambda v: jaxcomm.codecs.chunk_topk_decode(
+            jaxcomm.codecs.chunk_topk_encode(v, chunk=4096, k=64, bits=2)
+        )
     )
     for at in (0, 4095, 4096, 5000, len(x) - 1):  # never among the kept entries: small
         bad = x.copy()
@@ -471,7 +475,9 @@ def test_chunk_topk_error_feedback_keeps_what_it_did_not_send():
         sent = np.stack(
             [
                 np.asarray(
-                    jaxcomm.chunk_topk_decode(jaxcomm.chunk_topk_encode(v, chunk=8, k=2, bits=2))
+                    jaxcomm.codecs.chunk_topk_decode(
+                        jaxcomm.codecs.chunk_topk_encode(v, chunk=8, k=2, bits=2)
+                    )
                 )
                 for v in e
             ]

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxcomm.diloco import DiLoCoState
+from jaxcomm._src.diloco import DiLoCoState
 from train.config import Config
 from train.trainer import Trainer
 

@@ -81,7 +81,7 @@ def test_the_docs_build_with_warnings_as_errors(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     api = (tmp_path / "html" / "api.html").read_text()
-    for name in ("ec_quantized_allreduce", "diloco", "wire_audit", "ring_all_reduce"):
+    for name in ("ec_quantized_all_reduce", "diloco", "wire_audit", "ring_all_reduce"):
         assert name in api
     # Code blocks wrap long lines (a command cut off at the page's edge cannot be copied).
     assert "_static/wrap-code.css" in api
@@ -138,7 +138,7 @@ def _sgd_step(reduce):
     import jaxcomm
 
     mesh = jax.make_mesh((8,), ("data",))
-    tx = optax.chain(jaxcomm.dense_allreduce("data", reduce=reduce), optax.sgd(0.1))
+    tx = optax.chain(jaxcomm.dense_all_reduce("data", reduce=reduce), optax.sgd(0.1))
     specs = (P("data"), P())
 
     def loss_fn(params, x):
@@ -184,7 +184,7 @@ def _cost(code):
     ns = {"jax": jax, "jaxcomm": jaxcomm, "compiled": compiled}
     exec(compile(code, "library.md", "exec"), ns)  # noqa: S102
     assert int(ns["cost"].matmul_flops[0]) == 2 * 256 * 512 * 256
-    assert jaxcomm.roofline("v100").seconds(ns["cost"])[0] > 0
+    assert jaxcomm.compute.roofline("v100").seconds(ns["cost"])[0] > 0
 
 
 def _aqsgd(code):
@@ -207,7 +207,7 @@ def _aqsgd(code):
         ns = {"jaxcomm": jaxcomm, "a": a[0], "previous": previous, "seen": True, "s": 0}
         ns["key"] = jax.random.key(1)
         exec(compile(code, "aqsgd.md", "exec"), ns)  # noqa: S102
-        nbytes = jnp.asarray(jaxcomm.payload_bytes(ns["payload"]))
+        nbytes = jnp.asarray(jaxcomm.codecs.payload_bytes(ns["payload"]))
         return ns["h"][None], ns["new_prev"][None], nbytes[None]
 
     f = jax.jit(

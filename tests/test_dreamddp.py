@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxcomm.dreamddp import (
+from jaxcomm._src.dreamddp import (
     Schedule,
     StepTimeline,
     _dfs_best,

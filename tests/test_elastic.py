@@ -1,4 +1,4 @@
-"""Per-worker state resized to another number of workers (:func:`jaxcomm.resize_workers`):
+"""Per-worker state resized to another number of workers (:func:`jaxcomm.elastic.resize_workers`):
 every aggregator and sync wrapper of the contract suite, 8 to 4 and 4 to 8 workers.
 
 * Each rule keeps what it promises, checked on states built by real updates: rows equal on
@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from test_contract import CASES, SHAPES
 
 import jaxcomm
-from jaxcomm.network import CommLog, empty_log
+from jaxcomm._src.network import CommLog, empty_log
 
 
 def _mesh(case, n):
@@ -89,7 +89,7 @@ def _join(x, d):
 
 def _check_rules(old, new, n_new, path=()):
     """Walk the old and the resized state side by side and check each field's rule,
-    independently of :func:`jaxcomm.resize_workers`'s code."""
+    independently of :func:`jaxcomm.elastic.resize_workers`'s code."""
     if isinstance(old, CommLog):  # what the last step sent: empty on the new world
         for a, e in zip(new, empty_log(), strict=True):
             a = np.asarray(a)
@@ -97,10 +97,10 @@ def _check_rules(old, new, n_new, path=()):
             # (A pipeline's embedding and head states are saved as zeros off their stage.)
             assert np.all((a == np.asarray(e)) | (a == 0))
         return
-    if type(old) in jaxcomm.RESIZE_RULES:
-        pending = [f for f, r in jaxcomm.RESIZE_RULES[type(old)].items() if r == "pending"]
+    if type(old) in jaxcomm.elastic.RULES:
+        pending = [f for f, r in jaxcomm.elastic.RULES[type(old)].items() if r == "pending"]
         for f in old._fields:
-            rule = jaxcomm.resize_rule_of(old, f)
+            rule = jaxcomm.elastic.resize_rule_of(old, f)
             a, b = getattr(old, f), getattr(new, f)
             if rule == "replica":
                 _check_rules(a, b, n_new, (*path, f))
@@ -142,7 +142,7 @@ def _check_rules(old, new, n_new, path=()):
 def test_each_rule_keeps_its_invariant_and_the_state_runs_on_the_new_world(name, old, new):
     case = CASES[name]
     params, state = _trained(case, old)
-    resized = jaxcomm.resize_workers({"params": params, "state": state}, new)
+    resized = jaxcomm.elastic.resize_workers({"params": params, "state": state}, new)
     assert resized.state["params"].keys() == params.keys()
     _check_rules(params, resized.state["params"], new)
     _check_rules(state, resized.state["state"], new)
@@ -167,7 +167,7 @@ def test_each_rule_keeps_its_invariant_and_the_state_runs_on_the_new_world(name,
 # the largest entries first; the quantizers' and signs' errors contract). SparseLoCo's decay
 # forgets on purpose: decay 1 here.
 _OWED = {
-    "ec_quantized": lambda ax: jaxcomm.ec_quantized_allreduce(ax, bits=3, bucket_size=8),
+    "ec_quantized": lambda ax: jaxcomm.ec_quantized_all_reduce(ax, bits=3, bucket_size=8),
     "ar_topk_star": lambda ax: jaxcomm.ar_topk(ax, ratio=0.1),
     "lw_topk": lambda ax: jaxcomm.lw_topk(ax, ratio=0.1),
     "ms_topk": lambda ax: jaxcomm.ms_topk(ax, ratio=0.1),
@@ -198,7 +198,7 @@ def test_what_error_feedback_owes_the_model_is_paid_after_a_resize(name, old, ne
     params, state = _trained(case, old, steps=4)
     steps = 80
     kept = _flush(case, old, params, state, steps)
-    resized = jaxcomm.resize_workers({"p": params, "s": state}, new).state
+    resized = jaxcomm.elastic.resize_workers({"p": params, "s": state}, new).state
     moved = _flush(case, new, resized["p"], resized["s"], steps)
     owed = np.sqrt(sum(np.sum(v**2) for v in kept.values()))
     assert owed > 1e-3  # the residuals owed something: the test can tell
@@ -209,7 +209,7 @@ def test_what_error_feedback_owes_the_model_is_paid_after_a_resize(name, old, ne
 def test_bfloat16_rows_are_averaged_and_equal_ones_kept():
     rows = np.arange(8 * 4, dtype=np.float32).reshape(8, 4).astype(jnp.bfloat16)
     same = np.broadcast_to(np.float32(1.5).astype(jnp.bfloat16), (8, 4))
-    out = jaxcomm.resize_workers({"local": rows, "synced": same}, 2).state
+    out = jaxcomm.elastic.resize_workers({"local": rows, "synced": same}, 2).state
     assert out["local"].dtype == jnp.bfloat16 and out["local"].shape == (2, 4)
     want = rows.astype(np.float64).mean(0).astype(jnp.bfloat16)
     np.testing.assert_array_equal(out["local"][1], want)
@@ -218,10 +218,10 @@ def test_bfloat16_rows_are_averaged_and_equal_ones_kept():
 
 def test_bad_input_is_refused_naming_it():
     with pytest.raises(ValueError, match="leading worker axis"):
-        jaxcomm.resize_workers({"a": np.zeros((8, 3)), "b": np.zeros((4, 3))}, 2)
+        jaxcomm.elastic.resize_workers({"a": np.zeros((8, 3)), "b": np.zeros((4, 3))}, 2)
     with pytest.raises(ValueError, match=r"\['count'\].*int32 rows"):
-        jaxcomm.resize_workers({"count": np.arange(8, dtype=np.int32)}, 4)
+        jaxcomm.elastic.resize_workers({"count": np.arange(8, dtype=np.int32)}, 4)
     with pytest.raises(ValueError, match="workers must be an integer"):
-        jaxcomm.resize_workers({"a": np.zeros((8, 3))}, 0)
+        jaxcomm.elastic.resize_workers({"a": np.zeros((8, 3))}, 0)
     with pytest.raises(ValueError, match="has no field 'resid'"):
-        jaxcomm.register_resize_rule(jaxcomm.TopkState, resid="pending")
+        jaxcomm.elastic.register_resize_rule(jaxcomm.TopKState, resid="pending")

@@ -128,7 +128,7 @@ def test_shipped_gpt2xl_config_is_the_papers_setting():
     )  # fmt: skip
     assert cfg.boundary.to_dict() == {"name": "fp32", "forward": {"name": "fp32"},
                                       "backward": {"name": "fp32"}}  # fmt: skip
-    assert jaxcomm.get_device(cfg.compute).name == "v100"
+    assert jaxcomm.compute.get_device(cfg.compute).name == "v100"
 
 
 def test_marsit_resnet50_config_is_the_papers_setting():
@@ -196,9 +196,9 @@ def test_shipped_100x_config_is_gpt2xl_at_100x_below_float32_each_way():
     assert cfg.model == paper.model
     assert (cfg.stages, cfg.workers, cfg.microbatches) == (paper.stages, 1, 32)
     act = jax.ShapeDtypeStruct((1, 1024, 1600), jax.numpy.float32)
-    fw, bw = jaxcomm.boundary_message_bytes(make_boundary(cfg), act, seen=True)
+    fw, bw = jaxcomm.pipeline.boundary_message_bytes(make_boundary(cfg), act, seen=True)
     assert 100 <= 1024 * 1600 * 4 / fw < 110 and 100 <= 1024 * 1600 * 4 / bw < 110
-    first, _ = jaxcomm.boundary_message_bytes(make_boundary(cfg), act, seen=False)
+    first, _ = jaxcomm.pipeline.boundary_message_bytes(make_boundary(cfg), act, seen=False)
     assert first == 1024 * 1600 // 2 + 4 * 1024  # 4-bit codes and a scale per token
 
 

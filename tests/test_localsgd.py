@@ -9,8 +9,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.localsgd import LocalSGDState, layer_comm_s, layer_wires
-from jaxcomm.network import as_bytes
+from jaxcomm._src.localsgd import LocalSGDState, layer_comm_s, layer_wires
+from jaxcomm._src.network import as_bytes
 
 N = 8
 SHAPES = {"emb": (6, 4), "mid": (4, 4), "out": (4, 3)}
@@ -94,7 +94,7 @@ def test_local_sgd_averages_every_period_steps():
 
 def test_partial_schedule_averages_its_groups_and_covers_every_layer():
     # Bubble-filled: layer 2 is averaged at both steps, layers 1 and 0 at step 1.
-    sched = jaxcomm.as_schedule(((2,), (2, 1, 0)))
+    sched = jaxcomm.schedules.as_schedule(((2,), (2, 1, 0)))
     tx = jaxcomm.partial_local_sgd(optax.sgd(0.05), "data", schedule=sched, layers=LAYERS)
     hist, _ = _run(tx, 4)
     averaged = {0: set(), 1: set()}
@@ -123,7 +123,7 @@ def test_inner_state_stays_local_and_traffic_is_the_groups():
     # Step 0 averaged layers 2 and 1: one ring each, 2 (N - 1) segments of ceil(d / N) floats.
     want = sum(2 * (N - 1) * 4 * -(-int(np.prod(SHAPES[LAYERS[i]])) // N) for i in (2, 1))
     assert np.all(sent == want) and sum(wires[i].sent[0] for i in (2, 1)) == want
-    net = jaxcomm.Network(1e-3, 1e9)
+    net = jaxcomm.network.Network(1e-3, 1e9)
     times = layer_comm_s(wires, net)
     assert times[0] == pytest.approx(2 * (N - 1) * 1e-3 + wires[0].path_bytes * 8 / 1e9)
 
@@ -137,7 +137,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="reduce must be one of"):
         jaxcomm.local_sgd(sgd, "data", period=2, reduce="star")
     with pytest.raises(ValueError, match="every layer"):  # layer 1 never averaged
-        jaxcomm.partial_local_sgd(sgd, "data", schedule=jaxcomm.Schedule(((2,), (0,)), 3))
+        jaxcomm.partial_local_sgd(sgd, "data", schedule=jaxcomm.schedules.Schedule(((2,), (0,)), 3))
     params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
     grads = params
     mesh = jax.make_mesh((N,), ("data",))
@@ -167,8 +167,12 @@ def test_profile_telescopes_and_sees_equal_blocks():
     params = jax.eval_shape(lambda: task.init(jax.random.key(0), batch))
     shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch)
     names = ["embed", "block_0", "block_1", "block_2", "head"]
-    prof = jaxcomm.profile_layers(
-        lambda p, b: task.loss(p, b)[0], params, shapes, names, roofline=jaxcomm.roofline("v100")
+    prof = jaxcomm.compute.profile_layers(
+        lambda p, b: task.loss(p, b)[0],
+        params,
+        shapes,
+        names,
+        roofline=jaxcomm.compute.roofline("v100"),
     )
     assert prof.method == "roofline:v100"
     assert prof.names == tuple(names) and len(prof.backward_s) == 5
@@ -179,13 +183,15 @@ def test_profile_telescopes_and_sees_equal_blocks():
     # The whole forward and backward, compiled here on its own and put on the same roofline,
     # is what the forward and the per-layer backwards add up to.
     full = jax.jit(jax.grad(lambda p, b: task.loss(p, b)[0])).lower(params, shapes).compile()
-    whole = jaxcomm.roofline("v100").seconds(jaxcomm.program_cost(full).per_device())[0]
+    whole = jaxcomm.compute.roofline("v100").seconds(jaxcomm.audit.program_cost(full).per_device())[
+        0
+    ]
     assert prof.forward_s + sum(prof.backward_s) == pytest.approx(whole, rel=0.02)
     assert list(prof.prefix_s) == sorted(prof.prefix_s, reverse=True)  # shorter, cheaper
     assert prof.param_bytes[1] == 4 * sum(
         int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params["block_0"])
     )
-    comm = prof.comm_s(jaxcomm.Network(1e-3, 1e9), N)
+    comm = prof.comm_s(jaxcomm.network.Network(1e-3, 1e9), N)
     assert len(comm) == 5 and comm[1] == comm[2] > 2 * (N - 1) * 1e-3
 
 
@@ -199,7 +205,9 @@ def test_measured_profile_is_positive():
     }
     params = task.init(jax.random.key(0), batch)
     names = list(params)
-    prof = jaxcomm.profile_layers(lambda p, b: task.loss(p, b)[0], params, batch, names, repeats=5)
+    prof = jaxcomm.compute.profile_layers(
+        lambda p, b: task.loss(p, b)[0], params, batch, names, repeats=5
+    )
     assert prof.method == "measured" and prof.forward_s == prof.prefix_s[-1]
     # Wall times of separate runs are not compared with each other (load on the host can
     # reorder them); which prefix costs more is checked on the roofline above.

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jaxcomm
-from jaxcomm.localsgd import SYNC_SCOPE, layer_comm_s, sync_branch
+from jaxcomm._src.localsgd import SYNC_SCOPE, layer_comm_s, sync_branch
 from train.config import Config
 from train.localsgd import LocalSGD
 from train.trainer import Trainer
@@ -55,7 +55,7 @@ def test_dreamddp_run_logs_the_scheduled_traffic_and_its_timeline(tmp_path):
     assert summary["schedule"] == str(sched) and summary["profile"] == "roofline:v100"
     rows = _rows(cfg)
     assert np.mean([r["loss"] for r in rows[-3:]]) < np.mean([r["loss"] for r in rows[:3]])
-    net = jaxcomm.Network(1e-3, 100e6)
+    net = jaxcomm.network.Network(1e-3, 100e6)
     comm = layer_comm_s(trainer.sync.layer_wires, net)
     prof = trainer.sync.profile
     for step in range(3):  # one period: each step's bytes are its group's, read from the program
@@ -103,10 +103,10 @@ def _hand_iteration(group, forward, backward, comm):
 def _log_at(trainer, cfg, step):
     """The CommLog of one step, re-run from the metrics' wire record of that step."""
     rows = _rows(cfg)
-    k = len(jaxcomm.KINDS)
-    log = jaxcomm.empty_log()
+    k = len(jaxcomm.network.KINDS)
+    log = jaxcomm.network.empty_log()
     for kind, calls, mbytes, ratio, rounds, path in rows[step]["wire"]:
-        log = jaxcomm.log_collective(
+        log = jaxcomm.network.log_collective(
             log, kind, mbytes, 0, rounds=rounds, path_bytes=path, ratio=ratio, calls=calls
         )
     assert np.asarray(log.rounds).shape == (k,)
@@ -129,7 +129,7 @@ def test_flsgd_averages_everything_at_the_end_of_each_period(tmp_path):
 
 def test_enp_schedule_and_bad_sync_settings(tmp_path):
     trainer = Trainer(_cfg(tmp_path, sync={"method": "enp", "period": 3}, **MLP))
-    assert trainer.sync.sync_schedule == jaxcomm.enp_schedule(3, 3)
+    assert trainer.sync.sync_schedule == jaxcomm.schedules.enp_schedule(3, 3)
     bad = [
         ({"aggregator": "none", "sync": {}}, "needs a sync"),
         ({"aggregator": "ring"}, "needs aggregator none"),
@@ -157,7 +157,7 @@ def test_fused_flsgd_sends_one_message_after_the_whole_backward(tmp_path):
     audit = trainer.step_audit(branches={SYNC_SCOPE: 1})
     assert rows[1]["sent_bytes"] == int(audit.sent.max())
     assert int(trainer.step_audit(branches={SYNC_SCOPE: 0}).sent.max()) == 0
-    net = jaxcomm.Network(1e-3, 100e6)
+    net = jaxcomm.network.Network(1e-3, 100e6)
     comm = layer_comm_s(trainer.sync.layer_wires, net)[0]
     compute = trainer.sync.branch_compute_s(trainer, 1)
     # The one message waits for the whole backward: forward + backward + message.
@@ -224,7 +224,7 @@ def test_resume_keeps_the_saved_schedule(tmp_path, monkeypatch):
 
     # As if the profile had come out otherwise:
     monkeypatch.setattr(
-        LocalSGD, "_schedule", lambda self, network: jaxcomm.full_sync_schedule(3, 3)
+        LocalSGD, "_schedule", lambda self, network: jaxcomm.schedules.full_sync_schedule(3, 3)
     )
     other = Trainer(_cfg(tmp_path, steps=6, **MLP))
     assert other.sync.sync_schedule != first.sync.sync_schedule
@@ -247,7 +247,7 @@ def test_stragglers_with_local_sgd_wait_only_at_averaging(tmp_path):
     trainer = Trainer(cfg)
     trainer.run()
     rows = _rows(cfg)
-    net, model = jaxcomm.Network(1e-3, 100e6), cfg.straggler_model()
+    net, model = jaxcomm.network.Network(1e-3, 100e6), cfg.straggler_model()
     wire = trainer.sync.layer_wires[0]
     local = np.zeros(8)  # each worker's own clock
     now = 0.0

@@ -11,8 +11,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.marsit import bernoulli_words, sign_all_reduce
-from jaxcomm.network import as_bytes
+from jaxcomm._src.marsit import bernoulli_words, sign_all_reduce
+from jaxcomm._src.network import as_bytes
 
 N = 8
 KEYS = 2000
@@ -23,7 +23,7 @@ def test_bernoulli_words_frequency():
         w = jax.vmap(lambda k, p=p: bernoulli_words(k, p, (32,)))(
             jax.random.split(jax.random.key(0), KEYS)
         )
-        freq = np.asarray(jaxcomm.unpack_bits(w, 256)).mean()
+        freq = np.asarray(jaxcomm.codecs.unpack_bits(w, 256)).mean()
         sd = np.sqrt(max(p * (1 - p), 1e-12) / (KEYS * 256))
         assert abs(freq - p) <= 5 * sd + 1e-12, (p, freq)
 
@@ -39,12 +39,12 @@ def test_sign_merge_is_unbiased(m):
     n = 64
     p = np.linspace(0.0, 1.0, n)
     s = (np.arange(n) % 3 == 0).astype(np.float64)
-    local = jaxcomm.pack_bits(s.astype(bool))
+    local = jaxcomm.codecs.pack_bits(s.astype(bool))
 
     def one(key):
         k1, k2 = jax.random.split(key)
-        received = jaxcomm.pack_bits(jax.random.uniform(k1, (n,)) < p)
-        return jaxcomm.unpack_bits(jaxcomm.sign_merge(received, local, k2, m), n)
+        received = jaxcomm.codecs.pack_bits(jax.random.uniform(k1, (n,)) < p)
+        return jaxcomm.codecs.unpack_bits(jaxcomm.collectives.sign_merge(received, local, k2, m), n)
 
     freq = np.asarray(jax.vmap(one)(jax.random.split(jax.random.key(m), KEYS))).mean(0)
     q = ((m - 1) * p + s) / m
@@ -54,12 +54,12 @@ def test_sign_merge_is_unbiased(m):
 
 def test_sign_merge_agreeing_bits_pass_through():
     a = jnp.array([0b10110010, 0xFF, 0], jnp.uint8)
-    out = jaxcomm.sign_merge(a, a, jax.random.key(0), 5)
+    out = jaxcomm.collectives.sign_merge(a, a, jax.random.key(0), 5)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(a))
     with pytest.raises(ValueError, match=r"m must be an integer in \[1, inf\], got 0"):
-        jaxcomm.sign_merge(a, a, jax.random.key(0), 0)
+        jaxcomm.collectives.sign_merge(a, a, jax.random.key(0), 0)
     with pytest.raises(TypeError, match="packed uint8"):
-        jaxcomm.sign_merge(a.astype(jnp.int32), a, jax.random.key(0), 2)
+        jaxcomm.collectives.sign_merge(a.astype(jnp.int32), a, jax.random.key(0), 2)
 
 
 def _sign_reduce_runs(mesh, x, spec, axis, topology, runs):
@@ -205,7 +205,7 @@ def test_merge_keys_differ_on_every_torus_device():
     """Each device of a 2x4 torus merges with its own key: with one key per row (shared by
     the columns, as a key folded with the row index alone would be), columns holding the
     same signs would draw the same noise."""
-    from jaxcomm.marsit import _device_key
+    from jaxcomm._src.marsit import _device_key
 
     mesh = jax.make_mesh((2, 4), ("row", "col"))
 

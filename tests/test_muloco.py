@@ -48,21 +48,21 @@ def test_stat_quantize_matches_the_reference(sizes, bits, seed, heavy):
     rng = np.random.default_rng(seed)
     d = sum(sizes)
     x = (rng.standard_t(2, d) if heavy else rng.normal(size=d)).astype(np.float32) * 0.01
-    p = jaxcomm.stat_quantize(jnp.asarray(x), bits=bits, sizes=tuple(sizes))
-    got = np.asarray(jaxcomm.stat_dequantize(p))
+    p = jaxcomm.codecs.stat_quantize(jnp.asarray(x), bits=bits, sizes=tuple(sizes))
+    got = np.asarray(jaxcomm.codecs.stat_dequantize(p))
     want = _stat_reference(x, bits, 6.0, sizes)
     # Bin means agree to float32 rounding; a value within rounding of a bin edge may fall
     # either side, so compare the codes' values where both sides agree on the bin.
     close = np.isclose(got, want, rtol=1e-4, atol=1e-7)
     assert close.mean() > 0.98, (got[~close][:5], want[~close][:5])
     # Wire: the packed codes and one float32 table entry per code value and segment.
-    assert jaxcomm.payload_bytes(p) == -(-d * bits // 8) + 4 * (2**bits) * len(sizes)
+    assert jaxcomm.codecs.payload_bytes(p) == -(-d * bits // 8) + 4 * (2**bits) * len(sizes)
     assert p.codes.dtype == jnp.uint8 and p.table.dtype == jnp.float32
 
 
 def test_stat_quantize_two_bits_at_six_sigmas_and_a_nan():
     x = np.random.default_rng(1).normal(size=10_000).astype(np.float32)
-    p = jaxcomm.stat_quantize(jnp.asarray(x), bits=2)
+    p = jaxcomm.codecs.stat_quantize(jnp.asarray(x), bits=2)
     table = np.asarray(p.table[0])
     # Bins 1.5 sigma wide, the mean's bin centred: edges at -2.25, -0.75 and 0.75 sigma.
     # Each code decodes to its bin's mean, for a normal E[x | a < x < b] =
@@ -74,28 +74,28 @@ def test_stat_quantize_two_bits_at_six_sigmas_and_a_nan():
         (pdf(a) - pdf(b)) / (cdf(b) - cdf(a)) for a, b in zip(edges[:-1], edges[1:], strict=True)
     ]  # about -2.60, -1.26, 0, 1.33
     np.testing.assert_allclose(table, want, atol=0.06)
-    dec = np.asarray(jaxcomm.stat_dequantize(p))
+    dec = np.asarray(jaxcomm.codecs.stat_dequantize(p))
     # Each bin's reconstruction is its values' mean: the error sums to zero over each bin.
     codes = np.searchsorted((table[1:] + table[:-1]) / 2, dec)
     for c in range(4):
         assert abs((x[codes == c] - dec[codes == c]).sum()) < 1e-2
     bad = x.copy()
     bad[1234] = np.nan
-    two = jaxcomm.stat_quantize(jnp.asarray(bad), bits=2, sizes=(5000, 5000))
-    out = np.asarray(jaxcomm.stat_dequantize(two))
+    two = jaxcomm.codecs.stat_quantize(jnp.asarray(bad), bits=2, sizes=(5000, 5000))
+    out = np.asarray(jaxcomm.codecs.stat_dequantize(two))
     assert np.all(np.isnan(out[:5000])) and np.all(np.isfinite(out[5000:]))
 
 
 def test_stat_quantize_refuses_bad_input():
     x = jnp.ones(10)
     with pytest.raises(ValueError, match="bits"):
-        jaxcomm.stat_quantize(x, bits=9)
+        jaxcomm.codecs.stat_quantize(x, bits=9)
     with pytest.raises(ValueError, match="sigmas"):
-        jaxcomm.stat_quantize(x, sigmas=0.0)
+        jaxcomm.codecs.stat_quantize(x, sigmas=0.0)
     with pytest.raises(ValueError, match="sizes must be positive element counts summing to 10"):
-        jaxcomm.stat_quantize(x, sizes=(4, 5))
+        jaxcomm.codecs.stat_quantize(x, sizes=(4, 5))
     with pytest.raises(ValueError, match="1-D floating"):
-        jaxcomm.stat_quantize(jnp.ones((2, 5)))
+        jaxcomm.codecs.stat_quantize(jnp.ones((2, 5)))
     with pytest.raises(ValueError, match="decay"):
         jaxcomm.statistical_quantized("data", decay=1.5)
 

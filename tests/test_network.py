@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxcomm import network
-from jaxcomm.network import (
+from jaxcomm._src import network
+from jaxcomm._src.network import (
     KINDS,
     CommLog,
     Network,
@@ -481,7 +481,7 @@ def test_log_flows_out_of_shard_map(mesh8):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxcomm.collectives import psum_wire
+    from jaxcomm._src.collectives import psum_wire
 
     def body(x):
         log = log_wire(empty_log(), psum_wire(x, 8))
@@ -549,7 +549,8 @@ def test_sim_clock_state_restore_and_errors():
 
 @pytest.mark.parametrize("n", [3, 5, 6, 7, 8])
 def test_allgather_rounds_are_those_of_the_compiled_collective(n):
-    """The chooser's all-gather rounds are the rounds :func:`jaxcomm.all_gather` runs, read
+    """The chooser's all-gather rounds are the rounds :func:`jaxcomm.collectives.all_gather`
+    runs, read
     from the compiled program: ``log2 N`` for powers of two, the ring's ``N - 1`` otherwise
     (5 vs 3 at N = 6)."""
     import jax
@@ -562,7 +563,7 @@ def test_allgather_rounds_are_those_of_the_compiled_collective(n):
     mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
     f = jax.jit(
         jax.shard_map(
-            lambda x: jaxcomm.all_gather(x[0], "data")[None],
+            lambda x: jaxcomm.collectives.all_gather(x[0], "data")[None],
             mesh=mesh,
             in_specs=P("data"),
             out_specs=P("data"),

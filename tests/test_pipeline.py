@@ -8,9 +8,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.aqsgd import fp32_encode
-from jaxcomm.collectives import psum_wire
-from jaxcomm.pipeline import Boundary, BoundaryState, pipeline_ticks
+from jaxcomm._src.aqsgd import fp32_encode
+from jaxcomm._src.collectives import psum_wire
+from jaxcomm._src.pipeline import Boundary, BoundaryState, pipeline_ticks
 from models import GPTConfig, build_task
 from train.pipeline import gpt_pipeline_loss, stage_params
 
@@ -37,7 +37,7 @@ def _run(num_stages, params, tokens, boundary=None, state=None, seen=False, grad
 
     def per_device(p, inputs, st):
         p, st = jax.tree_util.tree_map(lambda a: a[0], (p, st))
-        value_and_grad = grad or jaxcomm.gpipe_value_and_grad
+        value_and_grad = grad or jaxcomm.pipeline.gpipe_value_and_grad
         (loss, (st, log)), grads = value_and_grad(loss_fn)(p, inputs, st, jax.random.key(2), seen)
         return loss, jax.tree_util.tree_map(lambda a: a[None], (grads, st, log))
 
@@ -56,16 +56,18 @@ def _run(num_stages, params, tokens, boundary=None, state=None, seen=False, grad
     loss, (grads, state, log) = compiled(*args)
     log = jax.device_get(log)
     audit = jaxcomm.wire_audit(compiled).traffic()
-    np.testing.assert_array_equal(jaxcomm.as_bytes(log.sent_bytes).ravel(), audit.sent)
+    np.testing.assert_array_equal(jaxcomm.network.as_bytes(log.sent_bytes).ravel(), audit.sent)
     np.testing.assert_array_equal(log.rounds.sum(-1), audit.rounds)
-    np.testing.assert_array_equal(jaxcomm.as_bytes(log.path_bytes).sum(-1), audit.path_bytes)
+    np.testing.assert_array_equal(
+        jaxcomm.network.as_bytes(log.path_bytes).sum(-1), audit.path_bytes
+    )
     return float(loss), jax.device_get(grads), jax.device_get(state), log
 
 
 def _p2p_sent(log, num_stages):
     """Point-to-point bytes each stage sent (all it sent, less the loss's 4-byte psum)."""
     loss_psum = psum_wire(jnp.zeros((), jnp.float32), num_stages).sent[0]
-    return list(jaxcomm.as_bytes(log.sent_bytes).ravel() - loss_psum)
+    return list(jaxcomm.network.as_bytes(log.sent_bytes).ravel() - loss_psum)
 
 
 def _expect(num_stages, fw, bw):
@@ -104,7 +106,7 @@ def test_fp32_pipeline_equals_unpipelined_model(num_stages):
     # gradient back; the last stage sends nothing forward and the first nothing back.
     assert _p2p_sent(log, num_stages) == _expect(num_stages, FP32_MSG, FP32_MSG)
     # One round per tick that carries a message, each way: M + S - 2 ticks of M + S - 1.
-    p2p = jaxcomm.KINDS.index("p2p")
+    p2p = jaxcomm.network.KINDS.index("p2p")
     assert list(log.rounds[:, p2p]) == [2 * (M + num_stages - 2)] * num_stages
     # Both sides of each boundary hold the same messages.
     for s in range(num_stages - 1):
@@ -185,14 +187,14 @@ def test_tick_runs_cover_the_schedule(microbatches, stages):
 
 
 def _regression(boundary, steps=300):
-    """A two-stage regression fine-tuned full-batch through :func:`jaxcomm.gpipe`, the same
+    """A two-stage regression fine-tuned full-batch through :func:`jaxcomm.pipeline.gpipe`, the same
     32 samples every step (so every step after the first revisits them all)."""
     kx, kw, k1, k2 = jax.random.split(jax.random.key(0), 4)
     x = jax.random.normal(kx, (1, 32, 8))
     y = jnp.sin(x @ jax.random.normal(kw, (8, 2)))
     w0, w1 = 0.5 * jax.random.normal(k1, (8, 16)), 0.5 * jax.random.normal(k2, (16, 2))
     params = {"w0": jnp.stack([w0, w0]), "w1": jnp.stack([w1, w1])}
-    loss_fn = jaxcomm.gpipe(
+    loss_fn = jaxcomm.pipeline.gpipe(
         lambda p, mb: jnp.tanh(mb["x"] @ p["w0"]),
         lambda p, h: h,
         lambda p, h, mb: jnp.mean((h @ p["w1"] - mb["y"]) ** 2),
@@ -237,7 +239,7 @@ def test_training_aqsgd_tracks_fp32_where_directq_drifts():
 
 def test_seen_must_be_static_and_state_must_fit():
     _, tokens, params = _setup()
-    aq = jaxcomm.aqsgd_boundary(2, 8)
+    aq = jaxcomm.pipeline.aqsgd_boundary(2, 8)
     # A NumPy bool is as static as a Python one: the same program, the same bytes.
     first = _run(2, params, tokens, boundary=aq, seen=np.False_)
     assert _p2p_sent(first[3], 2) == _p2p_sent(_run(2, params, tokens, boundary=aq)[3], 2)
@@ -270,8 +272,8 @@ def test_sparse_delta_boundary_sends_its_payloads_both_ways():
     program sends exactly what is logged (``_run`` checks the audit), at the documented byte
     counts, both sides of every boundary agree, and a seen step's loss stays near FP32's."""
     _, tokens, params = _setup()
-    fw, bw = jaxcomm.topk_rows(64, 4, bits=4), jaxcomm.topk_rows(32, 2, bits=4)
-    sparse = jaxcomm.delta_boundary(fw, bw, first=jaxcomm.quantized_rows(4))
+    fw, bw = jaxcomm.pipeline.topk_rows(64, 4, bits=4), jaxcomm.pipeline.topk_rows(32, 2, bits=4)
+    sparse = jaxcomm.pipeline.delta_boundary(fw, bw, first=jaxcomm.pipeline.quantized_rows(4))
     n = T * W  # elements of one sample
     q4_row = n * 4 // 8 + 4 * T  # 4-bit codes + one scale per token
     fw_row = -(-(n // 64) * 4 * 6 // 8) + (n // 64) * 4 * 4 // 8 + 4 * (n // 64)
@@ -298,13 +300,13 @@ def test_training_with_sparse_deltas_tracks_fp32():
     ends near FP32's loss; sending a quarter of the activation itself (no buffer) does not."""
     pipe = jaxcomm.pipeline
     fp32 = _regression(pipe.fp32_boundary())
-    sparse = _regression(pipe.delta_boundary(jaxcomm.topk_rows(8, 2, bits=8)))
+    sparse = _regression(pipe.delta_boundary(jaxcomm.pipeline.topk_rows(8, 2, bits=8)))
     direct = pipe.Boundary(
         encode=lambda a, prev, key, seen: (
-            payload := jaxcomm.topk_rows(8, 2, bits=8).encode(a, key),
-            jaxcomm.topk_rows(8, 2, bits=8).decode(payload),
+            payload := jaxcomm.pipeline.topk_rows(8, 2, bits=8).encode(a, key),
+            jaxcomm.pipeline.topk_rows(8, 2, bits=8).decode(payload),
         ),
-        decode=lambda payload, prev: jaxcomm.topk_rows(8, 2, bits=8).decode(payload),
+        decode=lambda payload, prev: jaxcomm.pipeline.topk_rows(8, 2, bits=8).decode(payload),
     )
     assert sparse == pytest.approx(fp32, rel=0.1)
     assert _regression(direct) > 10 * fp32
@@ -314,7 +316,9 @@ def test_lowrank_delta_boundary_sends_its_factors_both_ways():
     """Rank-2 deltas forward, rank-1 gradients back, 8-bit factors: audited = logged (in
     ``_run``), the documented bytes, both sides agree."""
     _, tokens, params = _setup()
-    low = jaxcomm.delta_boundary(jaxcomm.lowrank_rows(2), jaxcomm.lowrank_rows(1))
+    low = jaxcomm.pipeline.delta_boundary(
+        jaxcomm.pipeline.lowrank_rows(2), jaxcomm.pipeline.lowrank_rows(1)
+    )
 
     def row(r):  # 8-bit factors [T, r] and [r, W], a float32 scale per factor column/row
         return r * T + r * W + 8 * r
@@ -344,9 +348,9 @@ def test_backward_memory_sends_what_the_gradient_codec_dropped_at_later_visits()
     the first visit. Both sides' memories are equal, the wire carries only the top-k
     payloads (``_run`` audits), and a NaN reaches the update."""
     _, tokens, params = _setup()
-    fw, bw = jaxcomm.quantized_rows(8), jaxcomm.topk_rows(32, 4, bits=8)
-    plain = jaxcomm.delta_boundary(fw, bw)
-    memory = jaxcomm.delta_boundary(fw, bw, backward_memory=True)
+    fw, bw = jaxcomm.pipeline.quantized_rows(8), jaxcomm.pipeline.topk_rows(32, 4, bits=8)
+    plain = jaxcomm.pipeline.delta_boundary(fw, bw)
+    memory = jaxcomm.pipeline.delta_boundary(fw, bw, backward_memory=True)
     _, ref, _, _ = _run(4, params, tokens)
     _, g_plain, st_plain, _ = _run(4, params, tokens, boundary=plain)
     _, g, st, log = _run(4, params, tokens, boundary=memory)
@@ -375,9 +379,9 @@ def test_backward_memory_sends_what_the_gradient_codec_dropped_at_later_visits()
 
 def test_backward_memory_needs_a_codec_and_a_state():
     with pytest.raises(ValueError, match="needs a backward codec"):
-        jaxcomm.delta_boundary(jaxcomm.quantized_rows(2), backward_memory=True)
-    memory = jaxcomm.delta_boundary(
-        jaxcomm.quantized_rows(2), jaxcomm.quantized_rows(4), backward_memory=True
+        jaxcomm.pipeline.delta_boundary(jaxcomm.pipeline.quantized_rows(2), backward_memory=True)
+    memory = jaxcomm.pipeline.delta_boundary(
+        jaxcomm.pipeline.quantized_rows(2), jaxcomm.pipeline.quantized_rows(4), backward_memory=True
     )
     with pytest.raises(ValueError, match="bw_memory=True needs a compressed backward"):
         Boundary(encode=None, decode=None, bw_memory=True)
@@ -387,7 +391,7 @@ def test_backward_memory_needs_a_codec_and_a_state():
         _run(2, params, tokens, boundary=memory, state=BoundaryState(zeros, zeros))
     # jax.value_and_grad would leave the memory as it was: refused, naming the way.
     plain = lambda f: jax.value_and_grad(f, has_aux=True)  # noqa: E731
-    with pytest.raises(ValueError, match=r"with jaxcomm.gpipe_value_and_grad\(loss_fn\)"):
+    with pytest.raises(ValueError, match=r"with jaxcomm.pipeline.gpipe_value_and_grad\(loss_fn\)"):
         _run(2, params, tokens, boundary=memory, grad=plain)
     # A memory given to a boundary without one passes through untouched.
     ones = np.ones((2, M, MB, T, W), np.float32)

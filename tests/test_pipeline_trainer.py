@@ -75,7 +75,7 @@ def test_aqsgd_pipeline_revisits_samples_and_logs_what_runs(tmp_path):
         np.testing.assert_array_equal(traffic[step].rounds.sum(-1), audit.rounds)
         np.testing.assert_array_equal(traffic[step].path_bytes.sum(-1), audit.path_bytes)
     # The pipeline's bytes fall once samples repeat: 2-bit deltas replace float32.
-    p2p = jaxcomm.KINDS.index("p2p")
+    p2p = jaxcomm.network.KINDS.index("p2p")
     assert traffic[5].path_bytes[0, p2p] < 0.5 * traffic[0].path_bytes[0, p2p]
     for buf in trainer.layout.feed.buffers:
         buf.flush()
@@ -285,7 +285,7 @@ def test_aqsgd_pipeline_resume_bit_exact(tmp_path, args):
         audit = _audited(full, seen)
         np.testing.assert_array_equal(traffic[step].sent, audit.sent)
         np.testing.assert_array_equal(traffic[step].path_bytes.sum(-1), audit.path_bytes)
-    p2p = jaxcomm.KINDS.index("p2p")
+    p2p = jaxcomm.network.KINDS.index("p2p")
     fp32_fw = 4 * 4 * 16 * 32  # a microbatch of 4 samples, 16 tokens x 32 wide, forward
     drop = traffic[0].path_bytes[0, p2p] / traffic[3].path_bytes[0, p2p]
     assert drop > 1.5, drop  # deltas replace the first visits
@@ -407,13 +407,13 @@ def test_write_back_copies_each_boundary_cell_to_the_host_once(tmp_path, monkeyp
 def _program_audit(trainer, seen, step):
     """Per-device traffic of step ``step`` (0-based) read from the compiled programs, each
     program's averaging conditional resolved by its own group's schedule."""
-    from jaxcomm.localsgd import SYNC_SCOPE, sync_branch
+    from jaxcomm._src.localsgd import SYNC_SCOPE, sync_branch
 
     total = np.zeros(trainer.mesh.devices.size, np.int64)
     rounds, path = total.copy(), total.copy()
     schedule = trainer.sync.sync_schedule
     for (program, index), unit in zip(trainer.step_programs(seen), (1, 0, 2), strict=True):
-        own = jaxcomm.as_schedule([(0,) if unit in g else () for g in schedule.groups], 1)
+        own = jaxcomm.schedules.as_schedule([(0,) if unit in g else () for g in schedule.groups], 1)
         got = jaxcomm.wire_audit(program).traffic({SYNC_SCOPE: sync_branch(own, step)})
         total[index] += got.sent
         rounds[index] += got.rounds

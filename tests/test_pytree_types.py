@@ -161,10 +161,10 @@ def test_profile_layers_hands_the_loss_the_parameters_own_type(kind):
 
     params = _as_type(kind)
     batch = (jnp.ones((4, SIZES[0])), jnp.ones((4, SIZES[-1])))
-    v100 = jaxcomm.roofline("v100")
-    prof = jaxcomm.profile_layers(loss, params, batch, LAYERS, roofline=v100)
+    v100 = jaxcomm.compute.roofline("v100")
+    prof = jaxcomm.compute.profile_layers(loss, params, batch, LAYERS, roofline=v100)
     assert seen and set(seen) == {jax.tree.structure(params)}
-    plain = jaxcomm.profile_layers(_loss, PLAIN, batch, LAYERS, roofline=v100)
+    plain = jaxcomm.compute.profile_layers(_loss, PLAIN, batch, LAYERS, roofline=v100)
     assert (prof.forward_s, prof.backward_s, prof.param_bytes) == (
         plain.forward_s,
         plain.backward_s,

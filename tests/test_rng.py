@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxcomm
-from jaxcomm import rng
+from jaxcomm._src import rng
 
 KEYS = 2000
 
@@ -89,7 +89,7 @@ def test_key_kinds_and_bad_input():
         rng.hash_bits(jax.random.key(0), (1 << 16, 1 << 16))
     with pytest.raises(TypeError, match="key"):
         rng.hash_bits(np.zeros(3, np.float32), (4,))
-    assert jaxcomm.stochastic_round is rng.stochastic_round
+    assert jaxcomm.rng.stochastic_round is rng.stochastic_round
 
 
 def test_stochastic_round_is_the_exact_comparison_with_24_bits():

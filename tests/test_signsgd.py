@@ -10,8 +10,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.network import KINDS, as_bytes
-from jaxcomm.signsgd import (
+from jaxcomm._src.network import KINDS, as_bytes
+from jaxcomm._src.signsgd import (
     cascading_sign,
     ef_signsgd,
     signsgd_mv,
@@ -114,7 +114,7 @@ def test_ssdm_compressor_is_unbiased_per_worker(mesh8):
 
         def one(key):
             key = jax.random.fold_in(jax.random.wrap_key_data(key), jax.lax.axis_index("data"))
-            return jaxcomm.sign_decode(stochastic_sign_encode(x, key))
+            return jaxcomm.codecs.sign_decode(stochastic_sign_encode(x, key))
 
         return jax.vmap(one)(kd)[None]
 

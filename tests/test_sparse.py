@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.network import Network, as_bytes
+from jaxcomm._src.network import Network, as_bytes
 
 N = 8
 SHAPES = {"w": (40, 9), "b": (24,)}  # d = 384, a multiple of N
@@ -194,13 +194,13 @@ def test_threshold_selection_is_the_exact_topk(d, ratio, seed, scale):
     k = max(1, min(d, math.ceil(ratio * d)))
     x = np.random.default_rng(seed).permutation(d).astype(np.float32) + 1.0
     x *= np.where(np.random.default_rng(seed + 1).random(d) < 0.5, -scale, scale)
-    got = np.asarray(jaxcomm.topk_indices(jnp.asarray(x), k, method="threshold"))
-    want = np.asarray(jaxcomm.topk_indices(jnp.asarray(x), k, method="exact"))
+    got = np.asarray(jaxcomm.codecs.topk_indices(jnp.asarray(x), k, method="threshold"))
+    want = np.asarray(jaxcomm.codecs.topk_indices(jnp.asarray(x), k, method="exact"))
     assert len(set(got.tolist())) == k
     assert set(got.tolist()) == set(want.tolist())
 
 
-_select = jax.jit(jaxcomm.topk_indices, static_argnames=("k", "method"))
+_select = jax.jit(jaxcomm.codecs.topk_indices, static_argnames=("k", "method"))
 
 
 @given(
@@ -236,7 +236,7 @@ def test_the_sample_selection_under_grad_and_with_float64():
     x = jnp.asarray(np.random.default_rng(0).normal(size=d), jnp.float32)
     for method in ("auto", "sample"):
         g = jax.grad(
-            lambda v, m=method: jnp.sum(jaxcomm.topk_encode(v, ratio=0.01, method=m).values)
+            lambda v, m=method: jnp.sum(jaxcomm.codecs.topk_encode(v, ratio=0.01, method=m).values)
         )(x)
         want = np.zeros(d, np.float32)
         want[np.asarray(lax.top_k(jnp.abs(x), math.ceil(0.01 * d))[1])] = 1.0
@@ -244,8 +244,8 @@ def test_the_sample_selection_under_grad_and_with_float64():
     with jax.enable_x64(True):
         y = np.full(d, 1.0) + np.arange(d) * 1e-12  # equal in float32, ordered in float64
         with pytest.raises(ValueError, match="method='sample' orders float32 bit patterns"):
-            jaxcomm.topk_indices(jnp.asarray(y), 10, method="sample")
-        got = np.asarray(jaxcomm.topk_indices(jnp.asarray(y), 10, method="auto"))
+            jaxcomm.codecs.topk_indices(jnp.asarray(y), 10, method="sample")
+        got = np.asarray(jaxcomm.codecs.topk_indices(jnp.asarray(y), 10, method="auto"))
         assert sorted(got.tolist()) == list(range(d - 10, d))
 
 
@@ -263,7 +263,7 @@ def test_auto_lowers_to_each_platforms_measured_selection(d, k, cpu, cuda, other
     the share rule elsewhere (a threshold search is a while loop): read off the program
     lowered for each platform on this machine."""
     x = jax.ShapeDtypeStruct((d,), jnp.float32)
-    f = jax.jit(lambda v: jaxcomm.topk_indices(v, k, method="auto"))
+    f = jax.jit(lambda v: jaxcomm.codecs.topk_indices(v, k, method="auto"))
     marks = {"while": "stablehlo.while", "top_k": "chlo.top_k", "custom_call": "custom_call"}
     for platform, want in (("cpu", cpu), ("cuda", cuda), ("tpu", other)):
         text = f.trace(x).lower(lowering_platforms=(platform,)).as_text()
@@ -290,7 +290,7 @@ def test_the_sample_selection_is_exact_whatever_the_data(d, ratio, seed, shape):
     mislead its strided sample: sorted either way, a period that puts every sampled entry
     on the smallest values, a few distinct magnitudes (ties), and more NaNs than k. A
     misplaced threshold may only cost time."""
-    from jaxcomm.codecs import _SAMPLE, _sample_select_host
+    from jaxcomm._src.codecs import _SAMPLE, _sample_select_host
 
     rng = np.random.default_rng(seed)
     k = max(1, min(d, math.ceil(ratio * d)))
@@ -317,21 +317,21 @@ def test_default_selection_recall_at_ratio_0_1_with_one_outlier():
     x[123] = 1e6
     k = 10_000
     want = set(np.asarray(lax.top_k(jnp.abs(jnp.asarray(x)), k)[1]).tolist())
-    got = set(np.asarray(jaxcomm.topk_indices(jnp.asarray(x), k, method="auto")).tolist())
+    got = set(np.asarray(jaxcomm.codecs.topk_indices(jnp.asarray(x), k, method="auto")).tolist())
     assert len(got & want) / k == 1.0
 
 
 def test_threshold_selection_with_ties_and_zeros_picks_k_distinct_largest():
     x = jnp.asarray([0.0, 3.0, -3.0, 1.0, 3.0, 0.0, 2.0, -1.0])
-    idx = np.asarray(jaxcomm.topk_indices(x, 4, method="threshold"))
+    idx = np.asarray(jaxcomm.codecs.topk_indices(x, 4, method="threshold"))
     assert sorted(idx.tolist()) == [1, 2, 4, 6]
-    z = np.asarray(jaxcomm.topk_indices(jnp.zeros(10), 3, method="threshold"))
+    z = np.asarray(jaxcomm.codecs.topk_indices(jnp.zeros(10), 3, method="threshold"))
     assert len(set(z.tolist())) == 3
 
 
 def _log_time(state, net):
     log = state.log
-    k = len(jaxcomm.KINDS)
+    k = len(jaxcomm.network.KINDS)
     rounds = np.asarray(log.rounds).reshape(N, k).sum(1)
     path = as_bytes(np.asarray(log.path_bytes).reshape(N, k, 2)).sum(1)
     return rounds * net.latency_s + path * net.beta
@@ -346,9 +346,9 @@ def test_logged_time_is_the_papers_cost_of_the_kind(reduce, kind):
     ratio = 0.125  # k = 48, a multiple of N
     net = Network(2e-3, 3e9)
     (_, state), *_ = _run(jaxcomm.ar_topk("data", ratio=ratio, reduce=reduce), _grads(1), 1)
-    want = jaxcomm.collective_time(kind, 4 * D, N, net, ratio=ratio)
+    want = jaxcomm.network.collective_time(kind, 4 * D, N, net, ratio=ratio)
     np.testing.assert_allclose(_log_time(state, net), want, rtol=1e-12)
-    i = jaxcomm.KINDS.index(kind)
+    i = jaxcomm.network.KINDS.index(kind)
     assert np.all(np.asarray(state.log.calls)[:, i] == 1)
 
 
@@ -360,7 +360,7 @@ def test_logged_time_is_the_papers_cost_of_the_kind(reduce, kind):
 def test_auto_runs_the_collective_the_model_chooses(net, ratio, request):
     big = {"w": (1000, 10)}
     d = 10000
-    choice = jaxcomm.choose_collective(4 * d, N, math.ceil(ratio * d) / d, net)
+    choice = jaxcomm.network.choose_collective(4 * d, N, math.ceil(ratio * d) / d, net)
     assert choice == request.node.callspec.id.split("-")[0]
     kind = {"allgather": "ag_topk", "art_ring": "art_ring", "art_tree": "art_tree"}[choice]
     mesh = jax.make_mesh((N,), ("data",))
@@ -375,7 +375,7 @@ def test_auto_runs_the_collective_the_model_chooses(net, ratio, request):
     g = jax.random.normal(jax.random.key(0), (N, *big["w"]))
     state = f(jax.device_put(g, NamedSharding(mesh, P("data"))))
     calls = np.asarray(state.log.calls)[0]
-    assert calls[jaxcomm.KINDS.index(kind)] == 1
+    assert calls[jaxcomm.network.KINDS.index(kind)] == 1
     assert calls.sum() == 1
 
 
@@ -394,7 +394,7 @@ def test_chooser_returns_the_argmin_of_the_modelled_costs(nbytes, n, ratio, late
 
     net = Network(latency, bandwidth)
     costs = hand_costs(nbytes, n, ratio, latency, bandwidth)
-    choice = jaxcomm.choose_collective(nbytes, n, ratio, net)
+    choice = jaxcomm.network.choose_collective(nbytes, n, ratio, net)
     assert costs[choice] <= min(costs.values()) * (1 + 1e-9)
 
 
@@ -450,7 +450,7 @@ def test_trains_a_linear_model_to_the_dense_loss():
 
     start = float(np.mean(y**2))
     w_sparse, sparse = train(optax.chain(jaxcomm.ar_topk("data", ratio=0.1), optax.sgd(0.05)))
-    w_dense, dense = train(optax.chain(jaxcomm.dense_allreduce("data"), optax.sgd(0.05)))
+    w_dense, dense = train(optax.chain(jaxcomm.dense_all_reduce("data"), optax.sgd(0.05)))
     assert dense < 1e-6 * start
     assert sparse < 1e-6 * start
     np.testing.assert_allclose(w_sparse, w_true, atol=1e-3)
@@ -488,7 +488,7 @@ def test_a_ratio_whose_k_rounds_to_zero_is_an_error(make):
 def test_k_is_the_decimal_ceiling():
     """``k = ceil(ratio * d)`` of the ratio as written: 0.07 of 100 entries is 7, although
     ``0.07 * 100`` is 7.000000000000001 in floating point."""
-    from jaxcomm.sparse import ratio_k
+    from jaxcomm._src.sparse import ratio_k
 
     assert 0.07 * 100 > 7 and ratio_k(0.07, 100) == 7
     assert ratio_k(0.1, 96) == 10 and ratio_k(0.011, 1000) == 11 and ratio_k(1.0, 5) == 5
@@ -524,7 +524,7 @@ def test_the_off_cpu_branch_selects_the_same_set_as_the_host_kernel(shape, ratio
     """``"sample"`` and ``"auto"`` run the 31-round threshold search off the CPU: it must
     pick the same set (the largest magnitude bit patterns, NaN and Inf above every finite
     value, ties to the lower index), with no index twice."""
-    from jaxcomm.codecs import EXACT_ROUNDS, _threshold_indices
+    from jaxcomm._src.codecs import EXACT_ROUNDS, _threshold_indices
 
     rng = np.random.default_rng(7)
     d = 5000
@@ -549,7 +549,7 @@ def test_auto_takes_the_exact_sort_for_integers():
     """Integers above 2**24 that float32 cannot tell apart: ``auto`` must not round them."""
     x = jnp.arange(70_000, dtype=jnp.int32) * 97 % 65_536
     x = x.at[69_996:69_999].set(2**25).at[69_999].set(2**25 + 1)  # the largest, last
-    got = sorted(np.asarray(jaxcomm.topk_indices(x, 3, method="auto")).tolist())
+    got = sorted(np.asarray(jaxcomm.codecs.topk_indices(x, 3, method="auto")).tolist())
     want = sorted(np.asarray(lax.top_k(jnp.abs(x), 3)[1]).tolist())
     assert got == want
 
@@ -560,12 +560,12 @@ def test_topk_indices_defaults_to_the_selection_topk_encode_makes():
     other)."""
     x = jax.random.normal(jax.random.key(3), (1 << 16,))
     for k in (1, 100, 3000):
-        got = np.sort(np.asarray(jaxcomm.topk_indices(x, k)))
-        want = np.sort(np.asarray(jaxcomm.topk_encode(x, k=k).indices))
+        got = np.sort(np.asarray(jaxcomm.codecs.topk_indices(x, k)))
+        want = np.sort(np.asarray(jaxcomm.codecs.topk_encode(x, k=k).indices))
         np.testing.assert_array_equal(got, want)
         exact = np.sort(np.argsort(-np.abs(np.asarray(x)), kind="stable")[:k])
         np.testing.assert_array_equal(got, exact)
     # The same program as the automatic choice (on the CPU at this size, the host kernel).
-    default = jax.jit(lambda v: jaxcomm.topk_indices(v, 100)).lower(x).as_text()
-    auto = jax.jit(lambda v: jaxcomm.topk_indices(v, 100, method="auto")).lower(x).as_text()
+    default = jax.jit(lambda v: jaxcomm.codecs.topk_indices(v, 100)).lower(x).as_text()
+    auto = jax.jit(lambda v: jaxcomm.codecs.topk_indices(v, 100, method="auto")).lower(x).as_text()
     assert default == auto

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxcomm.network import Network, Stragglers
+from jaxcomm._src.network import Network, Stragglers
 
 NET = Network(1e-3, 1e9)
 

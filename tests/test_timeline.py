@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxcomm
-from jaxcomm.network import Network
+from jaxcomm._src.network import Network
 from train.config import Config
 from train.trainer import Trainer
 
@@ -19,7 +19,7 @@ def test_two_stages_two_microbatches_by_hand():
     #            s1: m0 4-6, m1 7-9
     #   backward s1: m1 9-13, m0 13-17; link: m1 13-14, m0 17-18
     #            s0: m1 14-16, m0 18-20                                  -> 20 s
-    line = jaxcomm.gpipe_timeline(2, 2, [1, 2], [2, 4], 3, 1, overlap=True)
+    line = jaxcomm.pipeline.gpipe_timeline(2, 2, [1, 2], [2, 4], 3, 1, overlap=True)
     assert line.seconds == 20
     np.testing.assert_array_equal(line.forward[0], [[0, 1], [1, 2]])
     np.testing.assert_array_equal(line.forward[1], [[4, 6], [7, 9]])
@@ -29,7 +29,7 @@ def test_two_stages_two_microbatches_by_hand():
     #   forward  s0: m0 0-1 (send 1-4), m1 4-5 (send 5-8); s1: m0 4-6, m1 8-10
     #   backward s1: m1 10-14 (send 14-15), m0 15-19 (send 19-20)
     #            s0: m1 15-17, m0 20-22                                  -> 22 s
-    line = jaxcomm.gpipe_timeline(2, 2, [1, 2], [2, 4], 3, 1)
+    line = jaxcomm.pipeline.gpipe_timeline(2, 2, [1, 2], [2, 4], 3, 1)
     assert line.seconds == 22
     np.testing.assert_array_equal(line.forward[0], [[0, 1], [4, 5]])
     np.testing.assert_array_equal(line.backward[0], [[20, 22], [15, 17]])
@@ -48,28 +48,28 @@ def test_equal_stages_follow_the_closed_forms(stages, micro, f, b, tf, tb):
     if stages == 1:
         tf = tb = 0.0
     lockstep = (micro + stages - 1) * (f + b) + (micro + stages - 2) * (tf + tb)
-    got = jaxcomm.gpipe_timeline(stages, micro, f, b, tf, tb).seconds
+    got = jaxcomm.pipeline.gpipe_timeline(stages, micro, f, b, tf, tb).seconds
     assert got == pytest.approx(lockstep, rel=1e-9, abs=1e-9)
     # With overlap the slower of compute and link sets the pace after the first message.
     fill = (stages - 1) * (f + tf + b + tb) + f + b
     steady = (micro - 1) * (max(f, tf) + max(b, tb))
-    got = jaxcomm.gpipe_timeline(stages, micro, f, b, tf, tb, overlap=True).seconds
+    got = jaxcomm.pipeline.gpipe_timeline(stages, micro, f, b, tf, tb, overlap=True).seconds
     assert got == pytest.approx(fill + steady, rel=1e-9, abs=1e-9)
 
 
 def test_the_slowest_stage_sets_the_pace():
-    fast = jaxcomm.gpipe_timeline(4, 16, [1, 1, 1, 1], [2, 2, 2, 2]).seconds
-    slow = jaxcomm.gpipe_timeline(4, 16, [1, 1, 3, 1], [2, 2, 2, 2]).seconds
+    fast = jaxcomm.pipeline.gpipe_timeline(4, 16, [1, 1, 1, 1], [2, 2, 2, 2]).seconds
+    slow = jaxcomm.pipeline.gpipe_timeline(4, 16, [1, 1, 3, 1], [2, 2, 2, 2]).seconds
     assert slow >= fast + 15 * 2  # 16 microbatches through a stage 2 s slower each
 
 
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="forward_s must be one number or 3"):
-        jaxcomm.gpipe_timeline(3, 2, [1, 2], 1)
+        jaxcomm.pipeline.gpipe_timeline(3, 2, [1, 2], 1)
     with pytest.raises(ValueError, match="backward_transfer_s"):
-        jaxcomm.gpipe_timeline(3, 2, 1, 1, 0, -1)
+        jaxcomm.pipeline.gpipe_timeline(3, 2, 1, 1, 0, -1)
     with pytest.raises(ValueError, match="microbatches"):
-        jaxcomm.gpipe_timeline(3, 0, 1, 1)
+        jaxcomm.pipeline.gpipe_timeline(3, 0, 1, 1)
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +110,9 @@ def test_trainer_step_follows_the_gpipe_timeline_per_stage(trainer):
     # One loss per microbatch on the last stage, one embedding per tick on stage 0: the
     # difference to a middle stage over the ticks is the roofline of those ops as the
     # program counts them (on every tick, at the costliest branch; compute-bound here).
-    from jaxcomm.pipeline import FIRST_SCOPE, LAST_SCOPE
+    from jaxcomm._src.pipeline import FIRST_SCOPE, LAST_SCOPE
 
-    cost = jaxcomm.program_cost(trainer.step_programs(False)[0][0])
+    cost = jaxcomm.audit.program_cost(trainer.step_programs(False)[0][0])
 
     def scoped(scope, backward):
         def select(op):
@@ -133,13 +133,13 @@ def test_trainer_step_follows_the_gpipe_timeline_per_stage(trainer):
     assert (f > 0).all() and (b > 0).all()
     assert 1.5 < b[1] / f[1] < 3.5  # a backward costs about two forwards
     # Every matmul of the step is in the forward or the backward (the optimizer has none).
-    cost = jaxcomm.program_cost(trainer.step_programs(False)[0][0])
+    cost = jaxcomm.audit.program_cost(trainer.step_programs(False)[0][0])
     in_ticks = cost.per_device(select=lambda op: "jvp(" in op or op == "").matmul_flops
     np.testing.assert_allclose(in_ticks, cost.per_device().matmul_flops, rtol=1e-3)
     network = Network(latency_s=2e-3, bandwidth_bps=1e8)
     traffic = trainer.step_audit(False)
-    fw_msg, bw_msg = jaxcomm.boundary_message_bytes(
-        jaxcomm.directq_boundary(2, 4),
+    fw_msg, bw_msg = jaxcomm.pipeline.boundary_message_bytes(
+        jaxcomm.pipeline.directq_boundary(2, 4),
         __import__("jax").ShapeDtypeStruct((2, 32, 64), np.float32),
         False,
     )
@@ -175,7 +175,7 @@ def test_trainer_step_follows_the_gpipe_timeline_per_stage(trainer):
     # step is the event timeline (checked against hand-computed schedules above) of the
     # per-stage tick seconds, plus the rest and the data-parallel part.
     for overlap in (False, True):
-        line = jaxcomm.gpipe_timeline(s, m, f[:s], b[:s], tf, tb, overlap=overlap).seconds
+        line = jaxcomm.pipeline.gpipe_timeline(s, m, f[:s], b[:s], tf, tb, overlap=overlap).seconds
         step, compute, comm = trainer.simulate_step(False, traffic, network, 0, overlap=overlap)
         assert step == pytest.approx(line + r0 + dp, rel=1e-9)
     # Each stage runs M forwards and M backwards; the slowest one bounds the step.
@@ -196,7 +196,7 @@ def test_a_slow_stage_slows_the_pipeline_as_the_timeline_says(trainer):
     base, _, _ = trainer.simulate_step(False, traffic, network, 0)
     f, b, rest = trainer.layout.clock.tick_seconds(trainer, False)
     # Device 2 (replica 0, stage 2) runs at half speed.
-    trainer.stragglers = jaxcomm.Stragglers(seed=3, slow={2: 2.0})
+    trainer.stragglers = jaxcomm.network.Stragglers(seed=3, slow={2: 2.0})
     try:
         slow, compute, _ = trainer.simulate_step(False, traffic, network, 0)
     finally:
@@ -205,7 +205,7 @@ def test_a_slow_stage_slows_the_pipeline_as_the_timeline_says(trainer):
     fw_msg, bw_msg = trainer.layout.clock.message_bytes(False)
     factor = np.ones(s)
     factor[2] = 2.0
-    line = jaxcomm.gpipe_timeline(
+    line = jaxcomm.pipeline.gpipe_timeline(
         s,
         m,
         f[:s] * factor,
@@ -231,9 +231,9 @@ def test_per_message_backward_times_by_hand():
     tb = [[0.0, 0.0], [0.0, 0.0]]  # [link s+1 -> s for s = 0, 1][microbatch]
     tb[1][1] = 3.0  # link 2 -> 1, microbatch 1
     tb[0][0] = 4.0  # link 1 -> 0, microbatch 0
-    line = jaxcomm.gpipe_timeline(3, 2, 1.0, 1.0, 0.0, tb)
+    line = jaxcomm.pipeline.gpipe_timeline(3, 2, 1.0, 1.0, 0.0, tb)
     assert line.seconds == 15.0
-    assert jaxcomm.gpipe_timeline(3, 2, 1.0, 1.0, 0.0, 0.0).seconds == 8.0
+    assert jaxcomm.pipeline.gpipe_timeline(3, 2, 1.0, 1.0, 0.0, 0.0).seconds == 8.0
 
 
 def test_per_message_transfer_times_by_hand():
@@ -241,17 +241,17 @@ def test_per_message_transfer_times_by_hand():
     except microbatch 1's forward message (5 s). Stage 0: forwards [0, 1], [1, 2], its
     send of microbatch 1 delivered at 7 (blocking it); stage 1: forwards [1, 2], [7, 8],
     backwards [8, 9], [9, 10]; stage 0: backwards [9, 10], [10, 11]. Uniform: 6 s."""
-    fast = jaxcomm.gpipe_timeline(2, 2, 1.0, 1.0, 0.0, 0.0)
-    slow = jaxcomm.gpipe_timeline(2, 2, 1.0, 1.0, [[0.0, 5.0]], 0.0)
+    fast = jaxcomm.pipeline.gpipe_timeline(2, 2, 1.0, 1.0, 0.0, 0.0)
+    slow = jaxcomm.pipeline.gpipe_timeline(2, 2, 1.0, 1.0, [[0.0, 5.0]], 0.0)
     assert fast.seconds == 6.0 and slow.seconds == 11.0
-    same = jaxcomm.gpipe_timeline(2, 2, 1.0, 1.0, [[0.5, 0.5]], 0.25)
-    assert same.seconds == jaxcomm.gpipe_timeline(2, 2, 1.0, 1.0, 0.5, 0.25).seconds
+    same = jaxcomm.pipeline.gpipe_timeline(2, 2, 1.0, 1.0, [[0.5, 0.5]], 0.25)
+    assert same.seconds == jaxcomm.pipeline.gpipe_timeline(2, 2, 1.0, 1.0, 0.5, 0.25).seconds
     with pytest.raises(ValueError, match=r"\[1, 2\]"):
-        jaxcomm.gpipe_timeline(2, 2, 1.0, 1.0, [[0.0, 1.0, 2.0]], 0.0)
+        jaxcomm.pipeline.gpipe_timeline(2, 2, 1.0, 1.0, [[0.0, 1.0, 2.0]], 0.0)
 
 
 def test_message_latencies_are_seeded_per_message():
-    from jaxcomm.network import Network, Stragglers
+    from jaxcomm._src.network import Network, Stragglers
 
     net = Network(1e-3, 1e9)
     s = Stragglers(seed=3, latency_jitter=0.5)
@@ -276,14 +276,14 @@ def test_the_pipeline_step_draws_each_message_latency(trainer):
     traffic = trainer.step_audit(False)
     f, b, rest = trainer.layout.clock.tick_seconds(trainer, False)
     fw_msg, bw_msg = trainer.layout.clock.message_bytes(False)
-    trainer.stragglers = jaxcomm.Stragglers(seed=5, latency_jitter=1.0)
+    trainer.stragglers = jaxcomm.network.Stragglers(seed=5, latency_jitter=1.0)
     try:
         step, _, _ = trainer.simulate_step(False, traffic, network, 3, overlap=False)
         lat = trainer.stragglers.message_latencies(3, (w, 2, s - 1, m), network)
         lines = []
         for r in range(w):
             idx = r * s + np.arange(s)
-            line = jaxcomm.gpipe_timeline(
+            line = jaxcomm.pipeline.gpipe_timeline(
                 s, m, f[idx], b[idx], lat[r, 0] + fw_msg * network.beta, lat[r, 1] + bw_msg * 8e-8
             )
             lines.append(line.seconds + rest[idx].max())
@@ -292,7 +292,7 @@ def test_the_pipeline_step_draws_each_message_latency(trainer):
         busy = int(np.argmax(rounds * 2e-3 + path * 8e-8))
         other = trainer.stragglers.round_latency(3, int(rounds[busy]), w, network, stream=1)
         assert step == pytest.approx(max(lines) + other + path[busy] * 8e-8, rel=1e-9)
-        uniform = jaxcomm.gpipe_timeline(s, m, f[:s], b[:s], 2e-3 + fw_msg * 8e-8, 2e-3)
+        uniform = jaxcomm.pipeline.gpipe_timeline(s, m, f[:s], b[:s], 2e-3 + fw_msg * 8e-8, 2e-3)
         assert max(lines) > uniform.seconds  # the jitter only delays
     finally:
         trainer.stragglers = None

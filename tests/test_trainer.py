@@ -60,7 +60,7 @@ def test_mlp_loss_goes_down_and_files_written(tmp_path):
     expect = 2 * 7 * 2e-3 + sent * 8 / 100e6
     assert rows[0]["comm_s"] == pytest.approx(expect, rel=1e-6)
     assert rows[0]["sent_bytes"] == sent
-    from jaxcomm import Network
+    from jaxcomm.network import Network
     from train.trainer import wire_time
 
     assert wire_time(rows[0]["wire"], Network(2e-3, 100e6)) == pytest.approx(expect, rel=1e-9)
@@ -114,7 +114,7 @@ def test_resume_is_bit_exact(tmp_path, extra):
 def test_star_topk_in_the_trainer_logs_roots_gain_and_audited_bytes(tmp_path):
     """``aggregator: ar_topk`` trains; each row has the round-robin root and the gain; the
     logged bytes equal the compiled step's collectives for that root."""
-    from jaxcomm.sparse import ROOT_SCOPE
+    from jaxcomm._src.sparse import ROOT_SCOPE
 
     cfg = _cfg(
         tmp_path,
@@ -238,8 +238,8 @@ def test_named_device_makes_simulated_time_independent_of_the_host(tmp_path):
         lines = (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
         rows.append([json.loads(x) for x in lines])
     assert [r["sim_time_s"] for r in rows[0]] == [r["sim_time_s"] for r in rows[1]]
-    cost = jaxcomm.program_cost(trainer.layout.compiled_step(trainer)).per_device()
-    want = float(jaxcomm.roofline("v100").seconds(cost).max())
+    cost = jaxcomm.audit.program_cost(trainer.layout.compiled_step(trainer)).per_device()
+    want = float(jaxcomm.compute.roofline("v100").seconds(cost).max())
     assert [r["sim_compute_s"] for r in rows[1]] == [want] * 3
     assert rows[1][0]["compute_s"] != want  # the host's own time is still recorded
 

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jaxcomm
-from jaxcomm.diloco import DiLoCoState
+from jaxcomm._src.diloco import DiLoCoState
 from train.config import Config, key_docs
 from train.data import shard
 from train.sync import make_optimizer, make_schedule
@@ -294,7 +294,7 @@ def test_the_warm_start_is_data_parallel_then_diloco_starts_from_it(tmp_path):
     assert rows[5]["divergence"] > 0
     # The logged bytes are the compiled program's, each step's branches resolved.
     for step in (0, 3, 4, 6):
-        branches = jaxcomm.diloco_branches(3, step, warmup=4)
+        branches = jaxcomm.schedules.diloco_branches(3, step, warmup=4)
         audit = trainer.step_audit(None, branches)
         assert int(audit.sent.max()) == rows[step]["sent_bytes"], step
     # The replayed link clock is the logged one.

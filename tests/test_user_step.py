@@ -173,7 +173,7 @@ def test_the_audit_names_autodiffs_hidden_all_reduce():
     """A gradient summed by autodiff and then re-typed by hand passes the aggregator's check,
     but the compiled step's extra all-reduce is reported with its shape, bytes and origin."""
     mesh = jax.make_mesh((N,), ("data",))
-    tx = jaxcomm.dense_allreduce("data", reduce="ring")
+    tx = jaxcomm.dense_all_reduce("data", reduce="ring")
 
     def per_worker(params, x):
         grads = jaxcomm.varying(jax.grad(loss_fn)(params, x[0]), "data")  # wrong
@@ -318,7 +318,7 @@ def test_the_readme_train_step_runs_as_printed(capsys):
 def test_the_vma_flag_the_check_reads_exists():
     """The check reads whether ``shard_map`` types values (``check_vma``); a JAX without
     that flag would turn the check off silently, so its absence fails here."""
-    from jaxcomm.worker import _vma_checked
+    from jaxcomm._src.worker import _vma_checked
 
     mesh = jax.make_mesh((N,), ("data",))
     seen = {}

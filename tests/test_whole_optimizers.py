@@ -3,7 +3,7 @@
 The README's own train step (the block between its ``readme-step`` markers) is run as a user
 would run it, with one expression changed:
 
-* a whole optimizer in place of ``ec_quantized_allreduce``, followed by ``optax.sgd(0.1)`` as
+* a whole optimizer in place of ``ec_quantized_all_reduce``, followed by ``optax.sgd(0.1)`` as
   in the README's chain, is refused at trace time with an error naming the transform;
 * the form the README gives for Marsit trains the README's problem to its true weights;
 * ``optax.adam`` or SGD with momentum in place of ``optax.sgd(0.1)`` train it too (the state
@@ -27,7 +27,7 @@ import jaxcomm
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 TRUE_W = np.array([1.0, -2.0, 0.5, 3.0])
-AGGREGATOR = 'jaxcomm.ec_quantized_allreduce("data", bits=4)'
+AGGREGATOR = 'jaxcomm.ec_quantized_all_reduce("data", bits=4)'
 OPTIMIZER = "optax.sgd(0.1)"
 WHOLE = {
     "marsit": 'jaxcomm.marsit("data", local_lr=0.05, global_lr=1e-3, full_sync_every=10)',
@@ -164,8 +164,8 @@ def test_whole_optimizers_are_told_apart_from_gradient_aggregators():
     for expr in WHOLE.values():
         assert isinstance(eval(expr), jaxcomm.WholeOptimizer), expr  # noqa: S307
     for tx in (
-        jaxcomm.ec_quantized_allreduce("data"),
-        jaxcomm.dense_allreduce("data"),
+        jaxcomm.ec_quantized_all_reduce("data"),
+        jaxcomm.dense_all_reduce("data"),
         jaxcomm.ar_topk("data", ratio=0.1),
     ):
         assert not isinstance(tx, jaxcomm.WholeOptimizer)

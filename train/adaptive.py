@@ -30,9 +30,9 @@ import numpy as np
 import optax
 
 import jaxcomm
-from jaxcomm.adaptive import REDUCE, Trial
-from jaxcomm.network import Network, choose_collective
-from jaxcomm.sparse import TopkState, ratio_k
+from jaxcomm._src.adaptive import REDUCE, Trial
+from jaxcomm._src.network import Network, choose_collective
+from jaxcomm._src.sparse import TopKState, ratio_k
 from train.clock import step_traffic
 from train.config import Config
 from train.distributed import to_host
@@ -119,7 +119,7 @@ class AdaptiveRatio(Controller):
                 x = jax.ShapeDtypeStruct((d,), jnp.float32)
                 copy = jax.jit(jnp.copy).lower(x).compile()
                 model = trainer.compute_model
-                device_copy = model.seconds(jaxcomm.program_cost(copy).per_device())[0]
+                device_copy = model.seconds(jaxcomm.audit.program_cost(copy).per_device())[0]
                 self._compress[ratio] = float(select_s / copy_s * device_copy)
         return self._compress[ratio]
 
@@ -236,7 +236,9 @@ def _selection_cost(d: int, k: int, method: str, rounds: int = 5) -> tuple[float
     key = (d, k, method)
     if key not in _SELECTION_COSTS:
         x = jnp.asarray(np.random.default_rng(0).standard_normal(d, dtype=np.float32))
-        select = jax.jit(lambda v: jaxcomm.topk_indices(v, k, method=method)).lower(x).compile()
+        select = (
+            jax.jit(lambda v: jaxcomm.codecs.topk_indices(v, k, method=method)).lower(x).compile()
+        )
         copy = jax.jit(jnp.copy).lower(x).compile()
         times: dict[str, list[float]] = {"select": [], "copy": []}
         for _ in range(rounds + 1):
@@ -253,7 +255,7 @@ def _selection_cost(d: int, k: int, method: str, rounds: int = 5) -> tuple[float
 
 def _gain(opt_state: Any) -> float:
     """Mean compression gain over workers of the AR-Topk state inside ``opt_state``."""
-    for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, TopkState)):
-        if isinstance(s, TopkState):
+    for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, TopKState)):
+        if isinstance(s, TopKState):
             return float(np.mean(to_host(s.gain)))
     raise ValueError("the optimizer state holds no AR-Topk state")

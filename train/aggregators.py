@@ -15,7 +15,7 @@ import optax
 from pydantic import Field, model_validator
 
 import jaxcomm
-from jaxcomm.network import Network
+from jaxcomm._src.network import Network
 from train.registry import Choice, Number, Registry
 
 __all__ = ["AGGREGATORS", "Aggregator", "BuildContext", "MAX_SEED"]
@@ -95,7 +95,7 @@ class Local(Aggregator):
 
 class _Dense(Aggregator):
     def _build(self, ctx: BuildContext) -> optax.GradientTransformation:
-        return jaxcomm.dense_allreduce(ctx.axis, reduce=self.key)
+        return jaxcomm.dense_all_reduce(ctx.axis, reduce=self.key)
 
 
 @AGGREGATORS.register("psum")
@@ -116,13 +116,13 @@ class Tree(_Dense):
 @AGGREGATORS.register("ec_quantized")
 class ECQuantized(Aggregator):
     """Error-compensated ``bits``-bit all-to-all reduce-scatter and all-gather
-    (:func:`jaxcomm.ec_quantized_allreduce`)."""
+    (:func:`jaxcomm.ec_quantized_all_reduce`)."""
 
     bits: int = Field(4, ge=1, le=8, description="bits of each code")
     bucket_size: int = Field(512, ge=1, description="entries sharing one float32 scale")
 
     def _build(self, ctx: BuildContext) -> optax.GradientTransformation:
-        return jaxcomm.ec_quantized_allreduce(ctx.axis, **self.arguments())
+        return jaxcomm.ec_quantized_all_reduce(ctx.axis, **self.arguments())
 
 
 @AGGREGATORS.register("ar_topk")
@@ -141,7 +141,7 @@ class ARTopk(Aggregator):
         None, description="the network ``auto`` chooses on (unset: the run's network at step 0)"
     )
     method: Literal["auto", "exact", "approx", "threshold", "sample"] = Field(
-        "auto", description="how the top-k is selected (:func:`jaxcomm.topk_indices`)"
+        "auto", description="how the top-k is selected (:func:`jaxcomm.codecs.topk_indices`)"
     )
 
     def _build(self, ctx: BuildContext) -> optax.GradientTransformation:

@@ -523,7 +523,7 @@ class Checkpoints:
         """Checkpoint ``step`` of ``old_n`` workers as a state of ``new_n`` workers in
         ``template``'s shapes and shardings: every array read whole on the host (in the
         shapes it was saved in), the ``per_worker`` entries mapped by
-        :func:`jaxcomm.resize_workers`, then placed on the devices."""
+        :func:`jaxcomm.elastic.resize_workers`, then placed on the devices."""
         import jaxcomm
 
         json_item = ocp.JsonCheckpointHandler
@@ -568,7 +568,7 @@ class Checkpoints:
             return a
 
         state = jax.tree_util.tree_map_with_path(rows, state)
-        resized = jaxcomm.resize_workers({k: state[k] for k in per_worker}, new_n)
+        resized = jaxcomm.elastic.resize_workers({k: state[k] for k in per_worker}, new_n)
         state = {**state, **resized.state}
         print(
             f"resuming a run of {old_n} workers on {new_n} (checkpoint step {step}); state "
@@ -702,7 +702,7 @@ class Checkpoints:
         ``per_worker`` names the entries of ``template`` stacked over workers (a leading
         axis of ``fingerprint["workers"]`` rows). When given, a checkpoint that differs from
         the fingerprint in ``workers`` only is resumed on the new number of workers: those
-        entries are read whole and mapped by :func:`jaxcomm.resize_workers`, with a line
+        entries are read whole and mapped by :func:`jaxcomm.elastic.resize_workers`, with a line
         per array it averaged or re-cut."""
         manager = self.manager
         steps = sorted(manager.all_steps(), reverse=True)

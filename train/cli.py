@@ -62,7 +62,7 @@ def _epilog() -> str:
         "network (--set network=...): LATENCY,BANDWIDTH such as 1ms,1Gbps or 50ms,100Mbps; a",
         "  schedule STEP:LATENCY,BANDWIDTH;... such as '0:1ms,10Gbps;100:50ms,1Gbps'; or c1, c2:",
         "  the AR-Topk paper's two changing networks (1-50 ms, 1-25 Gbps over the run;",
-        "  jaxcomm.NetworkSchedule.preset)",
+        "  jaxcomm.network.NetworkSchedule.preset)",
         "",
         "every config key with its default and meaning: python -m train --list-keys",
         "a second run beside the first: --set name=NEW (writes runs/NEW) or --set out_dir=DIR",

@@ -1,7 +1,7 @@
 """The simulated clock's arithmetic: a step's logged traffic per device, and the seconds
 of a synchronous step from its devices' compute, its traffic, the network and stragglers.
 
-Every conversion of traffic into time goes through :meth:`jaxcomm.Network.wire_seconds`
+Every conversion of traffic into time goes through :meth:`jaxcomm.network.Network.wire_seconds`
 (``rounds * latency + path_bytes * beta``); a layout's own timeline (GPipe's, DreamDDP's)
 composes these pieces.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxcomm.network import KINDS, CommLog, Network, Stragglers, as_bytes
+from jaxcomm._src.network import KINDS, CommLog, Network, Stragglers, as_bytes
 
 __all__ = ["StepTraffic", "step_traffic", "wire_time", "synchronous_step"]
 

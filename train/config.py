@@ -29,7 +29,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import yaml
 from pydantic import BeforeValidator, Field, SerializeAsAny, ValidationError, model_validator
 
-from jaxcomm._checks import did_you_mean
+from jaxcomm._src._checks import did_you_mean
 from train.aggregators import AGGREGATORS, MAX_SEED, Aggregator
 from train.registry import Choice, Ints, Mapping, Number, Registry, Section, first_error
 
@@ -227,7 +227,7 @@ class RowCodec(Choice):
     their gradient)."""
 
     def build(self) -> Any:
-        """The :class:`jaxcomm.RowCodec` (None: float32)."""
+        """The :class:`jaxcomm.pipeline.RowCodec` (None: float32)."""
         raise NotImplementedError
 
 
@@ -252,7 +252,7 @@ class QuantizeRows(RowCodec):
     def build(self) -> Any:
         import jaxcomm
 
-        return jaxcomm.quantized_rows(self.bits, self.bucket)
+        return jaxcomm.pipeline.quantized_rows(self.bits, self.bucket)
 
 
 @ROW_CODECS.register("chunk_topk")
@@ -272,7 +272,7 @@ class ChunkTopkRows(RowCodec):
     def build(self) -> Any:
         import jaxcomm
 
-        return jaxcomm.topk_rows(self.chunk, self.k, self.bits)
+        return jaxcomm.pipeline.topk_rows(self.chunk, self.k, self.bits)
 
 
 @ROW_CODECS.register("lowrank")
@@ -285,7 +285,7 @@ class LowRankRows(RowCodec):
     def build(self) -> Any:
         import jaxcomm
 
-        return jaxcomm.lowrank_rows(self.rank, self.bits)
+        return jaxcomm.pipeline.lowrank_rows(self.rank, self.bits)
 
 
 CodecField = ROW_CODECS.annotation
@@ -302,7 +302,7 @@ class Boundary(Choice):
     )
 
     def build(self) -> Any:
-        """The :class:`jaxcomm.Boundary`."""
+        """The :class:`jaxcomm.pipeline.Boundary`."""
         raise NotImplementedError
 
     def _plain_backward(self) -> int | None:
@@ -339,7 +339,7 @@ class Fp32Boundary(Boundary):
     def build(self) -> Any:
         import jaxcomm
 
-        return jaxcomm.fp32_boundary(self._plain_backward())
+        return jaxcomm.pipeline.fp32_boundary(self._plain_backward())
 
 
 @BOUNDARIES.register("directq")
@@ -361,7 +361,7 @@ class DirectQBoundary(Boundary):
     def build(self) -> Any:
         import jaxcomm
 
-        return jaxcomm.directq_boundary(self.forward.bits, self._plain_backward())
+        return jaxcomm.pipeline.directq_boundary(self.forward.bits, self._plain_backward())
 
 
 @BOUNDARIES.register("aqsgd")
@@ -396,7 +396,7 @@ class AQSGDBoundary(Boundary):
 
     def paper(self) -> bool:
         """Whether this is the paper's codec (per-token quantization both ways, float32
-        first visits, no memory), run by :func:`jaxcomm.aqsgd_boundary`."""
+        first visits, no memory), run by :func:`jaxcomm.pipeline.aqsgd_boundary`."""
         plain = lambda c: isinstance(c, QuantizeRows) and c.bucket is None  # noqa: E731
         return (
             plain(self.forward)
@@ -409,8 +409,8 @@ class AQSGDBoundary(Boundary):
         import jaxcomm
 
         if self.paper():
-            return jaxcomm.aqsgd_boundary(self.forward.bits, self._plain_backward())
-        return jaxcomm.delta_boundary(
+            return jaxcomm.pipeline.aqsgd_boundary(self.forward.bits, self._plain_backward())
+        return jaxcomm.pipeline.delta_boundary(
             self.forward.build(),
             self.backward.build(),
             first=self.first.build(),
@@ -618,7 +618,8 @@ class Config(Section):
     compute: str = Field(
         "measured",
         description="a step's compute time: ``measured`` (this host) or a device of "
-        "``jaxcomm.DEVICES`` with an optional dtype (``v100``, ``a100:tf32``): the roofline "
+        "``jaxcomm.compute.DEVICES`` with an optional dtype (``v100``, ``a100:tf32``): the "
+        "roofline "
         "of the compiled step",
     )
     mfu: Number | None = Field(
@@ -712,18 +713,18 @@ class Config(Section):
         return Config(**{**self.to_dict(), **changes})
 
     def network_schedule(self) -> Any:
-        """The :class:`jaxcomm.NetworkSchedule` of ``network``."""
-        from jaxcomm.network import NetworkSchedule
+        """The :class:`jaxcomm.network.NetworkSchedule` of ``network``."""
+        from jaxcomm._src.network import NetworkSchedule
 
         if self.network.strip().lower() in ("c1", "c2"):
             return NetworkSchedule.preset(self.network.strip(), self.steps)
         return NetworkSchedule.parse(self.network)
 
     def roofline(self) -> Any:
-        """The :class:`jaxcomm.Roofline` of ``compute`` (``None`` when ``measured``)."""
+        """The :class:`jaxcomm.compute.Roofline` of ``compute`` (``None`` when ``measured``)."""
         if self.compute == "measured":
             return None
-        from jaxcomm.compute import roofline
+        from jaxcomm._src.compute import roofline
 
         device, _, dtype = self.compute.partition(":")
         return roofline(
@@ -736,7 +737,7 @@ class Config(Section):
             return None
         import dataclasses
 
-        from jaxcomm.network import Stragglers
+        from jaxcomm._src.network import Stragglers
 
         known = {f.name for f in dataclasses.fields(Stragglers)}
         unknown = sorted(set(self.stragglers) - known)
@@ -756,7 +757,7 @@ class Config(Section):
         """The :class:`jaxcomm.adaptive.AdaptiveRatio` of ``adaptive`` (None when empty)."""
         if not self.adaptive:
             return None
-        from jaxcomm.adaptive import AdaptiveRatio
+        from jaxcomm._src.adaptive import AdaptiveRatio
 
         try:
             return AdaptiveRatio(**self.adaptive)
@@ -775,7 +776,7 @@ class Config(Section):
         nets = est.get("networks", [])
         if not isinstance(nets, list) or not all(isinstance(n, str) for n in nets):
             raise ValueError(f"estimate.networks must be a list of network strings, got {nets!r}")
-        from jaxcomm.network import NetworkSchedule
+        from jaxcomm._src.network import NetworkSchedule
 
         for n in nets:
             NetworkSchedule.parse(n)

@@ -26,7 +26,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm.network import find_logs
+from jaxcomm._src.network import find_logs
 from train.config import Config
 from train.data import Loader, shard
 from train.distributed import to_host

@@ -19,7 +19,7 @@ SGD with ``outer_momentum: 0``). Settings:
   (``theta_sync``); the outer state and any codec's error feedback start fresh there; the
   inner optimizer (and its learning-rate schedule) keeps going.
 * ``compress``: how the pseudo-gradients travel: ``none`` (a float32 all-reduce by
-  ``reduce``), ``int8`` / ``int4`` (:func:`jaxcomm.ec_quantized_allreduce`, error-fed,
+  ``reduce``), ``int8`` / ``int4`` (:func:`jaxcomm.ec_quantized_all_reduce`, error-fed,
   as INTELLECT-1 / Streaming DiLoCo), ``sparseloco`` (:func:`jaxcomm.chunk_topk`: top-64
   of every 4,096 entries, 2-bit values, error buffer decay 0.95; SparseLoCo pairs it with
   ``outer_lr: 1.0, outer_momentum: 0``), ``ar_topk`` (AR-Topk's shared root indices and
@@ -58,8 +58,8 @@ import numpy as np
 import optax
 
 import jaxcomm
-from jaxcomm.diloco import DiLoCoState
-from jaxcomm.network import Network
+from jaxcomm._src.diloco import DiLoCoState
+from jaxcomm._src.network import Network
 from models import layer_groups
 from train.clock import wire_time
 from train.config import Config
@@ -96,7 +96,7 @@ def link_step(
 ) -> float:
     """Advance the link clock ``wire`` (``t``: now, ``free``: when the link frees,
     ``arrive``: when each fragment's transfer lands) by 0-based step ``step`` of ``kind``
-    (:func:`jaxcomm.diloco_steps`: fragment synchronised, fragments merged; ``step``
+    (:func:`jaxcomm.schedules.diloco_steps`: fragment synchronised, fragments merged; ``step``
     counted from the first period) and return its seconds: the step computes; a
     synchronisation's transfer starts when that compute ends and the link is free and
     takes ``comm``; a merge (once ``step >= overlap``) waits for its fragment's transfer.
@@ -127,7 +127,7 @@ class DiLoCo(Sync):
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.sync = cfg.sync
-        self.schedule: jaxcomm.Schedule | None = None
+        self.schedule: jaxcomm.schedules.Schedule | None = None
         self._steps: list[tuple[int, tuple[int, ...]]] = []
         # The clock's link: when it frees, when each fragment's transfer arrives.
         self._wire: dict[str, Any] = {"t": 0.0, "free": 0.0, "arrive": {}}
@@ -180,10 +180,12 @@ class DiLoCo(Sync):
 
     def _plan(self, num_layers: int) -> None:
         s = self.sync
-        self.schedule = jaxcomm.streaming_schedule(
+        self.schedule = jaxcomm.schedules.streaming_schedule(
             num_layers, s.period, s.fragments, pattern=s.pattern
         )
-        self._steps = jaxcomm.diloco_steps(s.period, schedule=self.schedule, overlap=s.overlap)
+        self._steps = jaxcomm.schedules.diloco_steps(
+            s.period, schedule=self.schedule, overlap=s.overlap
+        )
 
     def make_tx(self, trainer: Trainer) -> optax.GradientTransformation:
         n, data = trainer.n, trainer.train_data
@@ -217,7 +219,7 @@ class DiLoCo(Sync):
         out = {}
         for u, name in enumerate(names):
             own = [(0,) if u in g else () for g in self.schedule.groups]
-            out[name] = self._wrapper(None, jaxcomm.as_schedule(own, 1))
+            out[name] = self._wrapper(None, jaxcomm.schedules.as_schedule(own, 1))
         return out
 
     # ------------------------------------------------------------------ clock
@@ -227,14 +229,14 @@ class DiLoCo(Sync):
         module docstring (data parallel; None on a pipeline: GPipe's timeline)."""
         if trainer.cfg.stages > 1:
             return None
-        total = jaxcomm.Traffic(
+        total = jaxcomm.audit.Traffic(
             sent=traffic.sent,
             rounds=traffic.rounds.sum(1),
             path_bytes=traffic.path_bytes.sum(1),
         )
         branches = None
         if len(set(self._steps)) > 1 or self.warmup:  # else no conditional
-            branches = jaxcomm.diloco_branches(
+            branches = jaxcomm.schedules.diloco_branches(
                 self.sync.period,
                 step,
                 schedule=self.schedule,

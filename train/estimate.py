@@ -1,12 +1,13 @@
 """Step time on a named device without running: ``python -m train.estimate --config C``.
 
 The step is compiled from abstract shapes (no parameters, optimizer state or message buffers
-are allocated), its compute cost read with :func:`jaxcomm.program_cost` and its wire bytes
+are allocated), its compute cost read with :func:`jaxcomm.audit.program_cost` and its wire bytes
 with :func:`jaxcomm.wire_audit`, and the config's ``compute`` device and ``network`` turn
 them into seconds: per device, ``compute = roofline(flops, memory bytes)`` and ``comm =
 rounds * latency + path bytes / bandwidth``; the step takes ``compute + comm`` on the slowest
 device (``max`` of the two with ``overlap: true``). A pipeline's step follows GPipe's
-timeline (:func:`jaxcomm.gpipe_timeline`): per microbatch, each stage's forward and backward
+timeline (:func:`jaxcomm.pipeline.gpipe_timeline`): per microbatch, each stage's forward and
+backward
 compute (its program's tick ops on the roofline) and each boundary message, with the
 bubbles, then the data-parallel collectives; exactly ``compute + comm`` without overlap.
 For AQ-SGD the steady state (every sample seen, deltas cross) and the first epoch (float32)
@@ -105,14 +106,14 @@ def _diloco(
     data-parallel step, its all-reduce blocking), which the periods' figures leave out."""
     import numpy as np
 
-    from jaxcomm.diloco import DILOCO_SCOPE, DILOCO_WARMUP_SCOPE
+    from jaxcomm._src.diloco import DILOCO_SCOPE, DILOCO_WARMUP_SCOPE
     from train.diloco import WARM, link_step
 
     sync = trainer.sync
     period, tau = sync.sync["period"], sync.sync["overlap"]
     kinds = list(dict.fromkeys(sync._steps))
     per_kind = {}
-    from jaxcomm.sparse import ROOT_SCOPE
+    from jaxcomm._src.sparse import ROOT_SCOPE
 
     for b, kind in enumerate(kinds):
         mine = dict(branches or {})
@@ -186,12 +187,12 @@ def estimates(
     """:func:`estimate` of ``cfg`` under each network of ``networks`` (e.g. ``"1ms,1Gbps"``)
     and each overlap setting of ``overlaps`` (default: the config's), compiling the step
     once; network-major order."""
-    from jaxcomm.network import NetworkSchedule
+    from jaxcomm._src.network import NetworkSchedule
     from train.trainer import Trainer
 
     if cfg.compute == "measured":
         raise ValueError(
-            "train.estimate needs compute=<device> (one of the devices in jaxcomm.DEVICES, "
+            "train.estimate needs compute=<device> (one of the devices in jaxcomm.compute.DEVICES, "
             "e.g. --set compute=v100); compute='measured' can only be measured by running"
         )
     t0 = time.perf_counter()

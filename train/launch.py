@@ -20,7 +20,7 @@ machine is), the others are stopped and the survivors restart from the newest ch
 on the largest world they can form, each keeping its devices (``workers`` = processes x
 devices per process / stages, a divisor of the global batch; at least ``M`` processes), at
 most ``--max-restarts`` times. The checkpoint's per-worker state is mapped onto the new
-number of workers (:func:`jaxcomm.resize_workers`); the run continues at the same global
+number of workers (:func:`jaxcomm.elastic.resize_workers`); the run continues at the same global
 sample count. Compiled programs are kept in ``--compile-cache`` so a restart on a world
 size seen before does not compile again.
 
@@ -432,7 +432,7 @@ def elastic(
     when processes are lost: when a process dies by a signal (``kill -9``, a lost machine),
     the others are stopped and the run restarts from its newest checkpoint on the largest
     world the survivors can form (:func:`smaller_world`, at least ``min_processes``), its
-    per-worker state resized (:func:`jaxcomm.resize_workers`), at most ``max_restarts``
+    per-worker state resized (:func:`jaxcomm.elastic.resize_workers`), at most ``max_restarts``
     times. A process that fails with an exit code (an error in the run, a non-finite loss)
     ends the run as :func:`launch` does: restarting would fail the same way. With
     ``compile_cache`` (a folder), the processes keep every compiled program there (JAX's

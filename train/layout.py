@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import jaxcomm
-from jaxcomm.network import Network
+from jaxcomm._src.network import Network
 from train.clock import synchronous_step
 from train.config import Config
 from train.programs import costed
@@ -124,7 +124,7 @@ class Layout(Part, abc.ABC):
         self,
         t: Trainer,
         key: Any,
-        traffic: jaxcomm.Traffic,
+        traffic: jaxcomm.audit.Traffic,
         network: Network,
         step: int,
         *,
@@ -190,7 +190,7 @@ class Layout(Part, abc.ABC):
             total[index] += np.asarray(of(program), np.float64)
         return total
 
-    def step_audit(self, t: Trainer, key: Any, branches: Any = None) -> jaxcomm.Traffic:
+    def step_audit(self, t: Trainer, key: Any, branches: Any = None) -> jaxcomm.audit.Traffic:
         """Per-device traffic of one step read from its compiled programs by
         :func:`jaxcomm.wire_audit` (device order as the logs); ``branches`` resolves the
         programs' conditionals as in :meth:`jaxcomm.WireAudit.traffic` (a key a program
@@ -207,7 +207,7 @@ class Layout(Part, abc.ABC):
 
             return self.per_device(t, key, of).astype(np.int64)
 
-        return jaxcomm.Traffic(
+        return jaxcomm.audit.Traffic(
             sent=part("sent"), rounds=part("rounds"), path_bytes=part("path_bytes")
         )
 
@@ -232,7 +232,7 @@ class Layout(Part, abc.ABC):
         self,
         t: Trainer,
         key: Any,
-        traffic: jaxcomm.Traffic,
+        traffic: jaxcomm.audit.Traffic,
         network: Network,
         step: int,
         *,

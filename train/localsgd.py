@@ -7,14 +7,14 @@ all run :func:`jaxcomm.partial_local_sgd` around the configured optimizer, with
 ``head``). The schedule:
 
 * ``local_sgd``: every layer at the last step of each period
-  (:func:`jaxcomm.full_sync_schedule`);
-* ``enp``: :func:`jaxcomm.enp_schedule`;
-* ``dreamddp``: :func:`jaxcomm.dreamddp_schedule` of this model's per-layer backward times
-  (:func:`jaxcomm.profile_layers`: the roofline of the compiled backward prefixes on the
+  (:func:`jaxcomm.schedules.full_sync_schedule`);
+* ``enp``: :func:`jaxcomm.schedules.enp_schedule`;
+* ``dreamddp``: :func:`jaxcomm.schedules.dreamddp_schedule` of this model's per-layer backward times
+  (:func:`jaxcomm.compute.profile_layers`: the roofline of the compiled backward prefixes on the
   ``compute`` device, or this host's measured times) and per-layer averaging times on the
   network of step 0.
 
-The simulated step follows DreamDDP's timeline (:func:`jaxcomm.iteration_time`): the
+The simulated step follows DreamDDP's timeline (:func:`jaxcomm.schedules.iteration_time`): the
 forward, then the backward from the output layer down, each averaged layer's all-reduce
 starting once its backward is done and the previous all-reduce has ended; the step ends
 when both are done. The forward part is the whole step's compute (its compiled program on
@@ -38,8 +38,8 @@ import numpy as np
 import optax
 
 import jaxcomm
-from jaxcomm.localsgd import SYNC_SCOPE, layer_comm_s, layer_wires, sync_branch
-from jaxcomm.network import Network
+from jaxcomm._src.localsgd import SYNC_SCOPE, layer_comm_s, layer_wires, sync_branch
+from jaxcomm._src.network import Network
 from models import layer_groups
 from train.config import Config
 from train.sync import Sync
@@ -72,7 +72,7 @@ class LocalSGD(Sync):
         if cfg.sync is None:
             raise ValueError("LocalSGD needs a config with sync settings")
         self.sync = cfg.sync
-        self.sync_schedule: jaxcomm.Schedule | None = None
+        self.sync_schedule: jaxcomm.schedules.Schedule | None = None
         self._branch_s: dict[int, float] = {}
         self._lag: np.ndarray | None = None  # each worker's time behind the clock (stragglers)
         self._workers = cfg.workers  # the world the profile, schedule and lags describe
@@ -149,7 +149,7 @@ class LocalSGD(Sync):
             wrapper = jaxcomm.partial_local_sgd(
                 make_optimizer(self.cfg),
                 AXIS,
-                schedule=jaxcomm.as_schedule(own, 1),
+                schedule=jaxcomm.schedules.as_schedule(own, 1),
                 layers=None,
                 reduce=self.sync.reduce,
             )
@@ -164,15 +164,15 @@ class LocalSGD(Sync):
 
     def _profile(
         self, trainer: Trainer, params: Any, sample: dict[str, np.ndarray], names: list[str]
-    ) -> jaxcomm.LayerProfile:
+    ) -> jaxcomm.compute.LayerProfile:
         """Per-layer times of one worker's step (its share of the global batch)."""
         loss = lambda p, b: trainer.task.loss(p, b)[0]  # noqa: E731
         device = self.cfg.roofline()  # None: layers timed on this host
         if device is not None:
             batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), sample)
-            return jaxcomm.profile_layers(loss, params, batch, names, roofline=device)
+            return jaxcomm.compute.profile_layers(loss, params, batch, names, roofline=device)
         real = trainer.task.init(jax.random.key(0), sample)
-        profile = jaxcomm.profile_layers(loss, real, sample, names)
+        profile = jaxcomm.compute.profile_layers(loss, real, sample, names)
         if jax.process_count() > 1:
             # Each host times its own layers; every process must build the same schedule
             # (the same step program), so all take process 0's times.
@@ -185,14 +185,14 @@ class LocalSGD(Sync):
             )
         return profile
 
-    def _schedule(self, network: Network) -> jaxcomm.Schedule:
+    def _schedule(self, network: Network) -> jaxcomm.schedules.Schedule:
         method, period = self.sync.key, self.sync.period
         num = len(self.layer_wires)
         if method == "local_sgd":
-            return jaxcomm.full_sync_schedule(num, period)
+            return jaxcomm.schedules.full_sync_schedule(num, period)
         if method == "enp":
-            return jaxcomm.enp_schedule(num, period)
-        return jaxcomm.dreamddp_schedule(
+            return jaxcomm.schedules.enp_schedule(num, period)
+        return jaxcomm.schedules.dreamddp_schedule(
             self.profile.backward_s,
             layer_comm_s(self.layer_wires, network),
             period,
@@ -235,7 +235,7 @@ class LocalSGD(Sync):
         saved = extras.get("schedule")
         if saved is None:
             return
-        schedule = jaxcomm.as_schedule([tuple(g) for g in saved], len(self.layer_wires))
+        schedule = jaxcomm.schedules.as_schedule([tuple(g) for g in saved], len(self.layer_wires))
         if schedule.groups != self.sync_schedule.groups:
             self.sync_schedule = schedule
             self._branch_s.clear()
@@ -269,7 +269,7 @@ class LocalSGD(Sync):
         if trainer.stragglers is not None:
             return self._straggled(trainer, group, forward, backward, network, step)
         comm = layer_comm_s(self.layer_wires, network)
-        seconds = jaxcomm.iteration_time(group, forward, backward, comm)
+        seconds = jaxcomm.schedules.iteration_time(group, forward, backward, comm)
         return seconds, forward + sum(backward), float(sum(comm[layer] for layer in group))
 
     def _straggled(self, trainer, group, forward, backward, network, step):

@@ -1,4 +1,5 @@
-"""Pipeline-parallel GPT: split the model's layers into stages for :func:`jaxcomm.gpipe`."""
+"""Pipeline-parallel GPT: the model's layers split into stages for
+:func:`jaxcomm.pipeline.gpipe`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm.pipeline import Boundary, gpipe
+from jaxcomm._src.pipeline import Boundary, gpipe
 from models import Block, Embed, GPTConfig, Head
 
 __all__ = ["stage_params", "unstage_params", "gpt_pipeline_loss"]
@@ -55,7 +56,7 @@ def unstage_params(staged: Any, cfg: GPTConfig) -> dict[str, Any]:
 
 
 def gpt_pipeline_loss(cfg: GPTConfig, *, boundary: Boundary | None = None, axis_name="stage"):
-    """The per-device pipelined next-token loss of a GPT (see :func:`jaxcomm.gpipe`).
+    """The per-device pipelined next-token loss of a GPT (see :func:`jaxcomm.pipeline.gpipe`).
 
     Inputs are ``{"tokens": int32[M, mb, seq_len + 1]}``; the activation at every boundary
     is ``f32[mb, seq_len, width]``.

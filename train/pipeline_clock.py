@@ -1,6 +1,6 @@
 """The pipeline's simulated step: GPipe's timeline per data replica, then the data axis.
 
-Each replica's pipeline runs :func:`jaxcomm.gpipe_timeline`: stage ``s`` spends ``f_s``
+Each replica's pipeline runs :func:`jaxcomm.pipeline.gpipe_timeline`: stage ``s`` spends ``f_s``
 and ``b_s`` per microbatch (its program's forward and backward ops on the roofline, divided
 by the ``M + S - 1`` ticks the program runs; see :meth:`GPipeClock.tick_seconds`) and each
 message takes ``latency + bytes / bandwidth``; the rest of the stage's compute (optimizer,
@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxcomm
-from jaxcomm.network import Network
-from jaxcomm.pipeline import FIRST_SCOPE, LAST_SCOPE
+from jaxcomm._src.network import Network
+from jaxcomm._src.pipeline import FIRST_SCOPE, LAST_SCOPE
 from train.programs import costed
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ class GPipeClock:
         self,
         t: Trainer,
         key: Any,
-        traffic: jaxcomm.Traffic,
+        traffic: jaxcomm.audit.Traffic,
         network: Network,
         step: int,
         *,
@@ -85,7 +85,7 @@ class GPipeClock:
         pipes = []
         for r in range(cfg.workers):
             idx = r * n_stages + np.arange(n_stages)
-            line = jaxcomm.gpipe_timeline(
+            line = jaxcomm.pipeline.gpipe_timeline(
                 n_stages,
                 cfg.microbatches,
                 f[idx] * factors[idx],
@@ -127,7 +127,7 @@ class GPipeClock:
         mb = cfg.global_batch // (cfg.workers * cfg.microbatches)
         act = jax.ShapeDtypeStruct((mb, g.seq_len, g.width), jnp.float32)
         seen = p.split_key(key)[0]
-        return jaxcomm.boundary_message_bytes(p.boundary, act, bool(seen))
+        return jaxcomm.pipeline.boundary_message_bytes(p.boundary, act, bool(seen))
 
     def tick_seconds(
         self, t: Trainer, key: Any, branches: Any = None
@@ -168,7 +168,7 @@ class GPipeClock:
             return cost.per_device(mine(cost), select=select)
 
         def combine(*terms):
-            return jaxcomm.ComputeCost(
+            return jaxcomm.audit.ComputeCost(
                 **{k: sum(w * getattr(c, k) for w, c in terms) for k in _COST_FIELDS}
             )
 

@@ -1,5 +1,5 @@
 """What a pipeline step is fed: its batch in microbatches, and at every AQ-SGD boundary
-the previous messages of its samples from a :class:`jaxcomm.MessageBuffer` (and, with
+the previous messages of its samples from a :class:`jaxcomm.pipeline.MessageBuffer` (and, with
 ``boundary.memory``, their gradient memory from a second one).
 
 A step's inputs are prepared while the step before it runs (batch read, buffer reads
@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 import jaxcomm
-from jaxcomm.pipeline import BoundaryState
+from jaxcomm._src.pipeline import BoundaryState
 from train.distributed import is_primary
 
 if TYPE_CHECKING:
@@ -69,8 +69,8 @@ class Feed:
             paths += [self.path(b, "gradient") for b in range(count)]
         self.stale = [q for q in paths if Path(q).exists() and any(Path(q).iterdir())]
 
-        def buffer(b: int, kind: str) -> jaxcomm.MessageBuffer:
-            return jaxcomm.MessageBuffer(
+        def buffer(b: int, kind: str) -> jaxcomm.pipeline.MessageBuffer:
+            return jaxcomm.pipeline.MessageBuffer(
                 len(t.train_data),
                 act,
                 storage_bits=getattr(cfg.boundary, "buffer_bits", 0) or None,
@@ -105,7 +105,7 @@ class Feed:
         sub = f"/process{jax.process_index()}" if jax.process_count() > 1 else ""
         return f"{self.buffer_dir}{sub}/{kind}{b}"
 
-    def _named(self) -> list[tuple[str, int, jaxcomm.MessageBuffer]]:
+    def _named(self) -> list[tuple[str, int, jaxcomm.pipeline.MessageBuffer]]:
         """Every open buffer as ``(kind, boundary, buffer)``, ``kind`` ``boundary`` (the
         messages) or ``gradient`` (the gradient memory); ``kind + str(boundary)`` names it."""
         return [("boundary", b, buf) for b, buf in enumerate(self.buffers)] + [
@@ -301,7 +301,9 @@ class Feed:
         restored = []
         for kind, b, old in self._named():
             old.close()
-            restored.append(jaxcomm.MessageBuffer.restore(root / f"{kind}{b}", self.path(b, kind)))
+            restored.append(
+                jaxcomm.pipeline.MessageBuffer.restore(root / f"{kind}{b}", self.path(b, kind))
+            )
         count = len(self.buffers)
         self.buffers, self.memories = restored[:count], restored[count:]
         self.stale = []

@@ -5,7 +5,7 @@ the layout keeps a slot for the embedding and head on every stage, although only
 embedding and the last stage's head are used, updated and averaged (the other slots keep
 their initial values and cost memory, never bytes). Each step:
 
-1. the jitted step runs the GPipe pipeline (:func:`jaxcomm.gpipe`) with the configured
+1. the jitted step runs the GPipe pipeline (:func:`jaxcomm.pipeline.gpipe`) with the configured
    boundary codec, then the blocks' transform (the synchronisation's: an aggregator and the
    optimizer, or a local SGD wrapper) runs on each stage's block gradients over ``data``;
 2. two small programs on the stage-0 and last-stage devices only (``data``-axis sub-meshes
@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.network import find_logs
+from jaxcomm._src.network import find_logs
 from models import GPTConfig
 from train.config import Config
 from train.data import Loader
@@ -70,7 +70,7 @@ __all__ = ["Pipeline", "make_boundary"]
 GROUPS = ("embed", "blocks", "head")
 
 
-def make_boundary(cfg: Config) -> jaxcomm.Boundary:
+def make_boundary(cfg: Config) -> jaxcomm.pipeline.Boundary:
     """The boundary of ``cfg.boundary`` with its codecs."""
     return cfg.boundary.build()
 

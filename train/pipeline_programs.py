@@ -223,7 +223,7 @@ def build_step(p: Pipeline, tx: optax.GradientTransformation) -> dict[bool, Any]
         s, b, st = squeeze_cell(opt_state), squeeze_cell(batch), squeeze_cell(bstate)
         k = jax.random.fold_in(key, jax.lax.axis_index(AXIS))
         # jax.value_and_grad, and the gradient memory's new rows with bw_memory.
-        grad_fn = jaxcomm.gpipe_value_and_grad(loss_fn)
+        grad_fn = jaxcomm.pipeline.gpipe_value_and_grad(loss_fn)
         (loss, (st, log)), grads = grad_fn(p, b, st, k, seen)
         # Only the blocks are averaged and updated here; the embedding's and head's
         # gradients go to the programs of their own stages (see the module docstring).

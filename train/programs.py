@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxcomm
-from jaxcomm.network import find_logs
-from jaxcomm.sparse import TopkState
+from jaxcomm._src.network import find_logs
+from jaxcomm._src.sparse import TopKState
 
 __all__ = [
     "AXIS",
@@ -52,11 +52,11 @@ def expand(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda a: a[None], tree)
 
 
-def costed(program: Any) -> jaxcomm.ProgramCost:
-    """:func:`jaxcomm.program_cost` of ``program``, warning loudly when it holds custom calls
+def costed(program: Any) -> jaxcomm.audit.ProgramCost:
+    """:func:`jaxcomm.audit.program_cost` of ``program``, warning loudly when it holds custom calls
     whose flops nothing can cost (a GPU backend's own kernels other than cuBLAS and cuDNN):
     their memory traffic is in the simulated time, their arithmetic is not."""
-    cost = jaxcomm.program_cost(program)
+    cost = jaxcomm.audit.program_cost(program)
     if cost.uncounted:
         names = ", ".join(cost.uncounted[:5]) + (" ..." if len(cost.uncounted) > 5 else "")
         warnings.warn(
@@ -104,16 +104,16 @@ def ready_at(tree: Any) -> float:
 def state_report(opt_state: Any) -> dict[str, Any]:
     """What the host reads of a step's optimizer state: its traffic logs and a top-k
     aggregator's gain and root (the first one's)."""
-    from jaxcomm.diloco import DiLoCoState
+    from jaxcomm._src.diloco import DiLoCoState
 
     def stop(x: Any) -> bool:
-        return isinstance(x, (TopkState, DiLoCoState))
+        return isinstance(x, (TopKState, DiLoCoState))
 
     # A top-k aggregator inside DiLoCo runs only at its fragment's synchronisations: its
     # gain and root would be stale on the other steps, so they are not reported.
     topk = [
         (s.gain, s.root)
         for s in jax.tree.leaves(opt_state, is_leaf=stop)
-        if isinstance(s, TopkState)
+        if isinstance(s, TopKState)
     ]
     return {"logs": find_logs(opt_state), "topk": topk[:1]}

@@ -33,7 +33,7 @@ from pydantic import (
     model_validator,
 )
 
-from jaxcomm._checks import did_you_mean
+from jaxcomm._src._checks import did_you_mean
 
 __all__ = [
     "Section",

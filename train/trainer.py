@@ -49,7 +49,7 @@ import numpy as np
 import optax
 
 import jaxcomm
-from jaxcomm.network import Network, SimClock
+from jaxcomm._src.network import Network, SimClock
 from train.checkpoint import (
     Checkpoints,
     RunFolderBusy,
@@ -231,7 +231,7 @@ class Trainer:
         (row-major) of each of its devices (see the layout's)."""
         return self.layout.step_programs(self, key)
 
-    def step_audit(self, key: Any = None, branches: Any = None) -> jaxcomm.Traffic:
+    def step_audit(self, key: Any = None, branches: Any = None) -> jaxcomm.audit.Traffic:
         """Per-device traffic of one step read from its compiled programs by
         :func:`jaxcomm.wire_audit`; ``branches`` resolves conditionals (e.g. Marsit's
         full-precision rounds) as in :meth:`jaxcomm.WireAudit.traffic`."""
@@ -249,7 +249,7 @@ class Trainer:
     def simulate_step(
         self,
         key: Any,
-        traffic: jaxcomm.Traffic,
+        traffic: jaxcomm.audit.Traffic,
         network: Network,
         step: int,
         *,
@@ -299,7 +299,7 @@ class Trainer:
             own = self.sync.step_seconds(self, traffic, network, step, measured_s)
             if own is not None:
                 return own
-        total = jaxcomm.Traffic(
+        total = jaxcomm.audit.Traffic(
             sent=traffic.sent,
             rounds=traffic.rounds.sum(1),
             path_bytes=traffic.path_bytes.sum(1),

@@ -26,11 +26,11 @@ full precision is a *static* choice (``seen`` is a Python bool, or a concrete ``
 that is all True or all False): a seen microbatch's payload is the row-batched
 :class:`~jaxcomm.codecs.Quantized` of its deltas (``ceil(n * bits / 8)`` code bytes plus
 ``4 * ceil(n / bucket)`` scale bytes per row, ``n`` elements per sample), an unseen one's is
-the float32 activation. Nothing else rides along, so :func:`jaxcomm.payload_bytes` of the
+the float32 activation. Nothing else rides along, so :func:`jaxcomm.codecs.payload_bytes` of the
 payload is the wire count, and a ``ppermute`` of it moves those bytes. The caller compiles
 one program per case: in training, the first epoch runs the full-precision program and
 later epochs the delta program (the host knows which samples crossed before; see
-:class:`jaxcomm.MessageBuffer`). A microbatch mixing seen and unseen samples (possible
+:class:`jaxcomm.pipeline.MessageBuffer`). A microbatch mixing seen and unseen samples (possible
 when an epoch does not cover every sample) is sent as unseen: the seen rows go in full
 precision too and their buffer rows are reset to the activation, which costs bytes, never
 correctness. A per-row choice would need data-dependent shapes (or a full float32 block per
@@ -58,8 +58,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomm._checks import check_finite_if_concrete, check_int, is_concrete
-from jaxcomm.codecs import (
+from jaxcomm._src._checks import check_finite_if_concrete, check_int, is_concrete
+from jaxcomm._src.codecs import (
     ChunkTopK,
     LowRank,
     Quantized,
@@ -401,7 +401,7 @@ def delta_encode(
     Returns:
       ``(payload, new_previous)``; ``new_previous`` is bit-identical to what
       :func:`delta_decode` rebuilds on the receiver, and the payload's bytes
-      (:func:`jaxcomm.payload_bytes`) are the bytes on the wire.
+      (:func:`jaxcomm.codecs.payload_bytes`) are the bytes on the wire.
     """
     if not isinstance(codec, RowCodec):
         raise TypeError(f"codec must be a RowCodec, got {type(codec).__name__}")
@@ -475,7 +475,7 @@ def aqsgd_encode(
       ``activation - previous`` and ``previous + dequantize(payload)``. Unseen: the
       activation itself (float32, sent in full) and the activation. ``new_previous`` is
       bit-identical to what :func:`aqsgd_decode` rebuilds on the receiver; the payload's
-      bytes (:func:`jaxcomm.payload_bytes`) are the bytes on the wire.
+      bytes (:func:`jaxcomm.codecs.payload_bytes`) are the bytes on the wire.
     """
     codec = quantized_rows(bits, bucket_size)
     return delta_encode(activation, previous, seen, key, codec)
@@ -517,7 +517,7 @@ def directq_encode(
     Returns:
       Row-batched :class:`~jaxcomm.codecs.Quantized` (leaves ``[B, ...]``) of
       ``B * (ceil(n * bits / 8) + 4 * ceil(n / bucket_size))`` bytes
-      (:func:`jaxcomm.payload_bytes`).
+      (:func:`jaxcomm.codecs.payload_bytes`).
     """
     bits = check_int("bits", bits, lo=1, hi=8)
     activation = _check_activation("activation", activation)

@@ -66,7 +66,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxcomm._checks import check_float, check_int
+from jaxcomm._src._checks import check_float, check_int
 
 __all__ = [
     "Schedule",

@@ -26,7 +26,7 @@ parameters). Every codec and collective works in ``float32``; each update leaf i
 in its gradient leaf's own dtype (``bfloat16`` parameters get ``bfloat16`` updates).
 
 Aggregator state remembers the layout (tree structure and leaf shapes) of the parameters
-``init`` saw, as a :class:`Layout` with no array leaves; ``update`` with gradients of
+``init`` saw, as a :class:`TreeLayout` with no array leaves; ``update`` with gradients of
 another layout is an error naming both.
 """
 
@@ -40,11 +40,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomm._checks import axis_size
-from jaxcomm.collectives import as_varying
+from jaxcomm._src._checks import axis_size
+from jaxcomm._src.collectives import as_varying
 
 __all__ = [
-    "Layout",
+    "TreeLayout",
     "check_grads",
     "flatten_grads",
     "layout_of",
@@ -136,7 +136,7 @@ def worker_value_and_grad(
 
 
 @jax.tree_util.register_pytree_node_class
-class Layout:
+class TreeLayout:
     """The tree structure and leaf shapes of the parameters an aggregator's state was built
     for. A pytree node with no array leaves: it rides in the state's tree structure (so it
     costs nothing under ``jit`` and in checkpoints) and ``update`` compares it with the
@@ -158,7 +158,7 @@ class Layout:
 
     def __eq__(self, other: object) -> bool:
         return (
-            isinstance(other, Layout)
+            isinstance(other, TreeLayout)
             and self.treedef == other.treedef
             and self.shapes == other.shapes
         )
@@ -182,28 +182,28 @@ class Layout:
         )
 
     def __repr__(self) -> str:
-        return f"Layout({self.describe()})"
+        return f"TreeLayout({self.describe()})"
 
 
 def _register_flax_serialization() -> None:
-    """A :class:`Layout` holds no values: Flax's ``to_state_dict`` writes it as ``{}`` and
+    """A :class:`TreeLayout` holds no values: Flax's ``to_state_dict`` writes it as ``{}`` and
     ``from_state_dict`` keeps the target's (the structure comes from ``init``)."""
     try:
         from flax import serialization
     except ImportError:  # pragma: no cover - flax is a dependency
         return
     serialization.register_serialization_state(
-        Layout, lambda layout: {}, lambda target, state: target, override=True
+        TreeLayout, lambda layout: {}, lambda target, state: target, override=True
     )
 
 
 _register_flax_serialization()
 
 
-def layout_of(tree: Any) -> Layout:
-    """The :class:`Layout` of a pytree of arrays (or ``jax.ShapeDtypeStruct``)."""
+def layout_of(tree: Any) -> TreeLayout:
+    """The :class:`TreeLayout` of a pytree of arrays (or ``jax.ShapeDtypeStruct``)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return Layout(treedef, tuple(tuple(int(d) for d in np.shape(x)) for x in leaves))
+    return TreeLayout(treedef, tuple(tuple(int(d) for d in np.shape(x)) for x in leaves))
 
 
 # --------------------------------------------------------------------------- checks
@@ -281,7 +281,7 @@ def check_grads(who: str, grads: Any, axis_name: Any) -> None:
         )
 
 
-def check_layout(who: str, expected: Layout, got: Layout) -> None:
+def check_layout(who: str, expected: TreeLayout, got: TreeLayout) -> None:
     """Raise when gradients of layout ``got`` meet state built for ``expected``."""
     if expected != got:
         raise ValueError(
@@ -292,7 +292,7 @@ def check_layout(who: str, expected: Layout, got: Layout) -> None:
 
 
 def flatten_grads(
-    who: str, grads: Any, axis_name: Any, layout: Layout | None = None
+    who: str, grads: Any, axis_name: Any, layout: TreeLayout | None = None
 ) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
     """Check ``grads`` (:func:`check_grads`, and its layout against ``layout``) and fuse it
     into one ``f32[d]`` vector.
@@ -320,7 +320,7 @@ def flatten_grads(
     return flat, unflatten
 
 
-def init_layout(who: str, params: Any) -> tuple[Layout, int]:
+def init_layout(who: str, params: Any) -> tuple[TreeLayout, int]:
     """``(layout, d)`` of the parameters ``init`` is given (every leaf must be floating)."""
     leaves = jax.tree_util.tree_leaves(params)
     if not leaves:

@@ -17,7 +17,7 @@ Streaming DiLoCo (Douillard et al., arXiv 2501.18512) adds:
   is on the wire and the peak traffic of a step falls by about ``F``. Fragments are
   strided by default (fragment ``p`` holds layers ``p, p + F, ...``, which the paper
   reports slightly better than contiguous ones) or ``"sequential"``; a
-  :class:`jaxcomm.Schedule` may also name them (``schedule=``; DreamDDP's layer groups,
+  :class:`jaxcomm.schedules.Schedule` may also name them (``schedule=``; DreamDDP's layer groups,
   each layer in exactly one group).
 * **overlap**: a fragment's pseudo-gradient travels while the workers run ``overlap``
   (``tau``) more inner steps; when it arrives each worker mixes
@@ -27,7 +27,7 @@ Streaming DiLoCo (Douillard et al., arXiv 2501.18512) adds:
   (the trainer's) hides the transfer behind the ``tau`` steps' compute.
 * **compression**: ``aggregate`` is any jaxcomm aggregator (it receives each worker's
   pseudo-gradient and returns their mean), so the outer gradient can cross as 4- or
-  8-bit codes (:func:`jaxcomm.ec_quantized_allreduce`), chunk-wise top-k with 2-bit values
+  8-bit codes (:func:`jaxcomm.ec_quantized_all_reduce`), chunk-wise top-k with 2-bit values
   (:func:`jaxcomm.chunk_topk`, SparseLoCo) or AR-Topk's shared-index ring
   (:func:`jaxcomm.ar_topk`), each with its own error feedback, one state per fragment.
   Deviation: Streaming DiLoCo sends a 4-bit *float* format; jaxcomm's 4-bit codes are
@@ -79,13 +79,13 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomm._checks import check_choice, check_float, check_int
-from jaxcomm.aggregate import DENSE_REDUCE, dense_allreduce, worker_state
-from jaxcomm.collectives import as_varying
-from jaxcomm.dreamddp import Schedule, as_schedule
-from jaxcomm.localsgd import Layers, _join_layers, layer_names
-from jaxcomm.network import CommLog, empty_log
-from jaxcomm.worker import Layout, check_grads, check_layout, init_layout, layout_of
+from jaxcomm._src._checks import check_choice, check_float, check_int
+from jaxcomm._src.aggregate import DENSE_REDUCE, dense_all_reduce, worker_state
+from jaxcomm._src.collectives import as_varying
+from jaxcomm._src.dreamddp import Schedule, as_schedule
+from jaxcomm._src.localsgd import Layers, _join_layers, layer_names
+from jaxcomm._src.network import CommLog, empty_log
+from jaxcomm._src.worker import TreeLayout, check_grads, check_layout, init_layout, layout_of
 
 __all__ = [
     "DILOCO_SCOPE",
@@ -119,7 +119,7 @@ class DiLoCoState(NamedTuple):
         logs in them are what this step sent (empty for fragments not synchronised). With
         a warm start (``warmup > 0``) one more, last: the warm start's all-reduce, whose
         log is what a warm-start step sent.
-      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.Layout`).
+      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.TreeLayout`).
     """
 
     inner: Any
@@ -127,7 +127,7 @@ class DiLoCoState(NamedTuple):
     anchor: Any
     outer: tuple
     reduce: tuple
-    layout: Layout
+    layout: TreeLayout
 
 
 def streaming_schedule(
@@ -186,7 +186,7 @@ def _fragments(schedule: Schedule) -> tuple[list[tuple[int, ...]], list[int]]:
                     f"schedule synchronises layer {layer} at steps {seen[layer]} and {h}; a "
                     "DiLoCo fragment has one theta_sync and one outer state, so each layer "
                     "must be in exactly one group (build it with fill_bubbles=False, or use "
-                    "jaxcomm.streaming_schedule)"
+                    "jaxcomm.schedules.streaming_schedule)"
                 )
             seen[layer] = h
         frags.append(tuple(g))
@@ -332,7 +332,7 @@ def diloco(
       fragments: ``F``, fragments synchronised at staggered steps
         (:func:`streaming_schedule`); 1 is plain DiLoCo.
       pattern: ``"strided"`` (default) or ``"sequential"`` fragments.
-      schedule: instead of ``fragments``/``pattern``: a :class:`jaxcomm.Schedule` (or
+      schedule: instead of ``fragments``/``pattern``: a :class:`jaxcomm.schedules.Schedule` (or
         groups of layer indices) of ``period`` steps whose non-empty groups are the
         fragments, each layer in exactly one.
       overlap: ``tau`` in ``[0, period)``: inner steps between a fragment's
@@ -342,7 +342,7 @@ def diloco(
         ``overlap=0`` and ``alpha > 0`` the workers keep part of their own drift at every
         synchronisation (the paper's mixing without the delay).
       aggregate: a jaxcomm aggregator over ``axis_name`` that averages the pseudo-gradient
-        (default :func:`jaxcomm.dense_allreduce` with ``reduce``); one state per fragment.
+        (default :func:`jaxcomm.dense_all_reduce` with ``reduce``); one state per fragment.
       reduce: the default aggregator's all-reduce: ``ring`` (default), ``tree`` or
         ``psum``; not with ``aggregate``. The warm start's all-reduce is the same.
       warmup: ``N >= 0`` steps of synchronous data parallelism before the first period
@@ -403,9 +403,9 @@ def diloco(
         )
     warmup = check_int("warmup", warmup, lo=0)
     outer = outer if outer is not None else optax.sgd(0.7, momentum=0.9, nesterov=True)
-    agg = aggregate if aggregate is not None else dense_allreduce(axis_name, reduce=reduce)
+    agg = aggregate if aggregate is not None else dense_all_reduce(axis_name, reduce=reduce)
     # The warm start's all-reduce of the gradients (float32, the default aggregator's).
-    warm_agg = dense_allreduce(axis_name, reduce=reduce) if warmup else None
+    warm_agg = dense_all_reduce(axis_name, reduce=reduce) if warmup else None
 
     def plan(params):
         names = layer_names(params, layers)

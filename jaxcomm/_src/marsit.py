@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomm._checks import axis_size, check_choice, check_float, check_int, is_concrete
-from jaxcomm.aggregate import WholeOptimizer, whole_optimizer, worker_state
-from jaxcomm.codecs import pack_bits, unpack_bits
-from jaxcomm.collectives import (
+from jaxcomm._src._checks import axis_size, check_choice, check_float, check_int, is_concrete
+from jaxcomm._src.aggregate import WholeOptimizer, whole_optimizer, worker_state
+from jaxcomm._src.codecs import pack_bits, unpack_bits
+from jaxcomm._src.collectives import (
     join_segments,
     replicated,
     ring_all_gather,
@@ -45,9 +45,9 @@ from jaxcomm.collectives import (
     ring_reduce_scatter_wire,
     split_segments,
 )
-from jaxcomm.network import CommLog, Wire, empty_log, log_wire
-from jaxcomm.rng import hash_bits
-from jaxcomm.worker import Layout, flatten_grads, init_layout
+from jaxcomm._src.network import CommLog, Wire, empty_log, log_wire
+from jaxcomm._src.rng import hash_bits
+from jaxcomm._src.worker import TreeLayout, flatten_grads, init_layout
 
 __all__ = [
     "ROUND_SCOPE",
@@ -247,14 +247,14 @@ class MarsitState(NamedTuple):
       key: ``uint32[2]`` raw PRNG key data for the merge draws, advanced every round (made
         distinct per worker by folding in the worker's axis index at use).
       log: what the last round sent.
-      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.Layout`).
+      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.TreeLayout`).
     """
 
     count: jax.Array
     compensation: jax.Array
     key: jax.Array
     log: CommLog
-    layout: Layout
+    layout: TreeLayout
 
 
 def marsit(

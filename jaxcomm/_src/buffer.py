@@ -64,12 +64,12 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
-from jaxcomm._checks import check_choice, check_int
-from jaxcomm.codecs import Quantized, dequantize, quantize, quantized_nbytes
+from jaxcomm._src._checks import check_choice, check_int
+from jaxcomm._src.codecs import Quantized, dequantize, quantize, quantized_nbytes
 
 __all__ = ["MessageBuffer", "BufferRead"]
 
-_FORMAT = "jaxcomm.MessageBuffer"
+_FORMAT = "jaxcomm.pipeline.MessageBuffer"
 _VERSION = 1
 _META = "buffer.json"
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")

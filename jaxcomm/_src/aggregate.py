@@ -4,7 +4,7 @@ Each aggregator runs inside ``jax.shard_map`` with ``axis_name`` bound: it recei
 worker's gradients and returns their average over the axis, so it chains in front of any
 optimizer::
 
-    tx = optax.chain(jaxcomm.dense_allreduce("data", reduce="ring"), optax.adam(1e-3))
+    tx = optax.chain(jaxcomm.dense_all_reduce("data", reduce="ring"), optax.adam(1e-3))
 
 The transforms that own their step (:func:`jaxcomm.marsit` and the sign methods of
 :mod:`jaxcomm.signsgd`) are of type :class:`WholeOptimizer` instead: they return the step to
@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomm._checks import axis_size, check_choice, check_int
-from jaxcomm.codecs import dequantize, payload_bytes, quantize
-from jaxcomm.collectives import (
+from jaxcomm._src._checks import axis_size, check_choice, check_int
+from jaxcomm._src.codecs import dequantize, payload_bytes, quantize
+from jaxcomm._src.collectives import (
     all_to_all,
     all_to_all_wire,
     as_varying,
@@ -44,8 +44,8 @@ from jaxcomm.collectives import (
     tree_all_reduce,
     tree_all_reduce_wire,
 )
-from jaxcomm.network import CommLog, Wire, empty_log, log_wire
-from jaxcomm.worker import Layout, flatten_grads, init_layout
+from jaxcomm._src.network import CommLog, Wire, empty_log, log_wire
+from jaxcomm._src.worker import TreeLayout, flatten_grads, init_layout
 
 __all__ = [
     "DENSE_REDUCE",
@@ -54,8 +54,8 @@ __all__ = [
     "WholeOptimizer",
     "all_reduce_flat",
     "all_reduce_wire",
-    "dense_allreduce",
-    "ec_quantized_allreduce",
+    "dense_all_reduce",
+    "ec_quantized_all_reduce",
     "whole_optimizer",
     "worker_state",
 ]
@@ -202,7 +202,7 @@ def _refuse_followers(name: str, step_sizes: str) -> None:
 
 
 class DenseState(NamedTuple):
-    """State of :func:`dense_allreduce`.
+    """State of :func:`dense_all_reduce`.
 
     Attributes:
       log: what the last step sent (one all-reduce of the fused gradient).
@@ -211,14 +211,14 @@ class DenseState(NamedTuple):
     log: CommLog
 
 
-def dense_allreduce(axis_name: Any, *, reduce: str = "psum") -> optax.GradientTransformation:
+def dense_all_reduce(axis_name: Any, *, reduce: str = "psum") -> optax.GradientTransformation:
     """Average gradients over ``axis_name`` with no compression.
 
     Args:
       axis_name: the data-parallel mesh axis.
       reduce: ``"psum"`` (XLA's built-in all-reduce, logged as kind ``allreduce`` with ring
-        costs), ``"ring"`` (:func:`jaxcomm.ring_all_reduce`) or ``"tree"``
-        (:func:`jaxcomm.tree_all_reduce`).
+        costs), ``"ring"`` (:func:`jaxcomm.collectives.ring_all_reduce`) or ``"tree"``
+        (:func:`jaxcomm.collectives.tree_all_reduce`).
 
     Returns:
       A ``GradientTransformation`` whose updates are the worker-averaged gradients, identical
@@ -227,7 +227,7 @@ def dense_allreduce(axis_name: Any, *, reduce: str = "psum") -> optax.GradientTr
 
     Example::
 
-        tx = optax.chain(jaxcomm.dense_allreduce("data", reduce="ring"), optax.adam(1e-3))
+        tx = optax.chain(jaxcomm.dense_all_reduce("data", reduce="ring"), optax.adam(1e-3))
 
         def per_worker(params, state, batch):      # inside jax.shard_map over "data"
             grads = jaxcomm.worker_grad(loss_fn, "data")(params, batch)  # own gradient
@@ -244,7 +244,7 @@ def dense_allreduce(axis_name: Any, *, reduce: str = "psum") -> optax.GradientTr
         del params, state
         n = axis_size(axis_name)
         # flat: f32[d], this worker's gradient
-        flat, unflatten = flatten_grads("dense_allreduce", updates, axis_name)
+        flat, unflatten = flatten_grads("dense_all_reduce", updates, axis_name)
         total, wire = all_reduce_flat(flat, axis_name, reduce)
         mean = unflatten(total / n)
         log = log_wire(empty_log(), wire, lax.axis_index(axis_name))
@@ -283,23 +283,23 @@ def all_reduce_flat(flat: jax.Array, axis_name: Any, reduce: str) -> tuple[jax.A
 
 
 class ECQuantizedState(NamedTuple):
-    """State of :func:`ec_quantized_allreduce`, per worker.
+    """State of :func:`ec_quantized_all_reduce`, per worker.
 
     Attributes:
       worker_error: ``f32[d]`` error feedback of this worker's compression (phase 1).
       server_error: ``f32[ceil(d / N)]`` error feedback of the segment this worker averages
         and re-compresses (phase 2).
       log: what the last step sent.
-      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.Layout`).
+      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.TreeLayout`).
     """
 
     worker_error: jax.Array
     server_error: jax.Array
     log: CommLog
-    layout: Layout
+    layout: TreeLayout
 
 
-def ec_quantized_allreduce(
+def ec_quantized_all_reduce(
     axis_name: Any, *, bits: int = 4, bucket_size: int = 512
 ) -> optax.GradientTransformation:
     """Error-compensated quantized gradient averaging in two compressed phases.
@@ -331,7 +331,7 @@ def ec_quantized_allreduce(
     def init_fn(params):
         # Needs the axis size for the segment length: call init inside shard_map too.
         n = axis_size(axis_name)
-        layout, d = init_layout("ec_quantized_allreduce", params)
+        layout, d = init_layout("ec_quantized_all_reduce", params)
         state = ECQuantizedState(
             worker_error=jnp.zeros((d,), jnp.float32),
             server_error=jnp.zeros((-(-d // n),), jnp.float32),
@@ -343,7 +343,7 @@ def ec_quantized_allreduce(
     def update_fn(updates, state, params=None):
         del params
         n = axis_size(axis_name)
-        flat, unflatten = flatten_grads("ec_quantized_allreduce", updates, axis_name, state.layout)
+        flat, unflatten = flatten_grads("ec_quantized_all_reduce", updates, axis_name, state.layout)
         v = flat + state.worker_error  # f32[d]
         segments = split_segments(v, n)  # f32[N, s]
         q = jax.vmap(encode)(segments)  # codes: uint8[N, ceil(s*bits/8)], scale: f32[N, nb]

@@ -14,8 +14,8 @@ backward (exactly, unless a difference was clipped at 0; see below). Each prefix
 whole program, so no per-layer launch or dispatch overhead is counted ``L`` times (timing
 each layer's VJP alone would). Two ways to get ``T_l``:
 
-* ``roofline=`` a :class:`jaxcomm.Roofline`: the roofline seconds of the compiled prefix's
-  flops and memory bytes (:func:`jaxcomm.program_cost`) on that device: deterministic, the
+* ``roofline=`` a :class:`jaxcomm.compute.Roofline`: the roofline seconds of the compiled prefix's
+  flops and memory bytes (:func:`jaxcomm.audit.program_cost`) on that device: deterministic, the
   same on any host, and what the simulated clock of the trainers uses;
 * ``roofline=None``: wall time on the device the arrays live on, the median of ``repeats``
   runs taken round-robin over the prefixes (so a drift in the host's speed hits all of them
@@ -38,10 +38,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxcomm._checks import check_int
-from jaxcomm.audit import program_cost
-from jaxcomm.compute import Roofline
-from jaxcomm.localsgd import (
+from jaxcomm._src._checks import check_int
+from jaxcomm._src.audit import program_cost
+from jaxcomm._src.compute import Roofline
+from jaxcomm._src.localsgd import (
     Layers,
     _join_layers,
     _layer_trees,
@@ -49,7 +49,7 @@ from jaxcomm.localsgd import (
     layer_names,
     layer_wires,
 )
-from jaxcomm.network import Network
+from jaxcomm._src.network import Network
 
 __all__ = ["LayerProfile", "profile_layers"]
 

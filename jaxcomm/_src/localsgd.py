@@ -13,7 +13,7 @@ synchronisations, so a trainer keeps them with a leading worker axis), and retur
 that ``optax.apply_updates`` adds to the parameters, as optax expects::
 
     tx = jaxcomm.partial_local_sgd(
-        optax.adam(1e-3), "data", schedule=jaxcomm.enp_schedule(6, 3), layers=layer_names
+        optax.adam(1e-3), "data", schedule=jaxcomm.schedules.enp_schedule(6, 3), layers=layer_names
     )
 
     def per_worker(params, state, batch):   # params: this worker's own copy
@@ -51,12 +51,12 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomm._checks import check_int
-from jaxcomm.aggregate import DENSE_REDUCE, all_reduce_flat, all_reduce_wire, worker_state
-from jaxcomm.collectives import as_varying
-from jaxcomm.dreamddp import Schedule, as_schedule, full_sync_schedule
-from jaxcomm.network import CommLog, Network, Wire, empty_log, log_wire
-from jaxcomm.worker import Layout, check_grads, check_layout, init_layout, layout_of
+from jaxcomm._src._checks import check_int
+from jaxcomm._src.aggregate import DENSE_REDUCE, all_reduce_flat, all_reduce_wire, worker_state
+from jaxcomm._src.collectives import as_varying
+from jaxcomm._src.dreamddp import Schedule, as_schedule, full_sync_schedule
+from jaxcomm._src.network import CommLog, Network, Wire, empty_log, log_wire
+from jaxcomm._src.worker import TreeLayout, check_grads, check_layout, init_layout, layout_of
 
 __all__ = [
     "SYNC_SCOPE",
@@ -82,13 +82,13 @@ class LocalSGDState(NamedTuple):
       count: ``int32`` scalar, local steps taken so far; the next step is local step
         ``count % period`` of its period.
       log: what the last step sent (the averaging of that step's group).
-      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.Layout`).
+      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.TreeLayout`).
     """
 
     inner: Any
     count: jax.Array
     log: CommLog
-    layout: Layout
+    layout: TreeLayout
 
 
 def layer_names(params: Any, layers: Layers) -> list[str] | None:
@@ -280,7 +280,7 @@ def local_sgd(
       layers: None (default) averages the whole model as one fused message; layer names
         (see the module docstring) average layer by layer, as DreamDDP's FLSGD baseline
         does, so each layer's message can leave right after its backward pass.
-      reduce: the all-reduce: ``ring`` (:func:`jaxcomm.ring_all_reduce`), ``tree`` or
+      reduce: the all-reduce: ``ring`` (:func:`jaxcomm.collectives.ring_all_reduce`), ``tree`` or
         ``psum``.
 
     Returns:
@@ -319,8 +319,9 @@ def partial_local_sgd(
     Args:
       inner: the optimizer each worker steps locally (its state stays local).
       axis_name: the data-parallel mesh axis (inside ``jax.shard_map``).
-      schedule: a :class:`jaxcomm.dreamddp.Schedule` (from :func:`jaxcomm.dreamddp_schedule`,
-        :func:`jaxcomm.enp_schedule`, ...) or a plain sequence of groups of 0-based layer
+      schedule: a :class:`jaxcomm.schedules.Schedule` (from
+        :func:`jaxcomm.schedules.dreamddp_schedule`, :func:`jaxcomm.schedules.enp_schedule`,
+        ...) or a plain sequence of groups of 0-based layer
         indices (0 = input); every layer must be averaged at least once per period, and a
         layer may be averaged at several steps.
       layers: the layer names, input to output (see the module docstring); their number
@@ -334,7 +335,7 @@ def partial_local_sgd(
 
     Example::
 
-        sched = jaxcomm.dreamddp_schedule(backward_s, comm_s, period=5)
+        sched = jaxcomm.schedules.dreamddp_schedule(backward_s, comm_s, period=5)
         tx = jaxcomm.partial_local_sgd(optax.adam(1e-3), "data", schedule=sched,
                                        layers=["embed", "block_0", "block_1", "head"])
 

@@ -38,16 +38,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomm._checks import axis_size, check_float, check_int
-from jaxcomm.aggregate import WholeOptimizer, whole_optimizer, worker_state
-from jaxcomm.codecs import (
+from jaxcomm._src._checks import axis_size, check_float, check_int
+from jaxcomm._src.aggregate import WholeOptimizer, whole_optimizer, worker_state
+from jaxcomm._src.codecs import (
     SignCode,
     pack_bits,
     sign_decode,
     sign_encode,
     unpack_bits,
 )
-from jaxcomm.collectives import (
+from jaxcomm._src.collectives import (
     join_segments,
     ring_all_gather,
     ring_all_gather_wire,
@@ -55,9 +55,9 @@ from jaxcomm.collectives import (
     ring_reduce_scatter,
     split_segments,
 )
-from jaxcomm.network import CommLog, empty_log, log_wire
-from jaxcomm.rng import bernoulli
-from jaxcomm.worker import Layout, flatten_grads, init_layout
+from jaxcomm._src.network import CommLog, empty_log, log_wire
+from jaxcomm._src.rng import bernoulli
+from jaxcomm._src.worker import TreeLayout, flatten_grads, init_layout
 
 __all__ = [
     "SignMVState",
@@ -184,13 +184,13 @@ class EFSignState(NamedTuple):
       count: ``int32[]`` steps done.
       error: ``f32[d]`` the error-feedback memory ``e = p - delta`` of the flattened parameters.
       log: what the last step sent (one all-gather of scaled sign payloads).
-      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.Layout`).
+      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.TreeLayout`).
     """
 
     count: jax.Array
     error: jax.Array
     log: CommLog
-    layout: Layout
+    layout: TreeLayout
 
 
 def ef_signsgd(axis_name: Any, *, lr: float) -> WholeOptimizer:
@@ -258,14 +258,14 @@ class SSDMState(NamedTuple):
       key: ``uint32[2]`` raw PRNG key data, split every step (made distinct per worker by
         folding in the worker's axis index at use).
       log: what the last step sent (one all-gather of stochastic-sign payloads).
-      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.Layout`).
+      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.TreeLayout`).
     """
 
     count: jax.Array
     momentum: jax.Array
     key: jax.Array
     log: CommLog
-    layout: Layout
+    layout: TreeLayout
 
 
 def ssdm(axis_name: Any, *, lr: float, momentum: float = 0.9, seed: int = 0) -> WholeOptimizer:

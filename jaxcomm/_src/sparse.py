@@ -17,7 +17,7 @@ The whole gradient pytree is fused into one float32 vector of ``d`` entries; ``k
 ceil(ratio * d)``. The all-gathers use :func:`jaxcomm.collectives.all_gather` (``log2 N``
 rounds on a power-of-two axis) and the logs record the paper's kinds (``art_ring``,
 ``art_tree``, ``ag_topk``) with the dense size ``M = 4 d`` bytes and ratio ``k / d``, so
-:func:`jaxcomm.collective_time` of the logged kind is the paper's Eqs. (4a), (4b) and its AG
+:func:`jaxcomm.network.collective_time` of the logged kind is the paper's Eqs. (4a), (4b) and its AG
 cost for the step that ran.
 """
 
@@ -32,9 +32,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomm._checks import axis_size, check_choice, check_float, check_int
-from jaxcomm.aggregate import worker_state
-from jaxcomm.codecs import (
+from jaxcomm._src._checks import axis_size, check_choice, check_float, check_int
+from jaxcomm._src.aggregate import worker_state
+from jaxcomm._src.codecs import (
     AUTO_THRESHOLD_ABOVE,
     SELECTIONS,
     ChunkTopK,
@@ -46,7 +46,7 @@ from jaxcomm.codecs import (
     topk_indices,
     unpack_uints,
 )
-from jaxcomm.collectives import (
+from jaxcomm._src.collectives import (
     all_gather,
     all_gather_wire,
     broadcast,
@@ -58,7 +58,7 @@ from jaxcomm.collectives import (
     tree_all_reduce,
     tree_all_reduce_wire,
 )
-from jaxcomm.network import (
+from jaxcomm._src.network import (
     CommLog,
     Network,
     choose_collective,
@@ -67,14 +67,14 @@ from jaxcomm.network import (
     log_wire,
     words_table,
 )
-from jaxcomm.worker import Layout, flatten_grads, init_layout
+from jaxcomm._src.worker import TreeLayout, flatten_grads, init_layout
 
 __all__ = [
     "ROOT_SCOPE",
     "AUTO_THRESHOLD_ABOVE",
     "SELECTIONS",
-    "TopkState",
-    "ChunkTopkState",
+    "TopKState",
+    "ChunkTopKState",
     "StatQuantizedState",
     "statistical_quantized",
     "ar_topk",
@@ -102,7 +102,7 @@ def compression_gain(compressed: Any, error_fed: Any) -> jax.Array:
 # --------------------------------------------------------------------------- state
 
 
-class TopkState(NamedTuple):
+class TopKState(NamedTuple):
     """State of :func:`ar_topk`, :func:`lw_topk` and :func:`ms_topk`, per worker.
 
     Attributes:
@@ -113,7 +113,7 @@ class TopkState(NamedTuple):
       gain: ``f32[]`` compression gain of the last step on this worker,
         ``||G[sent]||^2 / ||G||^2``.
       log: what the last step sent.
-      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.Layout`).
+      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.TreeLayout`).
     """
 
     residual: jax.Array
@@ -121,13 +121,13 @@ class TopkState(NamedTuple):
     root: jax.Array
     gain: jax.Array
     log: CommLog
-    layout: Layout
+    layout: TreeLayout
 
 
 def _init(who: str, axis_name: Any):
     def init_fn(params):
         layout, d = init_layout(who, params)
-        state = TopkState(
+        state = TopKState(
             residual=jnp.zeros((d,), jnp.float32),
             count=jnp.zeros((), jnp.int32),
             root=jnp.full((), -1, jnp.int32),
@@ -192,7 +192,7 @@ def _finish(unflatten, g, sent_idx, mean, state, root, log, axis_name):
     """New state and dense updates: the residual is ``G`` with ``sent_idx`` zeroed."""
     kept = g[sent_idx]
     gain = compression_gain(kept, g)
-    new = TopkState(
+    new = TopKState(
         residual=g.at[sent_idx].set(0.0),
         count=state.count + 1,
         root=jnp.asarray(root, jnp.int32),
@@ -230,7 +230,7 @@ def ar_topk(
     d)`` largest ``|G|`` entries over the whole fused gradient (not layer by layer). A root
     is chosen: STAR-Topk takes ``step mod N`` (steps counted from 0), VAR-Topk the worker
     with the largest ``||G_w[idx_w]||^2`` (an all-gather of ``N`` float32 scalars; ties to
-    the lower rank). The root's indices reach every worker by :func:`jaxcomm.broadcast`;
+    the lower rank). The root's indices reach every worker by :func:`jaxcomm.collectives.broadcast`;
     every worker all-reduces ``G[idx]`` (ring or tree) and the updates are the worker
     average scattered at ``idx`` (zero elsewhere, identical on every worker). The new
     residual is ``G`` with ``idx`` zeroed. Inner optimizers chain after it.
@@ -238,7 +238,7 @@ def ar_topk(
     ``reduce="allgather"`` is the flexible scheme's third option: every worker all-gathers
     its own top-k values and indices (``2 k`` words each) and keeps its own unsent entries,
     with no root. ``reduce="auto"`` picks whichever of AG, ART-ring and ART-tree
-    :func:`jaxcomm.choose_collective` models as cheapest on ``network`` for this model,
+    :func:`jaxcomm.network.choose_collective` models as cheapest on ``network`` for this model,
     axis size and ratio (at trace time).
 
     A non-finite ``G`` on any worker makes the values it sends NaN, so every worker's
@@ -257,7 +257,7 @@ def ar_topk(
         threshold search above 2% of entries, else ``lax.top_k``.
 
     Returns:
-      A ``GradientTransformation`` with :class:`TopkState`. Its log holds one ``art_ring``,
+      A ``GradientTransformation`` with :class:`TopKState`. Its log holds one ``art_ring``,
       ``art_tree`` or ``ag_topk`` entry (dense size ``4 d`` bytes, ratio ``k / d``), plus
       VAR's ``allgather`` of the norms.
 
@@ -271,10 +271,11 @@ def ar_topk(
     check_choice("method", method, SELECTIONS)
     if network is not None and not isinstance(network, Network):
         raise ValueError(
-            f"network must be a jaxcomm.Network (e.g. Network.parse('1ms,10Gbps')); got {network!r}"
+            "network must be a jaxcomm.network.Network (e.g. Network.parse('1ms,10Gbps')); "
+            f"got {network!r}"
         )
     if reduce == "auto" and network is None:
-        raise ValueError("reduce='auto' needs network=jaxcomm.Network(...) to choose on")
+        raise ValueError("reduce='auto' needs network=jaxcomm.network.Network(...) to choose on")
 
     def update_fn(updates, state, params=None):
         del params
@@ -346,7 +347,7 @@ def lw_topk(axis_name: Any, *, ratio: float) -> optax.GradientTransformation:
       ratio: per-layer compression ratio in ``(0, 1]``.
 
     Returns:
-      A ``GradientTransformation`` with :class:`TopkState` (``root`` is always -1); its
+      A ``GradientTransformation`` with :class:`TopKState` (``root`` is always -1); its
       log holds one ``ag_topk`` entry.
     """
     ratio = _check_ratio(ratio)
@@ -390,7 +391,7 @@ def ms_topk(axis_name: Any, *, ratio: float, rounds: int = 25) -> optax.Gradient
       rounds: threshold trials, >= 1.
 
     Returns:
-      A ``GradientTransformation`` with :class:`TopkState` (``root`` is always -1); its log
+      A ``GradientTransformation`` with :class:`TopKState` (``root`` is always -1); its log
       holds one ``ag_topk`` entry.
     """
     ratio = _check_ratio(ratio)
@@ -410,18 +411,18 @@ def ms_topk(axis_name: Any, *, ratio: float, rounds: int = 25) -> optax.Gradient
 # --------------------------------------------------------------------------- chunk-wise
 
 
-class ChunkTopkState(NamedTuple):
+class ChunkTopKState(NamedTuple):
     """State of :func:`chunk_topk`, per worker.
 
     Attributes:
       residual: ``f32[d]`` this worker's error-feedback buffer ``e``.
       log: what the last step sent.
-      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.Layout`).
+      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.TreeLayout`).
     """
 
     residual: jax.Array
     log: CommLog
-    layout: Layout
+    layout: TreeLayout
 
 
 def _sent_mask(p: ChunkTopK) -> jax.Array:
@@ -465,7 +466,7 @@ def chunk_topk(
     ``e_w <- decay * e_w + g_w``, sends ``c_w = Q(TopK_chunk(e_w))`` (the ``k``
     largest-magnitude entries of every chunk of ``chunk`` entries, positions packed in
     ``ceil(log2 chunk)`` bits, values in ``bits`` bits on each chunk's max-abs grid, see
-    :func:`jaxcomm.chunk_topk_encode`) and keeps ``e_w <- e_w - c_w``: what was sent
+    :func:`jaxcomm.codecs.chunk_topk_encode`) and keeps ``e_w <- e_w - c_w``: what was sent
     leaves the buffer exactly as the receivers decode it. Every worker all-gathers the
     ``N`` payloads and sums them in rank order (bit-identical on every worker); the
     updates are that sum divided by
@@ -484,7 +485,7 @@ def chunk_topk(
     Chunks run over the whole fused vector (the leaves of the pytree one after another), so
     a chunk may span the end of one tensor and the start of the next under one scale;
     SparseLoCo chunks each tensor apart. A chunk with fewer than ``k`` non-zero entries
-    sends some zeros as the smallest 2-bit level (see :func:`jaxcomm.chunk_topk_encode`).
+    sends some zeros as the smallest 2-bit level (see :func:`jaxcomm.codecs.chunk_topk_encode`).
 
     SparseLoCo (arXiv 2508.15706) uses it on DiLoCo's pseudo-gradients in place of the
     outer momentum, with ``chunk=4096, k=64, bits=2, decay=0.95`` and an outer SGD step of
@@ -500,7 +501,7 @@ def chunk_topk(
       average: ``"workers"`` or ``"senders"``, the divisor of the summed payloads (above).
 
     Returns:
-      A ``GradientTransformation`` with :class:`ChunkTopkState`; its log holds one
+      A ``GradientTransformation`` with :class:`ChunkTopKState`; its log holds one
       ``allgather`` of the packed payload.
     """
     chunk = check_int("chunk", chunk, lo=2)
@@ -512,7 +513,7 @@ def chunk_topk(
 
     def init_fn(params):
         layout, d = init_layout("chunk_topk", params)
-        state = ChunkTopkState(jnp.zeros((d,), jnp.float32), empty_log(), layout)
+        state = ChunkTopKState(jnp.zeros((d,), jnp.float32), empty_log(), layout)
         return worker_state(state, axis_name)
 
     def update_fn(updates, state, params=None):
@@ -537,7 +538,7 @@ def chunk_topk(
             mean = total / jnp.maximum(count, 1.0)
         wire = all_gather_wire(jax.eval_shape(lambda: payload), n)
         log = log_wire(empty_log(), wire)
-        new = ChunkTopkState(residual, log, state.layout)
+        new = ChunkTopKState(residual, log, state.layout)
         mean = replicated(mean, axis_name)
         return unflatten(mean), worker_state(new, axis_name)
 
@@ -553,12 +554,12 @@ class StatQuantizedState(NamedTuple):
     Attributes:
       residual: ``f32[d]`` this worker's error-feedback buffer ``e``.
       log: what the last step sent.
-      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.Layout`).
+      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.TreeLayout`).
     """
 
     residual: jax.Array
     log: CommLog
-    layout: Layout
+    layout: TreeLayout
 
 
 def statistical_quantized(
@@ -567,7 +568,7 @@ def statistical_quantized(
     """Error-fed statistical quantization with an all-gather (MuLoCo's compressor).
 
     Worker ``w`` keeps an error buffer ``e_w`` and, for its gradient ``g_w``, forms
-    ``e_w <- decay * e_w + g_w``, sends ``c_w = Q(e_w)`` (:func:`jaxcomm.stat_quantize`:
+    ``e_w <- decay * e_w + g_w``, sends ``c_w = Q(e_w)`` (:func:`jaxcomm.codecs.stat_quantize`:
     ``bits`` bits per entry, one segment per parameter tensor, each code decoded to the mean
     of the values it stands for) and keeps ``e_w <- e_w - c_w``. Every worker all-gathers the
     ``N`` payloads and averages their decodes in rank order (bit-identical on every worker).

@@ -1,0 +1,1 @@
+"""jaxcomm's implementations; the public names are in ``jaxcomm`` and its namespaces."""

@@ -1,0 +1,205 @@
+"""Per-worker state on a different number of workers: the rules that fold or split it.
+
+A data-parallel run keeps its state stacked over workers: every array has a leading axis of
+``N`` rows, one per worker (parameters, optimizer state, aggregator state). To continue such
+a run on ``N'`` workers (a machine lost, or one added), each array needs ``N'`` rows, and
+what goes in them depends on what the array means. :func:`resize_workers` maps a stacked
+state by the following rules, chosen per field of the state types that need one (see
+:data:`RULES`), and states what each rule keeps:
+
+* ``replica``, every field without a rule of its own. Rows bitwise identical on every
+  worker (parameters and optimizer state under synchronous training, counters, the shared
+  PRNG key, an outer optimizer's state) are kept bit for bit. Rows that differ (local
+  SGD's and DiLoCo's replicas and their inner optimizer states between two averages)
+  become their mean over the old workers: the new workers start from the **averaged
+  model**, which is what the next averaging would have produced from them. Integer rows
+  that differ cannot be averaged and are refused.
+* ``pending``: the error-feedback residuals ``ECQuantizedState.worker_error``,
+  ``TopKState.residual``, ``ChunkTopKState.residual``, ``EFSignState.error`` and
+  ``MarsitState.compensation``, and SSDM's momentum (each worker adds it to its own
+  message). Every aggregator here applies the **mean** over workers of what they send, so
+  what the residuals still owe the model is ``(1/N) sum_i e_i``. Each new worker gets that
+  mean, so ``(1/N') sum_j e'_j = (1/N) sum_i e_i``: the pending correction, in the model's
+  units, is unchanged and nothing is dropped. (Summing and spreading, ``e'_j = sum_i e_i /
+  N'``, would scale the pending correction by ``N / N'``.) Equal rows are kept bit for bit.
+* ``segments``: ``ECQuantizedState.server_error``, where worker ``i`` owns segment ``i`` of
+  the flattened model. The old segments are joined in worker order into one vector (their
+  padding dropped) and cut again into ``N'`` segments: the joined vector is unchanged bit
+  for bit.
+
+The traffic logs inside aggregator states (:class:`~jaxcomm.network.CommLog`, what the last
+step sent, rewritten by the next) restart empty.
+
+Everything here runs on the host, on NumPy arrays of the whole state (a restore reads each
+array whole). Averages are taken in float64 and rounded once to the array's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcomm._src._checks import check_int
+from jaxcomm._src.aggregate import ECQuantizedState
+from jaxcomm._src.marsit import MarsitState
+from jaxcomm._src.network import CommLog, empty_log
+from jaxcomm._src.signsgd import EFSignState, SSDMState
+from jaxcomm._src.sparse import ChunkTopKState, TopKState
+
+__all__ = ["RULES", "Resized", "resize_workers", "register_resize_rule", "resize_rule_of"]
+
+#: The field rules of the state types that need more than ``replica`` (see the module).
+RULES: dict[type, dict[str, str]] = {
+    ECQuantizedState: {"worker_error": "pending", "server_error": "segments"},
+    TopKState: {"residual": "pending"},
+    ChunkTopKState: {"residual": "pending"},
+    EFSignState: {"error": "pending"},
+    MarsitState: {"compensation": "pending"},
+    SSDMState: {"momentum": "pending"},
+}
+
+_KINDS = ("replica", "pending", "segments")
+
+
+def register_resize_rule(state_type: type, **fields: str) -> None:
+    """Give the fields of a NamedTuple state type (a custom aggregator's) their rules:
+    ``register_resize_rule(MyState, residual="pending")``. Fields not named follow
+    ``replica``. A ``segments`` field must sit beside a ``pending`` field whose last axis
+    is the full length the segments cut."""
+    if not (isinstance(state_type, type) and hasattr(state_type, "_fields")):
+        raise TypeError(f"state_type must be a NamedTuple class, got {state_type!r}")
+    for name, kind in fields.items():
+        if name not in state_type._fields:
+            raise ValueError(
+                f"{state_type.__name__} has no field {name!r}; its fields are "
+                f"{list(state_type._fields)}"
+            )
+        if kind not in _KINDS:
+            raise ValueError(f"rule for {name!r} must be one of {_KINDS}, got {kind!r}")
+    RULES[state_type] = dict(fields)
+
+
+def resize_rule_of(node: Any, field: str) -> str:
+    """The rule (``replica``, ``pending`` or ``segments``) of ``field`` of state ``node``."""
+    return RULES.get(type(node), {}).get(field, "replica")
+
+
+class Resized(NamedTuple):
+    """What :func:`resize_workers` returns.
+
+    Attributes:
+      state: the state with ``workers`` rows in every array.
+      notes: ``{key path: what was done}`` for every array whose rows were not all equal
+        (the arrays kept bit for bit are not listed).
+    """
+
+    state: Any
+    notes: dict[str, str]
+
+
+def _equal_rows(a: np.ndarray) -> bool:
+    """Whether every row of ``a`` holds the same bits (NaN included)."""
+    if a.shape[0] < 2:
+        return True
+    flat = np.ascontiguousarray(a).reshape(a.shape[0], -1)
+    return bool((flat.view(np.uint8) == flat.view(np.uint8)[:1]).all())
+
+
+def _rows(a: np.ndarray, workers: int) -> np.ndarray:
+    return np.broadcast_to(a, (workers, *a.shape)).copy()
+
+
+def _mean(a: np.ndarray, workers: int, path: str) -> np.ndarray:
+    if not jnp.issubdtype(a.dtype, jnp.floating):  # (NumPy's check misses bfloat16)
+        raise ValueError(
+            f"{path}: its {a.shape[0]} workers hold different {a.dtype} rows, which cannot be "
+            "averaged onto another number of workers; give its state type a rule with "
+            "jaxcomm.elastic.register_resize_rule"
+        )
+    return _rows(a.astype(np.float64).mean(0).astype(a.dtype), workers)
+
+
+def _segments(a: np.ndarray, length: int, workers: int) -> np.ndarray:
+    """``a``: ``[N, *mid, s]`` segments of vectors of ``length`` (worker ``i`` holds segment
+    ``i``) cut again into ``workers`` segments: ``[workers, *mid, ceil(length / workers)]``."""
+    n, *mid, s = a.shape
+    joined = np.moveaxis(a, 0, -2).reshape(*mid, n * s)[..., :length]
+    seg = -(-length // workers)
+    padded = np.zeros((*mid, workers * seg), a.dtype)
+    padded[..., :length] = joined
+    return np.moveaxis(padded.reshape(*mid, workers, seg), -2, 0)
+
+
+def resize_workers(state: Any, workers: int) -> Resized:
+    """Map a per-worker state stacked over ``N`` workers (every array ``[N, ...]``, NumPy or
+    JAX) to ``workers`` rows by the rules of the module docstring.
+
+    Returns a :class:`Resized`: the new state (NumPy arrays, the same tree structure) and a
+    note per array that was averaged or re-cut. Raises ``ValueError`` naming the array when
+    arrays disagree on ``N``, when a field needs a rule it does not have (integer rows that
+    differ), or when a ``segments`` field's length cannot be found.
+    """
+    workers = check_int("workers", workers, lo=1)
+    leaves = jax.tree_util.tree_leaves(state)
+    if not leaves:
+        return Resized(state, {})
+    counts = {np.shape(a)[0] if np.ndim(a) else None for a in leaves}
+    if len(counts) != 1 or None in counts:
+        raise ValueError(
+            "state must have a leading worker axis of one size on every array, got leading "
+            f"sizes {sorted(str(c) for c in counts)}"
+        )
+    (old,) = counts
+    notes: dict[str, str] = {}
+
+    def leaf(path: Any, a: Any, rule: str, length: int | None = None) -> np.ndarray:
+        a = np.asarray(a)
+        name = jax.tree_util.keystr(path)
+        if rule == "segments":
+            if length is None:
+                raise ValueError(f"{name}: a 'segments' field needs a 'pending' field beside it")
+            notes[name] = f"segments of {old} workers joined and cut into {workers}"
+            return _segments(a, length, workers)
+        if _equal_rows(a):
+            return _rows(a[0], workers)
+        kind = "pending error" if rule == "pending" else "replicas averaged"
+        notes[name] = f"{kind}: the mean of {old} workers' rows on each of {workers}"
+        return _mean(a, workers, name)
+
+    def node(path: tuple, x: Any) -> Any:
+        rules = RULES[type(x)]
+        pending = [f for f, r in rules.items() if r == "pending"]
+        length = np.shape(getattr(x, pending[0]))[-1] if pending else None
+        out = {}
+        for f in x._fields:
+            here = (*path, jax.tree_util.GetAttrKey(f))
+            rule = rules.get(f, "replica")
+            sub = getattr(x, f)
+            out[f] = walk(here, sub) if rule == "replica" else leaf(here, sub, rule, length)
+        return type(x)(**out)
+
+    def log(x: CommLog) -> CommLog:
+        # What the last step sent, rewritten by the next one: an empty log on the new world.
+        return CommLog(
+            *(
+                np.broadcast_to(np.asarray(e), (workers, *np.shape(a)[1:])).copy()
+                for e, a in zip(empty_log(), x, strict=True)
+            )
+        )
+
+    def walk(path: tuple, tree: Any) -> Any:
+        def visit(sub_path, x):
+            full = (*path, *sub_path)
+            if type(x) is CommLog:
+                return log(x)
+            if type(x) in RULES:
+                return node(full, x)
+            return leaf(full, x, "replica")
+
+        special = lambda x: type(x) in RULES or type(x) is CommLog  # noqa: E731
+        return jax.tree_util.tree_map_with_path(visit, tree, is_leaf=special)
+
+    return Resized(walk((), state), notes)
