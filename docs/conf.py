@@ -2,7 +2,8 @@
 
 Build: ``sphinx-build -W docs docs/_build/html`` (``tests/test_docs.py`` does, with
 warnings as errors). The command line and config reference (``cli.md``) is written from
-``train.cli`` at every build, so it follows the code.
+``train.cli``, and the API reference (``api.md``) from ``jaxcomm``'s namespaces
+(:func:`api_page`), at every build, so both follow the code.
 """
 
 import os
@@ -32,16 +33,60 @@ html_static_path = ["_static"]
 html_css_files = ["wrap-code.css"]  # code blocks wrap long lines
 
 
-def _write_cli_page(app) -> None:
+def api_page() -> str:
+    """The API reference (``api.md``): the top level's names, then each namespace's
+    ``__all__``, in that order, documented from the docstrings."""
+    import jaxcomm
+
+    namespaces = [n for n in jaxcomm.__all__ if isinstance(getattr(jaxcomm, n), type(jaxcomm))]
+    elsewhere = {n for ns in namespaces for n in getattr(jaxcomm, ns).__all__}
+    # A name also in a namespace is documented there (once: Sphinx refuses a duplicate).
+    top = [n for n in jaxcomm.__all__ if n not in namespaces and n not in elsewhere]
+    parts = [
+        "# API reference",
+        "",
+        "Written from `jaxcomm`'s namespaces at every docs build (`docs/conf.py`, `api_page`);",
+        "a test checks that this page is current. What a train step uses is at the top level",
+        "(`jaxcomm.ar_topk`, `jaxcomm.diloco`, `jaxcomm.wire_audit`, ...); the rest is in the",
+        "namespaces below (`jaxcomm.codecs.quantize`, `jaxcomm.network.Network`, ...). Names",
+        "of earlier releases that moved still resolve, with a `DeprecationWarning` that names",
+        "their new place (`jaxcomm.MOVED`).",
+        "",
+        "## `jaxcomm`",
+        "",
+        "```{eval-rst}",
+        ".. automodule:: jaxcomm",
+        "   :no-members:",
+        "",
+        *[f".. autofunction:: jaxcomm.{n}" if callable(getattr(jaxcomm, n))
+          and not isinstance(getattr(jaxcomm, n), type) else f".. autoclass:: jaxcomm.{n}"
+          for n in top],
+        "```",
+        "",
+    ]  # fmt: skip
+    for ns in namespaces:
+        parts += [
+            f"## `jaxcomm.{ns}`",
+            "",
+            "```{eval-rst}",
+            f".. automodule:: jaxcomm.{ns}",
+            "   :members:",
+            "```",
+            "",
+        ]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def _write_pages(app) -> None:
     from train.cli import reference_page
 
     if os.environ.get("JAXCOMM_DOCS_READ_ONLY"):  # the tests build a checkout as it is
         return
-    page = Path(app.srcdir) / "cli.md"
-    text = reference_page()
-    if not page.exists() or page.read_text() != text:
-        page.write_text(text)
+    for name, text in (("cli.md", reference_page()), ("api.md", api_page())):
+        page = Path(app.srcdir) / name
+        if not page.exists() or page.read_text() != text:
+            page.write_text(text)
 
 
 def setup(app):
-    app.connect("builder-inited", _write_cli_page)
+    app.connect("builder-inited", _write_pages)

@@ -48,6 +48,15 @@ def test_the_readme_example_is_there_and_learns():
     assert len(block.strip().splitlines()) <= 40
 
 
+def test_the_api_reference_page_is_current():
+    import runpy
+
+    api_page = runpy.run_path(str(ROOT / "docs" / "conf.py"))["api_page"]
+    assert (ROOT / "docs" / "api.md").read_text() == api_page(), (
+        "docs/api.md is stale: a docs build (sphinx-build docs ...) rewrites it"
+    )
+
+
 def test_the_cli_reference_page_is_current():
     assert (ROOT / "docs" / "cli.md").read_text() == reference_page(), (
         "docs/cli.md is stale: a docs build (sphinx-build docs ...) rewrites it"
