@@ -44,6 +44,7 @@ from jaxcomm._src.audit import (
 from jaxcomm._src.diloco import DiLoCoState, diloco
 from jaxcomm._src.localsgd import LocalSGDState, local_sgd, partial_local_sgd
 from jaxcomm._src.marsit import MarsitState, marsit
+from jaxcomm._src.powersgd import PowerSGDState, powersgd
 from jaxcomm._src.signsgd import (
     CascadingState,
     EFSignState,
@@ -72,9 +73,9 @@ __all__ = [
     # aggregators (each an optax transform over a shard_map axis) and their states
     "dense_all_reduce", "ec_quantized_all_reduce", "ar_topk", "lw_topk", "ms_topk",
     "chunk_topk", "statistical_quantized", "marsit", "signsgd_mv", "ef_signsgd", "ssdm",
-    "cascading_sign", "DenseState", "ECQuantizedState", "TopKState", "ChunkTopKState",
-    "StatQuantizedState", "MarsitState", "SignMVState", "EFSignState", "SSDMState",
-    "CascadingState", "whole_optimizer", "WholeOptimizer",
+    "cascading_sign", "powersgd", "PowerSGDState", "DenseState", "ECQuantizedState",
+    "TopKState", "ChunkTopKState", "StatQuantizedState", "MarsitState", "SignMVState",
+    "EFSignState", "SSDMState", "CascadingState", "whole_optimizer", "WholeOptimizer",
     # wrappers around an optimizer
     "local_sgd", "partial_local_sgd", "diloco", "LocalSGDState", "DiLoCoState",
     # a worker's own gradient and state inside shard_map

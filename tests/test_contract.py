@@ -135,6 +135,7 @@ CASES = {
         lambda ax: jaxcomm.chunk_topk(ax, chunk=16, k=4, decay=0.9, average="senders")
     ),
     "statistical_quantized": Case(lambda ax: jaxcomm.statistical_quantized(ax, bits=2)),
+    "powersgd": Case(lambda ax: jaxcomm.powersgd(ax, rank=2)),
     # Synchronises after step 1 (Nesterov outer step of the averaged pseudo-gradient).
     "diloco": Case(
         lambda ax: jaxcomm.diloco(optax.sgd(0.1), ax, period=2),

@@ -206,6 +206,19 @@ class StatisticalQuantized(Aggregator):
         return jaxcomm.statistical_quantized(ctx.axis, **self.arguments())
 
 
+@AGGREGATORS.register("powersgd")
+class PowerSGD(Aggregator):
+    """PowerSGD: rank-``rank`` factors of each gradient matrix by one warm-started power
+    iteration, two float32 all-reduces (:func:`jaxcomm.powersgd`; error-fed)."""
+
+    rank: int = Field(4, ge=1, description="columns of the factors")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="draws the first Q of every matrix")
+    reduce: Literal["ring", "tree", "psum"] = Field("ring", description="both all-reduces")
+
+    def _build(self, ctx: BuildContext) -> optax.GradientTransformation:
+        return jaxcomm.powersgd(ctx.axis, **self.arguments())
+
+
 @AGGREGATORS.register("marsit")
 class Marsit(_Seeded):
     """Marsit: one-bit ring all-reduce with the unbiased bit-wise merge, a whole optimizer
