@@ -40,6 +40,7 @@ AGGREGATORS = {
     "ms_topk": lambda: jaxcomm.ms_topk("data", ratio=0.05),
     "chunk_topk": lambda: jaxcomm.chunk_topk("data", chunk=256, k=16),
     "statistical_quantized": lambda: jaxcomm.statistical_quantized("data", bits=2),
+    "powersgd": lambda: jaxcomm.powersgd("data", rank=2),
 }
 WHOLE = {
     "marsit": lambda: jaxcomm.marsit("data", local_lr=0.05, global_lr=2e-3, full_sync_every=5),
