@@ -13,10 +13,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from models.cnn import ResNet
-from models.common import classification_loss, layer_groups, param_count
-from models.gpt import GPT, Block, Embed, GPTConfig, Head
-from models.mlp import MLP
+from .cnn import ResNet
+from .common import classification_loss, layer_groups, param_count
+from .gpt import GPT, Block, Embed, GPTConfig, Head
+from .mlp import MLP
 
 __all__ = [
     "GPT",

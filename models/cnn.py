@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.common import check_positive_int, check_positive_int_tuple
+from .common import check_positive_int, check_positive_int_tuple
 
 _MAX_GROUPS = 8
 

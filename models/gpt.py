@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.common import check_positive_int
+from .common import check_positive_int
 
 _F32 = jnp.float32
 _INIT_STD = 0.02

@@ -33,11 +33,12 @@ import jaxcomm
 from jaxcomm._src.adaptive import REDUCE, Trial
 from jaxcomm._src.network import Network, choose_collective
 from jaxcomm._src.sparse import TopKState, ratio_k
-from train.clock import step_traffic
-from train.config import Config
-from train.distributed import to_host
-from train.sync import Controller, make_aggregator
-from train.trainer import Trainer, make_optimizer
+
+from .clock import step_traffic
+from .config import Config
+from .distributed import to_host
+from .sync import Controller, make_aggregator
+from .trainer import Trainer, make_optimizer
 
 __all__ = ["AdaptiveRatio"]
 

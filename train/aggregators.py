@@ -16,7 +16,8 @@ from pydantic import Field, model_validator
 
 import jaxcomm
 from jaxcomm._src.network import Network
-from train.registry import Choice, Number, Registry
+
+from .registry import Choice, Number, Registry
 
 __all__ = ["AGGREGATORS", "Aggregator", "BuildContext", "MAX_SEED"]
 

@@ -35,7 +35,7 @@ import orbax.checkpoint as ocp
 from flax import serialization
 from jax.sharding import NamedSharding, PartitionSpec
 
-from train.distributed import is_primary, to_host
+from .distributed import is_primary, to_host
 
 __all__ = [
     "Checkpoints",
@@ -305,7 +305,7 @@ def resume_note(folder: Path | None, step: int | None) -> str:
     was written), for its error message."""
     if step is None or folder is None:
         return "no checkpoint was written yet: start again (e.g. with a smaller lr)"
-    from train.config import resume_command
+    from .config import resume_command
 
     return (
         f"the newest checkpoint, step {step} ({folder / str(step)}), is intact: continue it "

@@ -10,19 +10,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from . import CONFIGS_DIR, RUN
+
 # The most simulated CPU devices one process runs (a mesh of 4,096 fails inside XLA; 1,024
 # compile and run).
 MAX_SIMULATED = 1024
 
 
-def _configs_dir() -> Path:
-    """The shipped configs: ``configs/`` beside the package (a source checkout)."""
-    return Path(__file__).resolve().parent.parent / "configs"
-
-
 def shipped_configs() -> list[tuple[str, str]]:
     """``(path, first line of its comment)`` of every shipped config."""
-    folder = _configs_dir()
+    folder = CONFIGS_DIR
     out = []
     for path in sorted(folder.glob("*.yaml")):
         comment = []
@@ -43,13 +40,13 @@ def resolve_config(path: str | None) -> str | None:
     (``configs/dp_default.yaml`` from any folder); else as given (its error names it)."""
     if path is None or Path(path).exists():
         return path
-    shipped = _configs_dir() / Path(path).name
+    shipped = CONFIGS_DIR / Path(path).name
     return str(shipped) if shipped.is_file() else path
 
 
 def _epilog() -> str:
-    from train.aggregators import AGGREGATORS
-    from train.config import COMPRESS_PRESETS, SYNCS
+    from .aggregators import AGGREGATORS
+    from .config import COMPRESS_PRESETS, SYNCS
 
     lines = ["shipped configs (--config PATH):"]
     for path, what in shipped_configs():
@@ -64,16 +61,16 @@ def _epilog() -> str:
         "  the AR-Topk paper's two changing networks (1-50 ms, 1-25 Gbps over the run;",
         "  jaxcomm.network.NetworkSchedule.preset)",
         "",
-        "every config key with its default and meaning: python -m train --list-keys",
+        f"every config key with its default and meaning: {RUN} --list-keys",
         "a second run beside the first: --set name=NEW (writes runs/NEW) or --set out_dir=DIR",
-        "several processes on this machine: python -m train.launch --processes P [these args]",
+        f"several processes on this machine: {RUN}.launch --processes P [these args]",
     ]
     return "\n".join(lines)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m train",
+        prog=RUN,
         description=plain(__doc__),
         epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -118,7 +115,7 @@ def list_keys() -> str:
     """Every config key, its default and its meaning, as the CLI prints it."""
     import textwrap
 
-    from train.config import key_docs
+    from .config import key_docs
 
     out = []
     for key, default, text in key_docs():
@@ -140,9 +137,9 @@ def plain(text: str) -> str:
 def reference_page() -> str:
     """The command line and config reference (``docs/cli.md``), in Markdown: every
     command's ``--help`` and every config key with its default and meaning."""
-    from train.config import key_docs
-    from train.estimate import _parser as estimate_parser
-    from train.launch import _parser as launch_parser
+    from .config import key_docs
+    from .estimate import _parser as estimate_parser
+    from .launch import _parser as launch_parser
 
     def help_text(parser: argparse.ArgumentParser) -> str:
         import io
@@ -200,7 +197,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
     folder's saved ``config.json`` (then ``--set`` on top), so a run continues with the
     settings it was started with. Normalises ``args.resume`` to a bool and
     ``args.overrides`` to the full list."""
-    from train.config import config_from_dict, load_config, out_dir_override, read_saved_config
+    from .config import config_from_dict, load_config, out_dir_override, read_saved_config
 
     if isinstance(args.resume, str):
         args.overrides = [out_dir_override(args.resume), *args.overrides]
@@ -229,7 +226,7 @@ def _failed(message: str, code: int = 1) -> int:
     exits at once: the others wait for it in a collective, and it would wait for them in
     JAX's shutdown, so the launcher would see whichever gave up first instead of it."""
     print(f"error: {message}", file=sys.stderr)
-    from train import distributed
+    from . import distributed
 
     if distributed.requested():
         sys.stdout.flush()
@@ -258,12 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --allow-unverified applies to --resume", file=sys.stderr)
         return 2
     if args.resume:
-        from train.trainer import nothing_to_resume
+        from .trainer import nothing_to_resume
 
         why = nothing_to_resume(cfg)
         if why is not None:
             return _failed(why)
-    from train import distributed
+    from . import distributed
 
     if distributed.requested():
         # One of several processes (train.launch or a cluster's launcher): it owns the
@@ -282,14 +279,14 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"error: workers x stages = {cfg.workers} x {cfg.stages} simulated CPU devices; "
                 f"one process simulates at most {MAX_SIMULATED} (XLA fails beyond): use fewer, "
-                "or several processes (python -m train.launch) or hosts",
+                f"or several processes ({RUN}.launch) or hosts",
                 file=sys.stderr,
             )
             return 2
         flag = f"--xla_force_host_platform_device_count={cfg.workers * cfg.stages}"
         if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
             os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
-    from train.trainer import Interrupted, RunFolderBusy, Trainer
+    from .trainer import Interrupted, RunFolderBusy, Trainer
 
     try:
         summary = Trainer(cfg).run(resume=args.resume, allow_unverified=args.allow_unverified)
@@ -310,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a read-only or full disk, a folder that vanished
         return _failed(f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else ""))
     if distributed.is_primary():
-        from train.summary import format_summary
+        from .summary import format_summary
 
         print("\n" + format_summary(summary))
         print(f"metrics, plot and checkpoints in {cfg.run_dir}/")

@@ -30,8 +30,10 @@ import yaml
 from pydantic import BeforeValidator, Field, SerializeAsAny, ValidationError, model_validator
 
 from jaxcomm._src._checks import did_you_mean
-from train.aggregators import AGGREGATORS, MAX_SEED, Aggregator
-from train.registry import Choice, Ints, Mapping, Number, Registry, Section, first_error
+
+from . import CONFIGS_DIR, RUN
+from .aggregators import AGGREGATORS, MAX_SEED, Aggregator
+from .registry import Choice, Ints, Mapping, Number, Registry, Section, first_error
 
 __all__ = [
     "Config",
@@ -56,7 +58,7 @@ class Model(Choice):
 
     def build(self) -> Any:
         """The :class:`models.Task` of this model."""
-        from models import build_task
+        from .models import build_task
 
         return build_task(self.key, **{k: getattr(self, k) for k in type(self).model_fields})
 
@@ -1152,10 +1154,6 @@ def _load_yaml(text: str, what: str) -> Any:
         raise ValueError(f"{what} is not valid YAML{at}: {problem}") from None
 
 
-# The configs shipped beside the package (a source checkout or an editable install).
-_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-
-
 def resume_command(run_dir: str | Path, launcher: str | None = None) -> str:
     """The command that continues the run in ``run_dir`` (shell-quoted), for messages: by
     ``launcher``, else ``python -m train``, or ``python -m train.launch --processes N`` in a
@@ -1163,11 +1161,11 @@ def resume_command(run_dir: str | Path, launcher: str | None = None) -> str:
     import os
     import shlex
 
-    from train.distributed import ENV_LAUNCHED
+    from .distributed import ENV_LAUNCHED
 
     if launcher is None:
         n = os.environ.get(ENV_LAUNCHED)
-        launcher = f"python -m train.launch --processes {n}" if n else "python -m train"
+        launcher = f"{RUN}.launch --processes {n}" if n else RUN
     return f"{launcher} --resume {shlex.quote(str(run_dir))}"
 
 
@@ -1248,7 +1246,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         return apply_overrides(Config(), list(overrides or []))
     path = Path(path)
     if not path.is_file():
-        shipped = sorted(q.name for q in _CONFIGS.glob("*.yaml")) if _CONFIGS.is_dir() else []
+        shipped = sorted(q.name for q in CONFIGS_DIR.glob("*.yaml")) if CONFIGS_DIR.is_dir() else []
         raise FileNotFoundError(
             f"config file {str(path)!r} does not exist"
             + (did_you_mean(path.name, shipped) or (f"; shipped: {', '.join(shipped)}"

@@ -136,7 +136,7 @@ def load_corpus(complete: bool = False) -> bytes:
     name, expected = (
         (COMPLETE_RESOURCE, COMPLETE_SHA256) if complete else (CORPUS_RESOURCE, CORPUS_SHA256)
     )
-    resource = importlib.resources.files("train").joinpath(name)
+    resource = importlib.resources.files(__package__).joinpath(name)
     text = gzip.decompress(resource.read_bytes())
     digest = hashlib.sha256(text).hexdigest()
     if digest != expected:

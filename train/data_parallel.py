@@ -27,11 +27,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm._src.network import find_logs
-from train.config import Config
-from train.data import Loader, shard
-from train.distributed import to_host
-from train.layout import Flight, Layout
-from train.programs import (
+
+from .config import Config
+from .data import Loader, shard
+from .distributed import to_host
+from .layout import Flight, Layout
+from .programs import (
     AXIS,
     all_finite,
     checked,
@@ -44,7 +45,7 @@ from train.programs import (
 )
 
 if TYPE_CHECKING:
-    from train.trainer import Trainer
+    from .trainer import Trainer
 
 __all__ = ["DataParallel"]
 

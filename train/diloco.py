@@ -60,12 +60,13 @@ import optax
 import jaxcomm
 from jaxcomm._src.diloco import DiLoCoState
 from jaxcomm._src.network import Network
-from models import layer_groups
-from train.clock import wire_time
-from train.config import Config
-from train.localsgd import _divergence
-from train.sync import Sync, build_context
-from train.trainer import AXIS, Trainer, make_optimizer
+
+from .clock import wire_time
+from .config import Config
+from .localsgd import _divergence
+from .models import layer_groups
+from .sync import Sync, build_context
+from .trainer import AXIS, Trainer, make_optimizer
 
 __all__ = ["DiLoCo", "link_step"]
 
@@ -318,7 +319,7 @@ class DiLoCo(Sync):
         opt = trainer.opt_state
         if trainer.cfg.stages == 1:
             return jax.tree_util.tree_map(place, anchor(opt), params)
-        from train.pipeline_programs import OWNED
+        from .pipeline_programs import OWNED
 
         out = {}
         for name in params:

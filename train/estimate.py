@@ -29,9 +29,11 @@ import sys
 import time
 from typing import Any
 
+from . import RUN
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m train.estimate", description=__doc__)
+    p = argparse.ArgumentParser(prog=f"{RUN}.estimate", description=__doc__)
     p.add_argument("--config", help="YAML experiment config (default: built-in defaults)")
     p.add_argument(
         "--set",
@@ -61,7 +63,7 @@ def _mode(
     """The estimate of one compiled step (``key`` picks the boundary mode)."""
     import numpy as np
 
-    from train.programs import costed
+    from .programs import costed
 
     costs = {}
 
@@ -107,7 +109,8 @@ def _diloco(
     import numpy as np
 
     from jaxcomm._src.diloco import DILOCO_SCOPE, DILOCO_WARMUP_SCOPE
-    from train.diloco import WARM, link_step
+
+    from .diloco import WARM, link_step
 
     sync = trainer.sync
     period, tau = sync.sync["period"], sync.sync["overlap"]
@@ -188,7 +191,8 @@ def estimates(
     and each overlap setting of ``overlaps`` (default: the config's), compiling the step
     once; network-major order."""
     from jaxcomm._src.network import NetworkSchedule
-    from train.trainer import Trainer
+
+    from .trainer import Trainer
 
     if cfg.compute == "measured":
         raise ValueError(
@@ -325,7 +329,7 @@ def _compare(rows: list[tuple[str, dict[str, Any]]], base: dict[str, Any] | None
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, estimate one step, print (and optionally write) the figures."""
     args = _parser().parse_args(argv)
-    from train.config import load_config
+    from .config import load_config
 
     try:
         cfg = load_config(args.config, args.overrides)

@@ -45,7 +45,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from train.distributed import (
+from . import RUN
+from .distributed import (
     ENV_COORDINATOR,
     ENV_LAUNCHED,
     ENV_NUM_PROCESSES,
@@ -222,7 +223,7 @@ def _generation(
             "PYTHONUNBUFFERED": "1",
             ENV_LAUNCHED: str(processes),
         }
-        cmd = list(commands[i]) if commands else [sys.executable, "-m", "train", *train_args]
+        cmd = list(commands[i]) if commands else [sys.executable, "-m", __package__, *train_args]
         if i and not commands and "--no-progress" not in cmd:
             cmd.append("--no-progress")  # one progress bar, process 0's
         p = subprocess.Popen(
@@ -497,13 +498,13 @@ def elastic(
 def _parser() -> argparse.ArgumentParser:
     """The launcher's own options (the rest pass through to ``python -m train``)."""
     p = argparse.ArgumentParser(
-        prog="python -m train.launch",
-        usage="python -m train.launch --processes P [--min-processes M] [--max-restarts R] "
-        "[--port N] [--grace S] [--verbose] [python -m train's arguments]",
-        description="Run python -m train as several processes on this machine. Every "
-        "argument not listed below passes through to each process's python -m train "
-        "(--config, --set, --resume, --no-progress; see python -m train --help).",
-        epilog="example: python -m train.launch --processes 2 --config configs/dp_default.yaml "
+        prog=f"{RUN}.launch",
+        usage=f"{RUN}.launch --processes P [--min-processes M] [--max-restarts R] "
+        f"[--port N] [--grace S] [--verbose] [{RUN}'s arguments]",
+        description=f"Run {RUN} as several processes on this machine. Every "
+        f"argument not listed below passes through to each process's {RUN} "
+        f"(--config, --set, --resume, --no-progress; see {RUN} --help).",
+        epilog=f"example: {RUN}.launch --processes 2 --config configs/dp_default.yaml "
         "--set steps=50",
     )
     p.add_argument("--processes", type=int, required=True, help="processes to start (>= 1)")
@@ -539,15 +540,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def _resume_hint(cfg: Any, processes: int) -> str:
     """The launcher command that continues ``cfg``'s run on ``processes`` processes."""
-    from train.config import resume_command
+    from .config import resume_command
 
-    return resume_command(cfg.run_dir, f"python -m train.launch --processes {processes}")
+    return resume_command(cfg.run_dir, f"{RUN}.launch --processes {processes}")
 
 
 def _resume_folder_as_out_dir(train_args: list[str], folder: str) -> list[str]:
     """``train_args`` with ``--resume DIR`` (or ``--resume=DIR``) written as ``--resume --set
     out_dir=DIR`` (what it means), so a restart can drop and add ``--resume`` alone."""
-    from train.config import out_dir_override
+    from .config import out_dir_override
 
     out: list[str] = []
     skip = False
@@ -574,8 +575,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--port must be in [1, 65535], got {args.port}")
     if args.grace < 0:
         p.error(f"--grace must be >= 0, got {args.grace}")
-    from train.cli import _parser as train_parser
-    from train.cli import config_from_args
+    from .cli import _parser as train_parser
+    from .cli import config_from_args
 
     targs = train_parser().parse_args(train_args)
     if isinstance(targs.resume, str):  # every process, and every restart, resumes that folder

@@ -28,13 +28,14 @@ import numpy as np
 
 import jaxcomm
 from jaxcomm._src.network import Network
-from train.clock import synchronous_step
-from train.config import Config
-from train.programs import costed
-from train.sync import Part
+
+from .clock import synchronous_step
+from .config import Config
+from .programs import costed
+from .sync import Part
 
 if TYPE_CHECKING:
-    from train.trainer import Trainer
+    from .trainer import Trainer
 
 __all__ = ["Flight", "Layout", "make_layout"]
 
@@ -266,9 +267,9 @@ def make_layout(cfg: Config, *, abstract: bool = False) -> Layout:
     """The layout of ``cfg``: a pipeline over ``stage x data`` when ``stages > 1``, else
     data parallel."""
     if cfg.stages > 1:
-        from train.pipeline_layout import Pipeline
+        from .pipeline_layout import Pipeline
 
         return Pipeline(cfg, abstract=abstract)
-    from train.data_parallel import DataParallel
+    from .data_parallel import DataParallel
 
     return DataParallel(cfg, abstract=abstract)

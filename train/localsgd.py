@@ -40,10 +40,11 @@ import optax
 import jaxcomm
 from jaxcomm._src.localsgd import SYNC_SCOPE, layer_comm_s, layer_wires, sync_branch
 from jaxcomm._src.network import Network
-from models import layer_groups
-from train.config import Config
-from train.sync import Sync
-from train.trainer import AXIS, Trainer, make_optimizer
+
+from .config import Config
+from .models import layer_groups
+from .sync import Sync
+from .trainer import AXIS, Trainer, make_optimizer
 
 __all__ = ["LocalSGD"]
 

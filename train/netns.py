@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import RUN
+
 __all__ = ["NetnsCluster", "available", "cleanup", "ping_pong", "address"]
 
 SUBNET = "198.18.0"
@@ -335,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m train.netns --cleanup``: delete what a killed cluster left behind."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m train.netns", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog=f"{RUN}.netns", description=main.__doc__)
     parser.add_argument("--cleanup", action="store_true", help="delete recorded leftovers")
     args = parser.parse_args(argv)
     if not args.cleanup:

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomm._src.pipeline import Boundary, gpipe
-from models import Block, Embed, GPTConfig, Head
+
+from .models import Block, Embed, GPTConfig, Head
 
 __all__ = ["stage_params", "unstage_params", "gpt_pipeline_loss"]
 

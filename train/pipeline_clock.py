@@ -22,11 +22,12 @@ import numpy as np
 import jaxcomm
 from jaxcomm._src.network import Network
 from jaxcomm._src.pipeline import FIRST_SCOPE, LAST_SCOPE
-from train.programs import costed
+
+from .programs import costed
 
 if TYPE_CHECKING:
-    from train.pipeline_layout import Pipeline
-    from train.trainer import Trainer
+    from .pipeline_layout import Pipeline
+    from .trainer import Trainer
 
 __all__ = ["GPipeClock"]
 

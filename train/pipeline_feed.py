@@ -23,11 +23,12 @@ from jax.sharding import NamedSharding
 
 import jaxcomm
 from jaxcomm._src.pipeline import BoundaryState
-from train.distributed import is_primary
+
+from .distributed import is_primary
 
 if TYPE_CHECKING:
-    from train.pipeline_layout import Pipeline
-    from train.trainer import Trainer
+    from .pipeline_layout import Pipeline
+    from .trainer import Trainer
 
 __all__ = ["Prepared", "Feed", "as_global"]
 

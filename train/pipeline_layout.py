@@ -51,19 +51,20 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm._src.network import find_logs
-from models import GPTConfig
-from train.config import Config
-from train.data import Loader
-from train.distributed import to_host
-from train.layout import Flight, Layout
-from train.pipeline import stage_params, unstage_params
-from train.pipeline_clock import GPipeClock
-from train.pipeline_feed import Feed, Prepared, as_global
-from train.pipeline_programs import OWNED, STAGE, OwnedGroups, build_eval, build_step
-from train.programs import AXIS, checked, host_finite, ready_at, state_report, structs
+
+from .config import Config
+from .data import Loader
+from .distributed import to_host
+from .layout import Flight, Layout
+from .models import GPTConfig
+from .pipeline import stage_params, unstage_params
+from .pipeline_clock import GPipeClock
+from .pipeline_feed import Feed, Prepared, as_global
+from .pipeline_programs import OWNED, STAGE, OwnedGroups, build_eval, build_step
+from .programs import AXIS, checked, host_finite, ready_at, state_report, structs
 
 if TYPE_CHECKING:
-    from train.trainer import Trainer
+    from .trainer import Trainer
 
 __all__ = ["Pipeline", "make_boundary"]
 

@@ -22,12 +22,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from train.distributed import to_host
-from train.pipeline import gpt_pipeline_loss
-from train.programs import AXIS, all_finite, structs
+
+from .distributed import to_host
+from .pipeline import gpt_pipeline_loss
+from .programs import AXIS, all_finite, structs
 
 if TYPE_CHECKING:
-    from train.pipeline_layout import Pipeline
+    from .pipeline_layout import Pipeline
 
 __all__ = [
     "OwnedGroups",

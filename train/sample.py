@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from . import RUN
+
 __all__ = ["SampleError", "generate", "load_run", "main"]
 
 # Byte-level text: one token per byte value.
@@ -41,8 +43,8 @@ def load_run(run_dir: str | Path) -> tuple[Any, Any]:
     """
     import jax
 
-    from train.checkpoint import load_model_params
-    from train.config import config_from_dict, read_saved_config
+    from .checkpoint import load_model_params
+    from .config import config_from_dict, read_saved_config
 
     run_dir = Path(run_dir)
     saved = run_dir / "config.json"
@@ -69,7 +71,7 @@ def load_run(run_dir: str | Path) -> tuple[Any, Any]:
     if not path.is_file():
         raise SampleError(
             f"{str(run_dir)!r} has no params.msgpack (a run writes it when it completes); "
-            f"finish the run first: python -m train --resume {run_dir}"
+            f"finish the run first: {RUN} --resume {run_dir}"
         )
     # The template's values are overwritten; the rbg generator initialises fast.
     tokens = np.zeros((1, gpt.seq_len + 1), np.int32)
@@ -135,7 +137,7 @@ def generate(
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m train.sample", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=f"{RUN}.sample", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", metavar="DIR", help="a GPT run's folder (config.json, params)")
     p.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
     p.add_argument("--length", type=int, default=200, help="bytes to generate (default: 200)")

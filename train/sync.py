@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 import jax
 import optax
 
-from models import layer_groups
-from train.aggregators import BuildContext
-from train.config import Config
-from train.programs import AXIS
+from .aggregators import BuildContext
+from .config import Config
+from .models import layer_groups
+from .programs import AXIS
 
 if TYPE_CHECKING:
-    from train.trainer import Trainer
+    from .trainer import Trainer
 
 __all__ = [
     "Part",
@@ -241,11 +241,11 @@ class EveryStep(Sync):
 def make_sync(cfg: Config) -> Sync:
     """The synchronisation of ``cfg``: its ``sync`` wrapper, else its aggregator each step."""
     if cfg.sync is not None and cfg.sync.key == "diloco":
-        from train.diloco import DiLoCo
+        from .diloco import DiLoCo
 
         return DiLoCo(cfg)
     if cfg.sync is not None:
-        from train.localsgd import LocalSGD
+        from .localsgd import LocalSGD
 
         return LocalSGD(cfg)
     return EveryStep()
@@ -254,7 +254,7 @@ def make_sync(cfg: Config) -> Sync:
 def make_controller(cfg: Config) -> Controller | None:
     """The controller of ``cfg`` (the adaptive compression ratio), or None."""
     if cfg.adaptive:
-        from train.adaptive import AdaptiveRatio
+        from .adaptive import AdaptiveRatio
 
         return AdaptiveRatio(cfg)
     return None

@@ -50,7 +50,9 @@ import optax
 
 import jaxcomm
 from jaxcomm._src.network import Network, SimClock
-from train.checkpoint import (
+
+from . import RUN
+from .checkpoint import (
     Checkpoints,
     RunFolderBusy,
     load_model_params,
@@ -63,13 +65,13 @@ from train.checkpoint import (
     save_run,
     write_atomically,
 )
-from train.clock import StepTraffic, step_traffic, wire_time
-from train.config import Config, resume_command
-from train.data import HELD_OUT_DATASETS, Loader, Subset, get_dataset
-from train.distributed import is_primary, to_host
-from train.layout import Flight, make_layout
-from train.programs import AXIS, host_finite, host_metrics
-from train.sync import Part, make_aggregator, make_controller, make_optimizer, make_sync
+from .clock import StepTraffic, step_traffic, wire_time
+from .config import Config, resume_command
+from .data import HELD_OUT_DATASETS, Loader, Subset, get_dataset
+from .distributed import is_primary, to_host
+from .layout import Flight, make_layout
+from .programs import AXIS, host_finite, host_metrics
+from .sync import Part, make_aggregator, make_controller, make_optimizer, make_sync
 
 __all__ = [
     "Trainer",
@@ -427,7 +429,7 @@ class Trainer:
         if manager.latest_step() is not None and not resume:
             raise ValueError(
                 f"{str(run_dir)!r} already holds a run's checkpoints (newest: step "
-                f"{manager.latest_step()}): continue it with python -m train --resume "
+                f"{manager.latest_step()}): continue it with {RUN} --resume "
                 f"{str(run_dir)} (its saved settings), or write this run to another folder "
                 "with --set name=<new name> (or --set out_dir=<folder>)"
             )
@@ -540,8 +542,8 @@ class Trainer:
         }
         model = self.model_params()  # on every process: a collective read when multi-process
         if primary:
-            from train.plot import plot_metrics
-            from train.summary import format_summary
+            from .plot import plot_metrics
+            from .summary import format_summary
 
             # summary.json last: its presence (with every other output) marks the run
             # complete, so a crash or a full disk before it leaves a run that --resume ends.
