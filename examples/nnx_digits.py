@@ -41,6 +41,9 @@ AGGREGATORS = {
     "chunk_topk": lambda: jaxcomm.chunk_topk("data", chunk=256, k=16),
     "statistical_quantized": lambda: jaxcomm.statistical_quantized("data", bits=2),
     "powersgd": lambda: jaxcomm.powersgd("data", rank=2),
+    "error_fed": lambda c=jaxcomm.codecs.StatQuantizeCodec(2): jaxcomm.error_fed(  # noqa: B008
+        c, "data", exchange="two_phase"
+    ),
 }
 WHOLE = {
     "marsit": lambda: jaxcomm.marsit("data", local_lr=0.05, global_lr=2e-3, full_sync_every=5),

@@ -27,10 +27,8 @@ from jaxcomm import (
 )
 from jaxcomm._src.aggregate import (
     DenseState,
-    ECQuantizedState,
     WholeOptimizer,
     dense_all_reduce,
-    ec_quantized_all_reduce,
     whole_optimizer,
     worker_state,
 )
@@ -42,6 +40,12 @@ from jaxcomm._src.audit import (
     wire_audit,
 )
 from jaxcomm._src.diloco import DiLoCoState, diloco
+from jaxcomm._src.error_fed import (
+    ECQuantizedState,
+    ErrorFedState,
+    ec_quantized_all_reduce,
+    error_fed,
+)
 from jaxcomm._src.localsgd import LocalSGDState, local_sgd, partial_local_sgd
 from jaxcomm._src.marsit import MarsitState, marsit
 from jaxcomm._src.powersgd import PowerSGDState, powersgd
@@ -73,7 +77,8 @@ __all__ = [
     # aggregators (each an optax transform over a shard_map axis) and their states
     "dense_all_reduce", "ec_quantized_all_reduce", "ar_topk", "lw_topk", "ms_topk",
     "chunk_topk", "statistical_quantized", "marsit", "signsgd_mv", "ef_signsgd", "ssdm",
-    "cascading_sign", "powersgd", "PowerSGDState", "DenseState", "ECQuantizedState",
+    "cascading_sign", "powersgd", "error_fed", "ErrorFedState", "PowerSGDState", "DenseState",
+    "ECQuantizedState",
     "TopKState", "ChunkTopKState", "StatQuantizedState", "MarsitState", "SignMVState",
     "EFSignState", "SSDMState", "CascadingState", "whole_optimizer", "WholeOptimizer",
     # wrappers around an optimizer

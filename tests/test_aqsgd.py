@@ -10,7 +10,15 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm._src import aqsgd
-from jaxcomm._src.codecs import Quantized, dequantize, lowrank_decode, lowrank_encode, payload_bytes
+from jaxcomm._src.codecs import (
+    ChunkTopK,
+    LowRank,
+    Quantized,
+    dequantize,
+    lowrank_decode,
+    lowrank_encode,
+    payload_bytes,
+)
 from jaxcomm._src.collectives import send
 
 B, T, H = 4, 3, 16
@@ -325,7 +333,7 @@ def test_sparse_deltas_keep_what_was_not_sent_in_the_buffer(codec):
         recv_prev = aqsgd.delta_decode(payload, recv_prev)
         np.testing.assert_array_equal(np.asarray(send_prev), np.asarray(recv_prev))
         errors.append(float(jnp.linalg.norm(target - send_prev) / jnp.linalg.norm(target)))
-    assert isinstance(payload, aqsgd.ChunkTopK if codec is TOPK else aqsgd.LowRank)
+    assert isinstance(payload, ChunkTopK if codec is TOPK else LowRank)
     assert errors[0] > 0.2  # one visit sends a quarter of each chunk, or one direction
     assert errors[-1] < 0.05 * errors[0]
 

@@ -136,6 +136,11 @@ CASES = {
     ),
     "statistical_quantized": Case(lambda ax: jaxcomm.statistical_quantized(ax, bits=2)),
     "powersgd": Case(lambda ax: jaxcomm.powersgd(ax, rank=2)),
+    "error_fed_two_phase": Case(
+        lambda ax, c=jaxcomm.codecs.QuantizeCodec(2, 16): jaxcomm.error_fed(  # noqa: B008
+            c, ax, exchange="two_phase"
+        )
+    ),
     # Synchronises after step 1 (Nesterov outer step of the averaged pseudo-gradient).
     "diloco": Case(
         lambda ax: jaxcomm.diloco(optax.sgd(0.1), ax, period=2),

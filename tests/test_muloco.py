@@ -174,7 +174,7 @@ def test_muon_steps_the_hidden_matrices_and_adamw_the_rest():
     sv = np.linalg.svd(step, compute_uv=False)
     # Five Newton-Schulz steps leave singular values within ~0.3 of 1 (times the scale).
     assert sv.max() / sv.min() < 2.0 and 0.01 < sv.mean() < 0.1
-    with pytest.raises(ValueError, match="muon_lr=0.05 with optimizer='adam'"):
+    with pytest.raises(ValueError, match="muon_lr=0.05 with optimizer 'adam'"):
         Config(optimizer="adam", muon_lr=0.05)
-    with pytest.raises(ValueError, match="optimizer='muon' with stages=2"):
+    with pytest.raises(ValueError, match="optimizer muon with stages=2"):
         Config(optimizer="muon", stages=2, workers=4, global_batch=16)

@@ -9,17 +9,26 @@ aggregator here runs every step and on DiLoCo's outer step alike.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any, ClassVar, Literal
 
 import optax
-from pydantic import Field, model_validator
+from pydantic import Field, create_model, model_validator
 
 import jaxcomm
 from jaxcomm._src.network import Network
 
 from .registry import Choice, Number, Registry
 
-__all__ = ["AGGREGATORS", "Aggregator", "BuildContext", "MAX_SEED"]
+__all__ = [
+    "AGGREGATORS",
+    "Aggregator",
+    "BuildContext",
+    "CODEC_CHOICES",
+    "CodecChoice",
+    "MAX_SEED",
+    "codec_choice",
+]
 
 # The largest seed: NumPy's and JAX's generators take any value below it on every platform.
 MAX_SEED = 2**32 - 1
@@ -189,6 +198,9 @@ class ChunkTopk(Aggregator):
     average: Literal["workers", "senders"] = Field(
         "workers", description="divide each entry by all workers or by those that sent it"
     )
+    exchange: Literal["gather", "two_phase"] = Field(
+        "gather", description="all-gather the payloads, or average segments and gather those"
+    )
 
     def _build(self, ctx: BuildContext) -> optax.GradientTransformation:
         return jaxcomm.chunk_topk(ctx.axis, **self.arguments())
@@ -202,9 +214,75 @@ class StatisticalQuantized(Aggregator):
     bits: int = Field(2, ge=1, le=8, description="bits of each code")
     sigmas: Number = Field(6.0, gt=0, description="the codebook's range in standard deviations")
     decay: Number = Field(0.9, ge=0, le=1, description="error buffer decay each step")
+    exchange: Literal["gather", "two_phase"] = Field(
+        "gather", description="all-gather the payloads, or average segments and gather those"
+    )
 
     def _build(self, ctx: BuildContext) -> optax.GradientTransformation:
         return jaxcomm.statistical_quantized(ctx.axis, **self.arguments())
+
+
+class CodecChoice(Choice):
+    """A codec of :mod:`jaxcomm.codecs` by its name, with its settings as fields."""
+
+    #: The library's codec class this config class stands for.
+    codec_class: ClassVar[type] = type(None)
+
+    def codec(self) -> jaxcomm.codecs.Codec:
+        """The library codec these settings make."""
+        return self.codec_class(**{k: getattr(self, k) for k in type(self).model_fields})
+
+    @model_validator(mode="after")
+    def _codec_accepts(self) -> CodecChoice:
+        try:
+            self.codec()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"codec {self.key!r}: {e}") from e
+        return self
+
+
+def codec_choice(codec_class: type, base: type[Choice]) -> type[Choice]:
+    """A config class (subclass of ``base`` and :class:`CodecChoice`) for a library codec
+    class: one field per setting of the dataclass, with its type, default and meaning, so a
+    new codec needs no config code."""
+    hints = typing.get_type_hints(codec_class)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(codec_class):
+        if not f.metadata.get("config", True):
+            continue
+        default = ... if f.default is dataclasses.MISSING else f.default
+        fields[f.name] = (hints[f.name], Field(default, description=f.metadata.get("doc", "")))
+    bases = base if issubclass(base, CodecChoice) else (base, CodecChoice)
+    name = codec_class.__name__.removesuffix("Codec") + base.__name__
+    model = create_model(name, __base__=bases, __doc__=codec_class.__doc__, **fields)
+    model.codec_class = codec_class
+    return model
+
+
+#: Every codec of :data:`jaxcomm.codecs.CODECS`, for a codec field of a config.
+CODEC_CHOICES: Registry[CodecChoice] = Registry("codec", CodecChoice)
+for _name, _cls in jaxcomm.codecs.CODECS.items():
+    CODEC_CHOICES.register(_name)(codec_choice(_cls, CodecChoice))
+
+
+@AGGREGATORS.register("error_fed")
+class ErrorFed(_Seeded):
+    """Any codec of :mod:`jaxcomm.codecs` with error feedback, all-gathered or in two
+    phases (:func:`jaxcomm.error_fed`)."""
+
+    codec: CODEC_CHOICES.annotation = Field(description="the codec (name and its settings)")
+    exchange: Literal["gather", "two_phase"] = Field(
+        "gather", description="all-gather the payloads, or average segments and gather those"
+    )
+    decay: Number = Field(1.0, ge=0, le=1, description="error buffer decay each step")
+    average: Literal["workers", "senders"] = Field(
+        "workers", description="divide each entry by all workers or by those that sent it"
+    )
+
+    def _build(self, ctx: BuildContext) -> optax.GradientTransformation:
+        seed = ctx.seed if self.seed is None else self.seed
+        args = {k: v for k, v in self.arguments().items() if k != "codec"}
+        return jaxcomm.error_fed(self.codec.codec(), ctx.axis, seed=seed, **args)
 
 
 @AGGREGATORS.register("powersgd")

@@ -30,9 +30,17 @@ import yaml
 from pydantic import BeforeValidator, Field, SerializeAsAny, ValidationError, model_validator
 
 from jaxcomm._src._checks import did_you_mean
+from jaxcomm._src.codec import CODECS
 
 from . import CONFIGS_DIR, RUN
-from .aggregators import AGGREGATORS, MAX_SEED, Aggregator
+from .aggregators import (
+    AGGREGATORS,
+    CODEC_CHOICES,
+    MAX_SEED,
+    Aggregator,
+    CodecChoice,
+    codec_choice,
+)
 from .registry import Choice, Ints, Mapping, Number, Registry, Section, first_error
 
 __all__ = [
@@ -289,6 +297,20 @@ class LowRankRows(RowCodec):
 
         return jaxcomm.pipeline.lowrank_rows(self.rank, self.bits)
 
+
+class LibraryRows(RowCodec, CodecChoice):
+    """Any other codec of :mod:`jaxcomm.codecs`, applied to each row."""
+
+    def build(self) -> Any:
+        import jaxcomm
+
+        return jaxcomm.pipeline.RowCodec(self.codec())
+
+
+# Every other library codec, by its own name and settings (a new codec needs no code here).
+for _name, _cls in CODECS.items():
+    if _name not in ROW_CODECS.names():
+        ROW_CODECS.register(_name)(codec_choice(_cls, LibraryRows))
 
 CodecField = ROW_CODECS.annotation
 
@@ -1086,6 +1108,8 @@ def key_docs() -> list[tuple[str, Any, str]]:
             fields("optimizer.schedule.", Schedule)
     for key, cls in ROW_CODECS:
         fields("boundary.<forward|backward|first>.", cls, key)
+    for key, cls in CODEC_CHOICES:
+        fields("aggregator.codec.", cls, key)
     return out
 
 

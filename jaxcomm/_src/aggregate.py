@@ -22,22 +22,15 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomm._src._checks import axis_size, check_choice, check_int
-from jaxcomm._src.codecs import dequantize, payload_bytes, quantize
+from jaxcomm._src._checks import axis_size, check_choice
+from jaxcomm._src.codecs import payload_bytes
 from jaxcomm._src.collectives import (
-    all_to_all,
-    all_to_all_wire,
     as_varying,
-    join_segments,
     psum,
     psum_wire,
-    replicated,
-    ring_all_gather,
-    ring_all_gather_wire,
     ring_all_reduce,
     ring_all_reduce_wire,
     split_segments,
@@ -45,17 +38,15 @@ from jaxcomm._src.collectives import (
     tree_all_reduce_wire,
 )
 from jaxcomm._src.network import CommLog, Wire, empty_log, log_wire
-from jaxcomm._src.worker import TreeLayout, flatten_grads, init_layout
+from jaxcomm._src.worker import flatten_grads
 
 __all__ = [
     "DENSE_REDUCE",
     "DenseState",
-    "ECQuantizedState",
     "WholeOptimizer",
     "all_reduce_flat",
     "all_reduce_wire",
     "dense_all_reduce",
-    "ec_quantized_all_reduce",
     "whole_optimizer",
     "worker_state",
 ]
@@ -280,87 +271,3 @@ def all_reduce_flat(flat: jax.Array, axis_name: Any, reduce: str) -> tuple[jax.A
     else:
         total = tree_all_reduce(flat, axis_name)
     return total, all_reduce_wire(flat, n, reduce)
-
-
-class ECQuantizedState(NamedTuple):
-    """State of :func:`ec_quantized_all_reduce`, per worker.
-
-    Attributes:
-      worker_error: ``f32[d]`` error feedback of this worker's compression (phase 1).
-      server_error: ``f32[ceil(d / N)]`` error feedback of the segment this worker averages
-        and re-compresses (phase 2).
-      log: what the last step sent.
-      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.TreeLayout`).
-    """
-
-    worker_error: jax.Array
-    server_error: jax.Array
-    log: CommLog
-    layout: TreeLayout
-
-
-def ec_quantized_all_reduce(
-    axis_name: Any, *, bits: int = 4, bucket_size: int = 512
-) -> optax.GradientTransformation:
-    """Error-compensated quantized gradient averaging in two compressed phases.
-
-    The scheme AQ-SGD pairs with pipeline parallelism for end-to-end compression (its
-    "QuantizedAdam" setting, after 1-bit Adam's compressed all-reduce): each worker adds its
-    error to the gradient, cuts it into ``N`` segments and quantizes each to ``bits`` bits
-    (nearest rounding; the error feedback absorbs the bias); an all-to-all hands segment ``j``
-    of every worker to worker ``j``, which averages them, adds its own segment error,
-    re-quantizes and all-gathers the result (a ring). Every message on the wire is
-    ``bits``-bit codes plus one float32 scale per bucket; a NaN or Inf in any worker's
-    gradient makes its bucket's scale non-finite, so it reaches every worker's update.
-
-    Args:
-      axis_name: data-parallel axis.
-      bits: code width of both phases, 1..8.
-      bucket_size: elements per scale.
-
-    Returns:
-      A ``GradientTransformation`` whose updates are the (compressed) averaged gradients,
-      identical on every worker (typed as replicated); chain an optimizer after it.
-    """
-    bits = check_int("bits", bits, lo=1, hi=8)
-    bucket_size = check_int("bucket_size", bucket_size, lo=1)
-
-    def encode(v):
-        return quantize(v, None, bits=bits, bucket_size=bucket_size, stochastic=False)
-
-    def init_fn(params):
-        # Needs the axis size for the segment length: call init inside shard_map too.
-        n = axis_size(axis_name)
-        layout, d = init_layout("ec_quantized_all_reduce", params)
-        state = ECQuantizedState(
-            worker_error=jnp.zeros((d,), jnp.float32),
-            server_error=jnp.zeros((-(-d // n),), jnp.float32),
-            log=empty_log(),
-            layout=layout,
-        )
-        return worker_state(state, axis_name)
-
-    def update_fn(updates, state, params=None):
-        del params
-        n = axis_size(axis_name)
-        flat, unflatten = flatten_grads("ec_quantized_all_reduce", updates, axis_name, state.layout)
-        v = flat + state.worker_error  # f32[d]
-        segments = split_segments(v, n)  # f32[N, s]
-        q = jax.vmap(encode)(segments)  # codes: uint8[N, ceil(s*bits/8)], scale: f32[N, nb]
-        sent_back = jax.vmap(dequantize)(q)
-        worker_error = join_segments(segments - sent_back, v.shape)
-        # Phase 1: worker j receives every worker's segment j.
-        mine = all_to_all(q, axis_name)
-        avg = jnp.mean(jax.vmap(dequantize)(mine), axis=0) + state.server_error  # f32[s]
-        q2 = encode(avg)
-        server_error = avg - dequantize(q2)
-        # Phase 2: every worker gets every averaged segment.
-        gathered = ring_all_gather(q2, axis_name)
-        out = join_segments(jax.vmap(dequantize)(gathered), v.shape)
-        chunk = jax.tree_util.tree_map(lambda a: a[0], q)  # one worker-to-worker message
-        log = log_wire(empty_log(), all_to_all_wire(chunk, n))
-        log = log_wire(log, ring_all_gather_wire(q2, n))
-        state = ECQuantizedState(worker_error, server_error, log, state.layout)
-        return unflatten(replicated(out, axis_name)), worker_state(state, axis_name)
-
-    return optax.GradientTransformation(init_fn, update_fn)

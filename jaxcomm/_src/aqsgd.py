@@ -59,18 +59,15 @@ import numpy as np
 from jax import lax
 
 from jaxcomm._src._checks import check_finite_if_concrete, check_int, is_concrete
-from jaxcomm._src.codecs import (
-    ChunkTopK,
-    LowRank,
-    Quantized,
-    chunk_topk_decode,
-    chunk_topk_encode,
-    dequantize,
-    lowrank_decode,
-    lowrank_encode,
-    payload_bytes,
-    quantize,
+from jaxcomm._src.codec import (
+    ChunkTopKCodec,
+    Codec,
+    LowRankCodec,
+    QuantizeCodec,
+    decode,
+    is_payload,
 )
+from jaxcomm._src.codecs import Quantized, payload_bytes
 
 __all__ = [
     "RowCodec",
@@ -165,48 +162,38 @@ def _bucket(bucket_size: int | None, shape: Sequence[int], name: str = "bucket_s
 
 def _quantize_rows(x: jax.Array, key: jax.Array, bits: int, bucket_size: int) -> Quantized:
     """Quantize each row ``x[i]`` on its own, with its own key: row-batched ``Quantized``."""
-    keys = jax.random.split(key, x.shape[0])
-    return jax.vmap(lambda r, k: quantize(r, k, bits=bits, bucket_size=bucket_size))(x, keys)
+    return RowCodec(QuantizeCodec(bits, bucket_size)).encode(x, key)
 
 
 @jax.jit
-def _dequantize_rows(q: Quantized) -> jax.Array:
-    # Always compiled, eager calls included: XLA folds the decode's constants (it rewrites
+def _decode_rows(payload: Any) -> jax.Array:
+    # Always compiled, eager calls included: XLA folds a decode's constants (it rewrites
     # ``(2 * codes / levels - 1) * scale``), so an op-by-op eager decode could differ from a
     # jitted one in the last bit; compiled everywhere, every caller gets the same bits.
-    return jax.vmap(dequantize)(q)
+    return jax.vmap(decode)(payload)
 
 
 @jax.jit
 def _add_delta(previous: jax.Array, delta: Any) -> jax.Array:
-    # Compiled for the same reason as ``_dequantize_rows``: sender and receiver run the same
+    # Compiled for the same reason as ``_decode_rows``: sender and receiver run the same
     # compiled arithmetic on the same bits.
     # The barrier keeps the decoded delta a finished array: fused with the addition, XLA
     # may contract a product of the decode and this sum into one fused multiply-add on one
     # side of a boundary and not on the other (both sit in one pipeline program).
-    return previous + lax.optimization_barrier(_decode_rows(delta))
+    return previous + lax.optimization_barrier(_decode_rows(delta)).reshape(previous.shape)
 
 
-def _lead(payload: Quantized | ChunkTopK | LowRank) -> tuple[str, jax.Array]:
-    if isinstance(payload, Quantized):
-        return "codes", payload.codes
-    if isinstance(payload, LowRank):
-        return "left codes", payload.left.codes
-    return "indices", payload.indices
-
-
-def _check_rows(payload: Quantized | ChunkTopK | LowRank) -> None:
-    name, lead = _lead(payload)
-    if lead.ndim != 2:
+def _rows(payload: Any) -> int:
+    """The rows of a row-batched payload: the leading axis every array leaf shares."""
+    leaves = jax.tree_util.tree_leaves(payload)
+    lead = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
+    if len(lead) != 1 or None in lead:
+        shapes = [tuple(leaf.shape) for leaf in leaves]
         raise ValueError(
             "payload must be row-batched (leaves with a leading batch axis, as made by "
-            f"the encoders here), got {name} of shape {lead.shape}"
+            f"RowCodec.encode), got leaves of shapes {shapes}"
         )
-
-
-def _rows(payload: Quantized | ChunkTopK | LowRank) -> int:
-    _check_rows(payload)
-    return _lead(payload)[1].shape[0]
+    return lead.pop()
 
 
 # --------------------------------------------------------------------------- row codecs
@@ -214,69 +201,44 @@ def _rows(payload: Quantized | ChunkTopK | LowRank) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class RowCodec:
-    """How every row (sample) of a ``[B, *sample_shape]`` array is compressed for the wire.
+    """Any :class:`~jaxcomm.codecs.Codec` applied to every row (sample) of a
+    ``[B, *sample_shape]`` array on its own, each row with its own key: the compression of a
+    pipeline boundary.
 
     Made by :func:`quantized_rows` (stochastic uniform quantization, unbiased: AQ-SGD's and
     DirectQ's ``Q``), :func:`topk_rows` (chunk-wise top-k of each row with packed in-chunk
     positions and low-bit values) or :func:`lowrank_rows` (a rank-``r`` factorization of each
-    sample's ``[T, W]`` matrix with low-bit factors); the last two are biased, for deltas
-    against a buffer that keeps what was not sent. Each row is compressed on its own, so a
-    payload's leaves carry a leading ``B`` axis and its bytes are ``B`` times one row's.
+    sample's ``[T, W]`` matrix with low-bit factors), or from any codec, ``RowCodec(codec)``;
+    biased codecs suit deltas against a buffer that keeps what was not sent. A payload's
+    leaves carry a leading ``B`` axis and its bytes are ``B`` times one row's.
 
     Attributes:
-      kind: ``"quantize"``, ``"topk"`` or ``"lowrank"``.
-      bits: code width of the values (factors), 1..8 (``None`` for top-k: float32 values).
-      bucket_size: quantize: elements per scale (``None``: the sample's last axis).
-      chunk, k: top-k: entries per chunk and entries kept per chunk.
-      rank: low rank: the rank ``r``.
+      codec: what compresses one row.
     """
 
-    kind: str
-    bits: int | None
-    bucket_size: int | None = None
-    chunk: int | None = None
-    k: int | None = None
-    rank: int | None = None
+    codec: Codec
 
     def __post_init__(self):
-        need = {"quantize": (), "topk": ("chunk", "k"), "lowrank": ("rank", "bits")}
-        if self.kind not in need:
-            raise ValueError(
-                f"RowCodec kind must be one of {sorted(need)}, got {self.kind!r} (build one "
-                "with quantized_rows, topk_rows or lowrank_rows)"
-            )
-        missing = [name for name in need[self.kind] if getattr(self, name) is None]
-        if missing or (self.kind == "quantize" and self.bits is None):
-            maker = {"quantize": "quantized_rows", "topk": "topk_rows", "lowrank": "lowrank_rows"}
-            raise ValueError(
-                f"RowCodec kind {self.kind!r} needs {missing or ['bits']} (build one with "
-                f"{maker[self.kind]})"
+        if not isinstance(self.codec, Codec):
+            raise TypeError(
+                f"codec must be a jaxcomm.codecs.Codec, got {type(self.codec).__name__}"
             )
 
-    def encode(self, x: jax.Array, key: jax.Array) -> Any:
+    def encode(self, x: jax.Array, key: jax.Array | None) -> Any:
         """Row-batched payload of ``x`` (``f32[B, *sample_shape]``); ``key`` is split into
-        one key per row (top-k rounds to nearest and ignores it)."""
+        one key per row (a deterministic codec ignores it)."""
         x = _check_activation("x", x)
-        if self.kind == "quantize":
-            return _quantize_rows(x, key, self.bits, _bucket(self.bucket_size, x.shape))
-        if self.kind == "lowrank":
-            if x.ndim < 3:
-                raise ValueError(
-                    f"a low-rank code factors each sample as a matrix: x must be "
-                    f"[B, ..., W] with samples of at least 2 axes, got shape {x.shape}"
-                )
-            keys = jax.random.split(key, x.shape[0])
-            return jax.vmap(lambda r, k: lowrank_encode(r, k, rank=self.rank, bits=self.bits))(
-                x, keys
-            )
-        return _topk_rows(x, self.chunk, self.k, self.bits)
+        if key is None:
+            return jax.vmap(lambda row: self.codec.encode(row, None))(x)
+        return jax.vmap(self.codec.encode)(x, jax.random.split(key, x.shape[0]))
 
     def decode(self, payload: Any) -> jax.Array:
-        """``f32[B, *sample_shape]`` from a row-batched payload of :meth:`encode`."""
-        want = {"quantize": Quantized, "lowrank": LowRank, "topk": ChunkTopK}[self.kind]
-        if not isinstance(payload, want):
-            raise TypeError(f"payload must be {want.__name__}, got {type(payload).__name__}")
-        _check_rows(payload)
+        """``[B, *sample_shape]`` from a row-batched payload of :meth:`encode`."""
+        if not isinstance(payload, self.codec.payload):
+            raise TypeError(
+                f"payload must be {self.codec.payload.__name__}, got {type(payload).__name__}"
+            )
+        _rows(payload)
         return _decode_rows(payload)
 
     def nbytes(self, shape: Sequence[int]) -> int:
@@ -288,11 +250,7 @@ class RowCodec:
     @property
     def label(self) -> str:
         """Short name, e.g. ``q2/b1024`` or ``top4of256/q4``."""
-        if self.kind == "quantize":
-            return f"q{self.bits}" + (f"/b{self.bucket_size}" if self.bucket_size else "")
-        if self.kind == "lowrank":
-            return f"rank{self.rank}/q{self.bits}"
-        return f"top{self.k}of{self.chunk}" + (f"/q{self.bits}" if self.bits else "")
+        return self.codec.label
 
 
 def quantized_rows(bits: int, bucket_size: int | None = None) -> RowCodec:
@@ -300,10 +258,7 @@ def quantized_rows(bits: int, bucket_size: int | None = None) -> RowCodec:
     ``bucket_size`` elements (default the sample's last axis: one per token). Unbiased:
     ``E[decode(encode(x))] = x``. A row costs ``ceil(n * bits / 8) + 4 * ceil(n / bucket)``
     bytes for ``n`` elements."""
-    bits = check_int("bits", bits, lo=1, hi=8)
-    if bucket_size is not None:
-        bucket_size = check_int("bucket_size", bucket_size, lo=1)
-    return RowCodec("quantize", bits, bucket_size=bucket_size)
+    return RowCodec(QuantizeCodec(bits, bucket_size))
 
 
 def topk_rows(chunk: int, k: int, bits: int | None = None) -> RowCodec:
@@ -316,11 +271,7 @@ def topk_rows(chunk: int, k: int, bits: int | None = None) -> RowCodec:
     A chunk holding a NaN or Inf decodes to non-finite values. A row of ``n`` elements in
     ``C = ceil(n / chunk)`` chunks costs ``ceil(C k ceil(log2 chunk) / 8)`` position bytes
     plus ``ceil(C k bits / 8) + 4 C`` value bytes (``4 C k`` in float32)."""
-    chunk = check_int("chunk", chunk, lo=2)
-    k = check_int("k", k, lo=1, hi=chunk)
-    if bits is not None:
-        bits = check_int("bits", bits, lo=1, hi=8)
-    return RowCodec("topk", bits, chunk=chunk, k=k)
+    return RowCodec(ChunkTopKCodec(chunk, k, bits))
 
 
 def lowrank_rows(rank: int, bits: int = 8) -> RowCodec:
@@ -330,20 +281,7 @@ def lowrank_rows(rank: int, bits: int = 8) -> RowCodec:
     one float32 scale per factor column and row (:func:`jaxcomm.codecs.lowrank_encode`).
     Biased: what lies beyond the rank is not sent, so use it where a buffer keeps it. A row
     costs ``ceil(r T bits / 8) + ceil(r W bits / 8) + 8 r`` bytes."""
-    rank = check_int("rank", rank, lo=1)
-    bits = check_int("bits", bits, lo=1, hi=8)
-    return RowCodec("lowrank", bits, rank=rank)
-
-
-def _topk_rows(x: jax.Array, chunk: int, k: int, bits: int | None) -> ChunkTopK:
-    return jax.vmap(lambda r: chunk_topk_encode(r, chunk=chunk, k=k, bits=bits))(x)
-
-
-@jax.jit
-def _topk_decode_rows(p: ChunkTopK) -> jax.Array:
-    # Compiled for the reason ``_dequantize_rows`` is: both sides get the same bits.
-    _check_rows(p)
-    return jax.vmap(chunk_topk_decode)(p).astype(jnp.float32)
+    return RowCodec(LowRankCodec(rank, bits))
 
 
 # --------------------------------------------------------------------------- deltas, any codec
@@ -365,15 +303,6 @@ def _as_received(payload: Any) -> Any:
     and may reorder its float arithmetic there (a rank's factors, a scale's division), one
     ulp away from the receiver's."""
     return lax.optimization_barrier(payload)
-
-
-@jax.jit
-def _decode_rows(payload: Any) -> jax.Array:
-    if isinstance(payload, ChunkTopK):
-        return _topk_decode_rows(payload)
-    if isinstance(payload, LowRank):
-        return jax.vmap(lowrank_decode)(payload).astype(jnp.float32)
-    return _dequantize_rows(payload)
 
 
 def delta_encode(
@@ -415,7 +344,7 @@ def delta_encode(
         if first is None:
             return activation, activation
         payload = _as_received(first.encode(activation, key))
-        return FirstVisit(payload), _decode_rows(payload)
+        return FirstVisit(payload), _decode_rows(payload).reshape(activation.shape)
     check_finite_if_concrete("previous", previous)
     payload = _as_received(codec.encode(activation - previous, key))
     return payload, _add_delta(previous, payload)
@@ -431,14 +360,16 @@ def delta_decode(payload: Any, previous: jax.Array) -> jax.Array:
     previous = jnp.asarray(previous)
     if isinstance(payload, FirstVisit):
         out = _decode_rows(payload.payload)
+        if out.size == previous.size:  # a flat codec decodes each row to one axis
+            out = out.reshape(previous.shape)
         _check_previous(out, previous)
         return out
-    if isinstance(payload, (Quantized, ChunkTopK, LowRank)):
+    if is_payload(payload):
         rows = _rows(payload)
-        if (rows, *payload.shape) != previous.shape:
+        sample = getattr(payload, "shape", previous.shape[1:])
+        if (rows, *sample) != previous.shape:
             raise ValueError(
-                f"payload holds {rows} rows of shape {payload.shape}, previous shape "
-                f"{previous.shape}"
+                f"payload holds {rows} rows of shape {sample}, previous shape {previous.shape}"
             )
         return _add_delta(previous, payload)
     payload = _check_activation("payload", payload)
@@ -530,8 +461,8 @@ def directq_decode(payload: Quantized) -> jax.Array:
     """Decode a row-batched payload of :func:`directq_encode` to ``f32[B, *sample_shape]``."""
     if not isinstance(payload, Quantized):
         raise TypeError(f"payload must be a Quantized payload, got {type(payload).__name__}")
-    _check_rows(payload)
-    return _dequantize_rows(payload)
+    _rows(payload)
+    return _decode_rows(payload)
 
 
 def fp32_encode(activation: jax.Array) -> jax.Array:

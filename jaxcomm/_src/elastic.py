@@ -14,15 +14,16 @@ state by the following rules, chosen per field of the state types that need one 
   become their mean over the old workers: the new workers start from the **averaged
   model**, which is what the next averaging would have produced from them. Integer rows
   that differ cannot be averaged and are refused.
-* ``pending``: the error-feedback residuals ``ECQuantizedState.worker_error``,
-  ``TopKState.residual``, ``ChunkTopKState.residual``, ``EFSignState.error`` and
+* ``pending``: the error-feedback residuals ``ErrorFedState.residual`` (of
+  :func:`jaxcomm.error_fed` and the aggregators built on it),
+  ``TopKState.residual``, ``EFSignState.error`` and
   ``MarsitState.compensation``, and SSDM's momentum (each worker adds it to its own
   message). Every aggregator here applies the **mean** over workers of what they send, so
   what the residuals still owe the model is ``(1/N) sum_i e_i``. Each new worker gets that
   mean, so ``(1/N') sum_j e'_j = (1/N) sum_i e_i``: the pending correction, in the model's
   units, is unchanged and nothing is dropped. (Summing and spreading, ``e'_j = sum_i e_i /
   N'``, would scale the pending correction by ``N / N'``.) Equal rows are kept bit for bit.
-* ``segments``: ``ECQuantizedState.server_error``, where worker ``i`` owns segment ``i`` of
+* ``segments``: ``ErrorFedState.server_error``, where worker ``i`` owns segment ``i`` of
   the flattened model. The old segments are joined in worker order into one vector (their
   padding dropped) and cut again into ``N'`` segments: the joined vector is unchanged bit
   for bit.
@@ -43,19 +44,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm._src._checks import check_int
-from jaxcomm._src.aggregate import ECQuantizedState
+from jaxcomm._src.error_fed import ErrorFedState
 from jaxcomm._src.marsit import MarsitState
 from jaxcomm._src.network import CommLog, empty_log
 from jaxcomm._src.signsgd import EFSignState, SSDMState
-from jaxcomm._src.sparse import ChunkTopKState, TopKState
+from jaxcomm._src.sparse import TopKState
 
 __all__ = ["RULES", "Resized", "resize_workers", "register_resize_rule", "resize_rule_of"]
 
 #: The field rules of the state types that need more than ``replica`` (see the module).
 RULES: dict[type, dict[str, str]] = {
-    ECQuantizedState: {"worker_error": "pending", "server_error": "segments"},
+    ErrorFedState: {"residual": "pending", "server_error": "segments"},
     TopKState: {"residual": "pending"},
-    ChunkTopKState: {"residual": "pending"},
     EFSignState: {"error": "pending"},
     MarsitState: {"compensation": "pending"},
     SSDMState: {"momentum": "pending"},
@@ -158,6 +158,8 @@ def resize_workers(state: Any, workers: int) -> Resized:
     def leaf(path: Any, a: Any, rule: str, length: int | None = None) -> np.ndarray:
         a = np.asarray(a)
         name = jax.tree_util.keystr(path)
+        if rule == "segments" and a.shape[-1] == 0:  # none kept (an all-gather exchange)
+            return _rows(a[0], workers)
         if rule == "segments":
             if length is None:
                 raise ValueError(f"{name}: a 'segments' field needs a 'pending' field beside it")

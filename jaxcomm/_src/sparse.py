@@ -34,17 +34,12 @@ from jax import lax
 
 from jaxcomm._src._checks import axis_size, check_choice, check_float, check_int
 from jaxcomm._src.aggregate import worker_state
+from jaxcomm._src.codec import ChunkTopKCodec, StatQuantizeCodec
 from jaxcomm._src.codecs import (
     AUTO_THRESHOLD_ABOVE,
     SELECTIONS,
-    ChunkTopK,
     TopK,
-    chunk_topk_decode,
-    chunk_topk_encode,
-    stat_dequantize,
-    stat_quantize,
     topk_indices,
-    unpack_uints,
 )
 from jaxcomm._src.collectives import (
     all_gather,
@@ -58,6 +53,7 @@ from jaxcomm._src.collectives import (
     tree_all_reduce,
     tree_all_reduce_wire,
 )
+from jaxcomm._src.error_fed import ErrorFedState, error_fed
 from jaxcomm._src.network import (
     CommLog,
     Network,
@@ -411,44 +407,8 @@ def ms_topk(axis_name: Any, *, ratio: float, rounds: int = 25) -> optax.Gradient
 # --------------------------------------------------------------------------- chunk-wise
 
 
-class ChunkTopKState(NamedTuple):
-    """State of :func:`chunk_topk`, per worker.
-
-    Attributes:
-      residual: ``f32[d]`` this worker's error-feedback buffer ``e``.
-      log: what the last step sent.
-      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.TreeLayout`).
-    """
-
-    residual: jax.Array
-    log: CommLog
-    layout: TreeLayout
-
-
-def _sent_mask(p: ChunkTopK) -> jax.Array:
-    """``f32[d]``: 1 at the entries a :class:`ChunkTopK` payload sends, else 0 (from its
-    indices alone: a sent entry counts whatever value it decodes to)."""
-    d = math.prod(p.shape)
-    chunks = -(-d // p.chunk)
-    idx = unpack_uints(p.indices, p.index_bits, chunks * p.k).astype(jnp.int32)
-    rows = jnp.zeros((chunks, p.chunk), jnp.float32)
-    rows = jax.vmap(lambda r, i: r.at[i].set(1.0, unique_indices=True))(
-        rows, idx.reshape(chunks, p.k)
-    )
-    return rows.reshape(-1)[:d]
-
-
-AVERAGES = ("workers", "senders")
-
-
-def _gathered_mean(gathered: Any, decode: Any, n: int, like: jax.Array) -> jax.Array:
-    """The mean of the ``n`` all-gathered payloads' decodes, summed in rank order (so the
-    same bits on every worker)."""
-
-    def add(w, total):
-        return total + decode(jax.tree_util.tree_map(lambda a: a[w], gathered))
-
-    return lax.fori_loop(0, n, add, jnp.zeros_like(like)) / n
+#: The state of :func:`chunk_topk` (:func:`jaxcomm.error_fed`'s).
+ChunkTopKState = ErrorFedState
 
 
 def chunk_topk(
@@ -459,6 +419,7 @@ def chunk_topk(
     bits: int | None = 2,
     decay: float = 1.0,
     average: str = "workers",
+    exchange: str = "gather",
 ) -> optax.GradientTransformation:
     """Chunk-wise top-k with error feedback and an all-gather (SparseLoCo's compressor).
 
@@ -499,71 +460,34 @@ def chunk_topk(
       bits: value width 1..8, or None for float32 values.
       decay: ``beta`` in ``[0, 1]``, the error buffer's decay (1.0: plain error feedback).
       average: ``"workers"`` or ``"senders"``, the divisor of the summed payloads (above).
+      exchange: ``"gather"`` (above, the paper's) or ``"two_phase"`` (each worker averages
+        one segment and re-encodes it: see :func:`jaxcomm.error_fed`; not the paper's).
 
     Returns:
-      A ``GradientTransformation`` with :class:`ChunkTopKState`; its log holds one
-      ``allgather`` of the packed payload.
+      A ``GradientTransformation`` with :class:`ChunkTopKState` (``error_fed`` of a
+      :class:`~jaxcomm.codecs.ChunkTopKCodec`); its log holds one ``allgather`` of the
+      packed payload.
     """
-    chunk = check_int("chunk", chunk, lo=2)
-    k = check_int("k", k, lo=1, hi=chunk)
-    if bits is not None:
-        bits = check_int("bits", bits, lo=1, hi=8)
-    decay = check_float("decay", decay, lo=0.0, hi=1.0)
-    check_choice("average", average, AVERAGES)
-
-    def init_fn(params):
-        layout, d = init_layout("chunk_topk", params)
-        state = ChunkTopKState(jnp.zeros((d,), jnp.float32), empty_log(), layout)
-        return worker_state(state, axis_name)
-
-    def update_fn(updates, state, params=None):
-        del params
-        n = axis_size(axis_name)
-        flat, unflatten = flatten_grads("chunk_topk", updates, axis_name, state.layout)
-        e = decay * state.residual + flat  # f32[d]
-        payload = chunk_topk_encode(e, chunk=chunk, k=k, bits=bits)
-        residual = e - chunk_topk_decode(payload)
-        gathered = all_gather(payload, axis_name)
-
-        def add_counted(w, carry):
-            # the sum, and how many workers sent each entry (from the gathered indices)
-            total, count = carry
-            one = jax.tree_util.tree_map(lambda a: a[w], gathered)
-            return total + chunk_topk_decode(one), count + _sent_mask(one)
-
-        if average == "workers":
-            mean = _gathered_mean(gathered, chunk_topk_decode, n, e)
-        else:
-            total, count = lax.fori_loop(0, n, add_counted, (jnp.zeros_like(e),) * 2)
-            mean = total / jnp.maximum(count, 1.0)
-        wire = all_gather_wire(jax.eval_shape(lambda: payload), n)
-        log = log_wire(empty_log(), wire)
-        new = ChunkTopKState(residual, log, state.layout)
-        mean = replicated(mean, axis_name)
-        return unflatten(mean), worker_state(new, axis_name)
-
-    return optax.GradientTransformation(init_fn, update_fn)
+    codec = ChunkTopKCodec(chunk, k, bits)
+    return error_fed(
+        codec, axis_name, exchange=exchange, decay=decay, average=average, name="chunk_topk"
+    )
 
 
 # --------------------------------------------------------------------------- statistical
 
 
-class StatQuantizedState(NamedTuple):
-    """State of :func:`statistical_quantized`, per worker.
-
-    Attributes:
-      residual: ``f32[d]`` this worker's error-feedback buffer ``e``.
-      log: what the last step sent.
-      layout: the parameters' structure and shapes (no arrays; see :class:`jaxcomm.TreeLayout`).
-    """
-
-    residual: jax.Array
-    log: CommLog
-    layout: TreeLayout
+#: The state of :func:`statistical_quantized` (:func:`jaxcomm.error_fed`'s).
+StatQuantizedState = ErrorFedState
 
 
 def statistical_quantized(
-    axis_name: Any, *, bits: int = 2, sigmas: float = 6.0, decay: float = 0.9
+    axis_name: Any,
+    *,
+    bits: int = 2,
+    sigmas: float = 6.0,
+    decay: float = 0.9,
+    exchange: str = "gather",
 ) -> optax.GradientTransformation:
     """Error-fed statistical quantization with an all-gather (MuLoCo's compressor).
 
@@ -588,32 +512,15 @@ def statistical_quantized(
       bits: code width, 1..8 (2: MuLoCo's).
       sigmas: the bins span ``sigmas`` standard deviations of each tensor (6: MuLoCo's).
       decay: ``beta`` in ``[0, 1]``, the error buffer's decay (1.0: plain error feedback).
+      exchange: ``"gather"`` (the paper's) or ``"two_phase"``: each worker averages one
+        segment of the vector and re-encodes it, with its own error buffer, before an
+        all-gather (:func:`jaxcomm.error_fed`), which sends about ``2 / N`` of the gather's
+        bytes; statistics then go per segment, not per tensor. Not the paper's.
 
     Returns:
-      A ``GradientTransformation`` with :class:`StatQuantizedState`; its log holds one
-      ``allgather`` of the packed payload.
+      A ``GradientTransformation`` with :class:`StatQuantizedState` (``error_fed`` of a
+      :class:`~jaxcomm.codecs.StatQuantizeCodec`); its log holds one ``allgather`` of the
+      packed payload.
     """
-    bits = check_int("bits", bits, lo=1, hi=8)
-    sigmas = check_float("sigmas", sigmas, lo=0.0, lo_open=True)
-    decay = check_float("decay", decay, lo=0.0, hi=1.0)
-
-    def init_fn(params):
-        layout, d = init_layout("statistical_quantized", params)
-        state = StatQuantizedState(jnp.zeros((d,), jnp.float32), empty_log(), layout)
-        return worker_state(state, axis_name)
-
-    def update_fn(updates, state, params=None):
-        del params
-        n = axis_size(axis_name)
-        flat, unflatten = flatten_grads("statistical_quantized", updates, axis_name, state.layout)
-        sizes = tuple(math.prod(shape) for shape in state.layout.shapes)
-        e = decay * state.residual + flat  # f32[d]
-        payload = stat_quantize(e, bits=bits, sigmas=sigmas, sizes=sizes)
-        residual = e - stat_dequantize(payload)
-        gathered = all_gather(payload, axis_name)
-        mean = _gathered_mean(gathered, stat_dequantize, n, e)
-        wire = all_gather_wire(jax.eval_shape(lambda: payload), n)
-        new = StatQuantizedState(residual, log_wire(empty_log(), wire), state.layout)
-        return unflatten(replicated(mean, axis_name)), worker_state(new, axis_name)
-
-    return optax.GradientTransformation(init_fn, update_fn)
+    codec = StatQuantizeCodec(bits, sigmas)
+    return error_fed(codec, axis_name, exchange=exchange, decay=decay, name="statistical_quantized")
