@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 
-from train.aggregators import AGGREGATORS, Aggregator, BuildContext
+from train.aggregators import AGGREGATORS, CODEC_CHOICES, Aggregator, BuildContext
 from train.config import (
     BOUNDARIES,
     LEGACY_KEYS,
@@ -140,8 +140,9 @@ def test_every_registered_choice_loads_by_name_and_describes_its_fields():
                 "cascading_sign": {"lr": 0.1}, "quantize": {"bits": 4},
                 "chunk_topk": {"chunk": 8, "k": 2}, "lowrank": {"rank": 2, "bits": 4},
                 "diloco": {"period": 2}, "local_sgd": {"period": 2}, "enp": {"period": 2},
-                "dreamddp": {"period": 2}}  # fmt: skip
-    for registry in (AGGREGATORS, MODELS, SYNCS, BOUNDARIES, ROW_CODECS):
+                "dreamddp": {"period": 2}, "topk": {"k": 2},
+                "error_fed": {"codec": {"name": "chunk_topk", "chunk": 8, "k": 2}}}  # fmt: skip
+    for registry in (AGGREGATORS, MODELS, SYNCS, BOUNDARIES, ROW_CODECS, CODEC_CHOICES):
         for name, cls in registry:
             assert cls.summary(), name
             for field, info in cls.model_fields.items():
