@@ -158,8 +158,6 @@ def resize_workers(state: Any, workers: int) -> Resized:
     def leaf(path: Any, a: Any, rule: str, length: int | None = None) -> np.ndarray:
         a = np.asarray(a)
         name = jax.tree_util.keystr(path)
-        if rule == "segments" and a.shape[-1] == 0:  # none kept (an all-gather exchange)
-            return _rows(a[0], workers)
         if rule == "segments":
             if length is None:
                 raise ValueError(f"{name}: a 'segments' field needs a 'pending' field beside it")
@@ -180,7 +178,12 @@ def resize_workers(state: Any, workers: int) -> Resized:
             here = (*path, jax.tree_util.GetAttrKey(f))
             rule = rules.get(f, "replica")
             sub = getattr(x, f)
-            out[f] = walk(here, sub) if rule == "replica" else leaf(here, sub, rule, length)
+            if sub is None:  # a field this configuration leaves unused
+                out[f] = None
+            elif rule == "replica":
+                out[f] = walk(here, sub)
+            else:
+                out[f] = leaf(here, sub, rule, length)
         return type(x)(**out)
 
     def log(x: CommLog) -> CommLog:

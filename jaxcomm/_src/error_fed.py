@@ -67,7 +67,7 @@ class ErrorFedState(NamedTuple):
     Attributes:
       residual: ``f32[d]`` this worker's error-feedback buffer ``e``.
       server_error: ``f32[ceil(d / N)]`` the rounding of the averaged segment this worker
-        encodes again (``"two_phase"``), ``f32[0]`` for ``"gather"``.
+        encodes again (``"two_phase"``), ``None`` for ``"gather"``.
       key: ``uint32[2]`` raw PRNG key data of a codec that draws from its key, split every
         step (made distinct per worker), or ``None`` for one that does not.
       log: what the last step sent.
@@ -75,7 +75,7 @@ class ErrorFedState(NamedTuple):
     """
 
     residual: jax.Array
-    server_error: jax.Array
+    server_error: jax.Array | None
     key: jax.Array | None
     log: CommLog
     layout: TreeLayout
@@ -151,10 +151,11 @@ def error_fed(
 
     def init_fn(params):
         layout, d = init_layout(name, params)
-        n = axis_size(axis_name) if exchange == "two_phase" else 0
+        two = exchange == "two_phase"
         state = ErrorFedState(
             residual=jnp.zeros((d,), jnp.float32),
-            server_error=jnp.zeros((-(-d // n) if n else 0,), jnp.float32),
+            # Needs the axis size for the segment length: call init inside shard_map too.
+            server_error=jnp.zeros((-(-d // axis_size(axis_name)),), jnp.float32) if two else None,
             key=jax.random.key_data(jax.random.key(seed)) if codec.keyed else None,
             log=empty_log(),
             layout=layout,
