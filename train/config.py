@@ -1071,6 +1071,8 @@ def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:
     if not isinstance(inner, dict):
         raise ValueError(f"config key {head!r} is not a mapping; cannot set {'.'.join(path)!r}")
     inner = dict(inner)
+    if rest in (["name"], ["method"]) and head != "optimizer" and inner.get(rest[0]) != value:
+        inner = {}  # another choice: the old one's fields are not the new one's
     _set_path(inner, rest, value)
     data[head] = inner
 
