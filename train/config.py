@@ -983,8 +983,9 @@ def translate_legacy(data: dict[str, Any]) -> dict[str, Any]:
 
     if "task" in data:
         model = section("model", "gpt")
-        model["name"] = data.pop("task")
-        data["model"] = model
+        task = data.pop("task")
+        # Another model family: the old family's fields are not the new one's.
+        data["model"] = {**model, "name": task} if model.get("name") == task else {"name": task}
     opt_keys = {"lr", "muon_lr", "weight_decay", "clip_norm"}
     sched_keys = {"lr_schedule": "name", "lr_warmup_steps": "warmup_steps",
                   "lr_warmup_from": "warmup_from", "lr_floor": "floor",
