@@ -106,8 +106,8 @@ def device_step_s(cls: type, kw: dict, steps: int) -> float:
     """Seconds per step of the compiled step alone, batches on the devices beforehand."""
     with tempfile.TemporaryDirectory() as tmp:
         trainer = cls(_config(kw, steps, False, tmp))
-        program = trainer.layout.compiled_step(trainer)
-        batches = [trainer.layout.batch_at(trainer, p) for p in range(steps + 1)]
+        program = trainer.layout.compiled_step(trainer.ctx)
+        batches = [trainer.layout.batch_at(trainer.ctx, p) for p in range(steps + 1)]
         params, opt_state = trainer.params, trainer.opt_state
         params, opt_state, *_ = program(params, opt_state, batches[0])  # warm up
         jax.block_until_ready((params, opt_state))

@@ -77,12 +77,70 @@ def api_page() -> str:
     return "\n".join(parts).rstrip() + "\n"
 
 
-def _write_pages(app) -> None:
-    from train.cli import reference_page
+def cli_page() -> str:
+    """The command line and config reference (``docs/cli.md``), in Markdown: every
+    command's ``--help`` and every config key with its default and meaning."""
+    import argparse
+    import io
 
+    from train.cli import format_default
+    from train.cli import parser as train_parser
+    from train.config import key_docs
+    from train.estimate import parser as estimate_parser
+    from train.launch import parser as launch_parser
+
+    def help_text(parser: argparse.ArgumentParser) -> str:
+        out = io.StringIO()
+        width = os.environ.get("COLUMNS")
+        os.environ["COLUMNS"] = "100"  # the same page whatever the terminal
+        try:
+            parser.print_help(out)
+        finally:
+            if width is None:
+                os.environ.pop("COLUMNS")
+            else:
+                os.environ["COLUMNS"] = width
+        return out.getvalue().rstrip()
+
+    parts = [
+        "# Command line and config reference",
+        "",
+        "Written from the code at every docs build (`cli_page` in `docs/conf.py`); a",
+        "test checks that this page is current.",
+        "",
+        "## `python -m train`",
+        "",
+        "```text",
+        help_text(train_parser()),
+        "```",
+        "",
+        "## `python -m train.launch`",
+        "",
+        "```text",
+        help_text(launch_parser()),
+        "```",
+        "",
+        "## `python -m train.estimate`",
+        "",
+        "```text",
+        help_text(estimate_parser()),
+        "```",
+        "",
+        "## Config keys",
+        "",
+        "A YAML config (`--config`) sets any of these; `--set key=value` overrides one (a",
+        "nested one as `--set model.width=64`).",
+        "",
+    ]
+    for key, default, text in key_docs():
+        parts += [f"`{key}` ({format_default(default, '`')})", f": {text}", ""]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def _write_pages(app) -> None:
     if os.environ.get("JAXCOMM_DOCS_READ_ONLY"):  # the tests build a checkout as it is
         return
-    for name, text in (("cli.md", reference_page()), ("api.md", api_page())):
+    for name, text in (("cli.md", cli_page()), ("api.md", api_page())):
         page = Path(app.srcdir) / name
         if not page.exists() or page.read_text() != text:
             page.write_text(text)

@@ -199,7 +199,7 @@ def test_a_search_leaves_every_piece_of_state_bit_identical(tmp_path):
     trainer.run()
     before = (_host(trainer.params), _host(trainer.opt_state), trainer.loader.position)
     clock = trainer.clock.now
-    trials = trainer.control.search(trainer, Network(1e-3, 1e9))
+    trials = trainer.control.search(trainer.ctx, Network(1e-3, 1e9))
     after = (_host(trainer.params), _host(trainer.opt_state), trainer.loader.position)
     for a, b in zip(before[0] + before[1], after[0] + after[1], strict=True):
         np.testing.assert_array_equal(a, b)
@@ -223,8 +223,8 @@ def test_trial_steps_draw_their_own_stragglers(tmp_path):
         streams.append((args[2], stream))
         return simulate(*args, stream=stream, **kw)
 
-    trainer.simulate_logged = record
-    trainer.control.search(trainer, Network(1e-3, 1e9))
+    trainer.ctx.simulate_logged = record
+    trainer.control.search(trainer.ctx, Network(1e-3, 1e9))
     n = len(trainer.control.controller.candidates)
     steps = trainer.control.controller.trial_steps
     want = [(trainer.step + i, 2 + c) for c in range(n) for i in range(steps)]
@@ -300,7 +300,7 @@ def test_a_model_too_small_for_some_candidates_skips_them(tmp_path, capsys):
     assert trainer.control.controller.candidates == (0.1, 0.033, 0.011)
     assert "left out" in capsys.readouterr().out
     trainer.run()
-    trials = trainer.control.search(trainer, Network(1e-3, 1e9))
+    trials = trainer.control.search(trainer.ctx, Network(1e-3, 1e9))
     assert [t.ratio for t in trials] == list(trainer.control.controller.candidates)
 
 
@@ -342,7 +342,7 @@ def test_adaptive_ratio_on_a_pipelines_data_axis(tmp_path):
         np.testing.assert_array_equal(t.path_bytes.sum(-1), audit.path_bytes)
     buffers = [b.read(np.arange(16)).copy() for b in trainer.layout.feed.buffers]
     before = (_host(trainer.params), _host(trainer.opt_state), trainer.loader.position)
-    trainer.control.search(trainer, Network(1e-3, 1e9))
+    trainer.control.search(trainer.ctx, Network(1e-3, 1e9))
     after = (_host(trainer.params), _host(trainer.opt_state), trainer.loader.position)
     for a, b in zip(before[0] + before[1], after[0] + after[1], strict=True):
         np.testing.assert_array_equal(a, b)

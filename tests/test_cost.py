@@ -48,7 +48,7 @@ def test_gpt_step_matches_the_analytic_count(tmp_path):
         out_dir=str(tmp_path),
     )
     trainer = Trainer(cfg)
-    cost = jaxcomm.audit.program_cost(trainer.layout.compiled_step(trainer)).per_device()
+    cost = jaxcomm.audit.program_cost(trainer.layout.compiled_step(trainer.ctx)).per_device()
     leaves = jax.tree_util.tree_flatten_with_path(trainer.worker_params(0))[0]
     matmul_params = sum(v.size for k, v in leaves if "kernel" in jax.tree_util.keystr(k))
     tokens = batch // 8 * seq

@@ -13,7 +13,6 @@ import sys
 import pytest
 
 from tests.test_trainer import ROOT
-from train.cli import reference_page
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PAGES = [p for p in PAGES if "_build" not in p.parts]
@@ -48,18 +47,13 @@ def test_the_readme_example_is_there_and_learns():
     assert len(block.strip().splitlines()) <= 40
 
 
-def test_the_api_reference_page_is_current():
+@pytest.mark.parametrize("name", ["api", "cli"])
+def test_the_reference_pages_are_current(name):
     import runpy
 
-    api_page = runpy.run_path(str(ROOT / "docs" / "conf.py"))["api_page"]
-    assert (ROOT / "docs" / "api.md").read_text() == api_page(), (
-        "docs/api.md is stale: a docs build (sphinx-build docs ...) rewrites it"
-    )
-
-
-def test_the_cli_reference_page_is_current():
-    assert (ROOT / "docs" / "cli.md").read_text() == reference_page(), (
-        "docs/cli.md is stale: a docs build (sphinx-build docs ...) rewrites it"
+    page = runpy.run_path(str(ROOT / "docs" / "conf.py"))[f"{name}_page"]
+    assert (ROOT / "docs" / f"{name}.md").read_text() == page(), (
+        f"docs/{name}.md is stale: a docs build (sphinx-build docs ...) rewrites it"
     )
 
 

@@ -71,7 +71,7 @@ def test_dreamddp_run_logs_the_scheduled_traffic_and_its_timeline(tmp_path):
         )
         # The step's compute: its program with this step's averaging branch, not the
         # costliest one.
-        compute = trainer.sync.branch_compute_s(trainer, sync_branch(sched, step))
+        compute = trainer.sync.branch_compute_s(trainer.ctx, sync_branch(sched, step))
         assert compute <= trainer.modelled_compute_s()
         forward = compute - sum(prof.backward_s)
         want = _hand_iteration(group, forward, prof.backward_s, comm)
@@ -159,7 +159,7 @@ def test_fused_flsgd_sends_one_message_after_the_whole_backward(tmp_path):
     assert int(trainer.step_audit(branches={SYNC_SCOPE: 0}).sent.max()) == 0
     net = jaxcomm.network.Network(1e-3, 100e6)
     comm = layer_comm_s(trainer.sync.layer_wires, net)[0]
-    compute = trainer.sync.branch_compute_s(trainer, 1)
+    compute = trainer.sync.branch_compute_s(trainer.ctx, 1)
     # The one message waits for the whole backward: forward + backward + message.
     assert rows[1]["sim_step_s"] == pytest.approx(compute + comm, rel=1e-12)
     with pytest.raises(ValueError, match="sync: unknown key 'fused'"):
@@ -254,7 +254,7 @@ def test_stragglers_with_local_sgd_wait_only_at_averaging(tmp_path):
     for r in rows:
         step = r["step"] - 1
         branch = sync_branch(trainer.sync.sync_schedule, step)
-        compute = trainer.sync.branch_compute_s(trainer, branch)
+        compute = trainer.sync.branch_compute_s(trainer.ctx, branch)
         local = local + model.compute_factors(step, 8) * compute
         if step % 4 == 3:  # everyone waits for the slowest, then the message
             latency = model.round_latency(step, wire.rounds, 8, net, stream=1)
@@ -267,7 +267,7 @@ def test_stragglers_with_local_sgd_wait_only_at_averaging(tmp_path):
     schedule = trainer.sync.sync_schedule
     waiting = sum(
         model.compute_factors(s, 8).max()
-        * trainer.sync.branch_compute_s(trainer, sync_branch(schedule, s))
+        * trainer.sync.branch_compute_s(trainer.ctx, sync_branch(schedule, s))
         for s in range(4)
     )
     assert rows[3]["sim_time_s"] < waiting + rows[3]["comm_s"]

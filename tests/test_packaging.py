@@ -126,7 +126,7 @@ assert jaxcomm_train.__file__.startswith(sys.argv[1]), jaxcomm_train.__file__
 cfg = config.load_config(cli.resolve_config("dp_default.yaml"))
 assert len(data.load_corpus()) > 100_000
 assert "aggregator" in cli.list_keys()
-assert cli._parser().format_usage().startswith("usage: python -m jaxcomm_train ")
+assert cli.parser().format_usage().startswith("usage: python -m jaxcomm_train ")
 print(sorted(m for m in sys.modules if m.split(".")[0] in {"train", "models"}), cfg.model.key)
 """
     out = _python(["-c", code, str(site)], cwd=away, env={"PYTHONPATH": str(site)})

@@ -142,8 +142,8 @@ def test_the_summary_test_loss_is_the_test_split(tmp_path):
                  checkpoint_every=0, progress=False, out_dir=str(tmp_path))  # fmt: skip
     t = Trainer(cfg)
     summary = t.run()
-    test = t.layout.evaluate(t, CompleteWorks(seq_len=32, split="test"))["loss"]
-    valid = t.layout.evaluate(t, CompleteWorks(seq_len=32, split="valid"))["loss"]
+    test = t.layout.evaluate(t.ctx, CompleteWorks(seq_len=32, split="test"))["loss"]
+    valid = t.layout.evaluate(t.ctx, CompleteWorks(seq_len=32, split="valid"))["loss"]
     assert summary["test_loss"] == pytest.approx(test) and summary["valid_loss"] == pytest.approx(
         valid
     )

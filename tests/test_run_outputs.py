@@ -284,15 +284,15 @@ def test_resume_takes_the_folder_as_written(tmp_path, folder):
     """``--resume DIR`` (the CLI's and the launcher's, which rewrites it for its restarts)
     names that folder whatever YAML would make of its text: no comment, number, boolean or
     mapping, and never another folder."""
-    from train.cli import _parser, config_from_args
+    from train.cli import config_from_args, parser
     from train.config import Config
     from train.launch import _resume_folder_as_out_dir
 
     run = tmp_path / folder
     run.mkdir()
     (run / "config.json").write_text(json.dumps(Config(name="x", steps=3).to_dict()))
-    args = _parser().parse_args(["--resume", str(run), "--set", "steps=5"])
+    args = parser().parse_args(["--resume", str(run), "--set", "steps=5"])
     cfg = config_from_args(args)
     assert cfg.run_dir == run and cfg.steps == 5
     rewritten = _resume_folder_as_out_dir(["--resume", str(run), "--set", "steps=5"], str(run))
-    assert config_from_args(_parser().parse_args(rewritten)).run_dir == run
+    assert config_from_args(parser().parse_args(rewritten)).run_dir == run

@@ -97,11 +97,11 @@ def test_trainer_step_follows_the_gpipe_timeline_per_stage(trainer):
     cfg = trainer.cfg
     s, m = cfg.stages, cfg.microbatches
     ticks = m + s - 1
-    f, b, rest = trainer.layout.clock.tick_seconds(trainer, False)
+    f, b, rest = trainer.layout.clock.tick_seconds(trainer.ctx, False)
     # The program counts each stage conditional at its costliest branch on every device
     # (an upper bound); the ticks take the input function out where it does not run (every
     # stage but 0) and the loss (every stage but the last, and its bubble ticks there).
-    whole = trainer._modelled_per_device(False)
+    whole = trainer.ctx.modelled_per_device(False)
     assert (ticks * (f + b) + rest <= whole * (1 + 1e-9)).all()
     assert (ticks * (f + b) + rest >= 0.5 * whole).all()
     np.testing.assert_allclose(f[:s], f[s:])  # the two replicas alike
@@ -126,7 +126,7 @@ def test_trainer_step_follows_the_gpipe_timeline_per_stage(trainer):
     assert ticks * (b[3] - b[1]) == pytest.approx(head_b, rel=1e-6)
     assert ticks * (f[0] - f[1]) == pytest.approx(scoped(FIRST_SCOPE, False)[0], rel=1e-6)
     # The program's own compute runs the loss on the M ticks that carry a microbatch only.
-    busy = trainer.layout.clock.tick_busy(trainer, False)
+    busy = trainer.layout.clock.tick_busy(trainer.ctx, False)
     np.testing.assert_allclose(busy[:3], ticks * (f + b)[:3], rtol=1e-9)
     extra = (ticks - m) * (head_f + head_b) / ticks
     assert busy[3] == pytest.approx(ticks * (f[3] + b[3]) - extra, rel=1e-6)
@@ -194,7 +194,7 @@ def test_a_slow_stage_slows_the_pipeline_as_the_timeline_says(trainer):
     network = Network(latency_s=1e-3, bandwidth_bps=1e9)
     traffic = trainer.step_audit(False)
     base, _, _ = trainer.simulate_step(False, traffic, network, 0)
-    f, b, rest = trainer.layout.clock.tick_seconds(trainer, False)
+    f, b, rest = trainer.layout.clock.tick_seconds(trainer.ctx, False)
     # Device 2 (replica 0, stage 2) runs at half speed.
     trainer.stragglers = jaxcomm.network.Stragglers(seed=3, slow={2: 2.0})
     try:
@@ -274,7 +274,7 @@ def test_the_pipeline_step_draws_each_message_latency(trainer):
     s, m, w = cfg.stages, cfg.microbatches, cfg.workers
     network = Network(latency_s=2e-3, bandwidth_bps=1e8)
     traffic = trainer.step_audit(False)
-    f, b, rest = trainer.layout.clock.tick_seconds(trainer, False)
+    f, b, rest = trainer.layout.clock.tick_seconds(trainer.ctx, False)
     fw_msg, bw_msg = trainer.layout.clock.message_bytes(False)
     trainer.stragglers = jaxcomm.network.Stragglers(seed=5, latency_jitter=1.0)
     try:

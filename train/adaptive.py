@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +37,11 @@ from jaxcomm._src.sparse import TopKState, ratio_k
 from .clock import step_traffic
 from .config import Config
 from .distributed import to_host
-from .sync import Controller, make_aggregator
-from .trainer import Trainer, make_optimizer
+from .sync import Controller, make_aggregator, make_optimizer
+
+if TYPE_CHECKING:
+    from .context import Context
+
 
 __all__ = ["AdaptiveRatio"]
 
@@ -67,12 +70,12 @@ class AdaptiveRatio(Controller):
         agg = cfg.aggregator.model_copy(update={"ratio": self.controller.candidates[0]})
         return cfg.model_copy(update={"aggregator": agg})
 
-    def start(self, trainer: Trainer) -> None:
+    def start(self, ctx: Context) -> None:
         """Size the search to the trainer's model: leave out candidate ratios whose
         ``k = ratio * d`` would round to 0 entries (a small model with the paper's 0.001),
         saying so; none left is an error."""
-        d = trainer.layout.smallest_group(trainer)
-        self._dense_bytes = trainer.layout.synced_bytes(trainer)
+        d = ctx.layout.smallest_group(ctx)
+        self._dense_bytes = ctx.layout.synced_bytes(ctx)
         keep = tuple(c for c in self.controller.candidates if c * d >= 1.0)
         if not keep:
             raise ValueError(
@@ -86,21 +89,21 @@ class AdaptiveRatio(Controller):
 
     # ------------------------------------------------------------------ programs
 
-    def program_key(self, trainer: Trainer) -> tuple[float, str]:
+    def program_key(self, ctx: Context) -> tuple[float, str]:
         c = self.controller
         if c.ratio is None:  # before the first search: the config's own setting
             agg = self.cfg.aggregator
             return float(agg.ratio), "ring" if agg.reduce == "auto" else agg.reduce
         return c.ratio, c.collective
 
-    def make_tx(self, trainer: Trainer, key: tuple[float, str]) -> optax.GradientTransformation:
+    def make_tx(self, ctx: Context, key: tuple[float, str]) -> optax.GradientTransformation:
         agg = self.cfg.aggregator.model_copy(update={"ratio": key[0], "reduce": key[1]})
         return optax.chain(make_aggregator(self.cfg.model_copy(update={"aggregator": agg})),
                            make_optimizer(self.cfg))  # fmt: skip
 
     # ------------------------------------------------------------------ search
 
-    def compress_seconds(self, trainer: Trainer, ratio: float) -> float:
+    def compress_seconds(self, ctx: Context, ratio: float) -> float:
         """Seconds of one top-k selection of this model's gradient at ``ratio``.
 
         Measured on this host as a multiple of a copy of the same array; with a ``compute``
@@ -114,17 +117,17 @@ class AdaptiveRatio(Controller):
             k = max(1, ratio_k(ratio, d))
             method = self.cfg.aggregator.method
             select_s, copy_s = _agreed(_selection_cost(d, k, method))
-            if trainer.compute_model is None:
+            if ctx.compute_model is None:
                 self._compress[ratio] = select_s
             else:
                 x = jax.ShapeDtypeStruct((d,), jnp.float32)
                 copy = jax.jit(jnp.copy).lower(x).compile()
-                model = trainer.compute_model
+                model = ctx.compute_model
                 device_copy = model.seconds(jaxcomm.audit.program_cost(copy).per_device())[0]
                 self._compress[ratio] = float(select_s / copy_s * device_copy)
         return self._compress[ratio]
 
-    def search(self, trainer: Trainer, network: Network) -> list[Trial]:
+    def search(self, ctx: Context, network: Network) -> list[Trial]:
         """Try every candidate from a snapshot of the trainer's state, restore it, choose
         the knee.
 
@@ -132,66 +135,64 @@ class AdaptiveRatio(Controller):
         position are exactly as before. The trial steps' simulated seconds are added to the
         clock and kept in ``last_search_s``.
         """
-        params, opt_state = trainer.params, trainer.opt_state
-        position = trainer.loader.position
+        params, opt_state = ctx.params, ctx.opt_state
+        position = ctx.loader.position
         trials, seconds = [], 0.0
         for c, ratio in enumerate(self.controller.candidates):
-            key = (ratio, REDUCE[choose_collective(self._dense_bytes, trainer.n, ratio, network)])
+            key = (ratio, REDUCE[choose_collective(self._dense_bytes, ctx.n, ratio, network)])
             p, s = _copy(params), _copy(opt_state)
             gains = []
             for i in range(self.controller.trial_steps):
-                p, s, finite, logs, measured, program = trainer.layout.trial_step(
-                    trainer, key, p, s
-                )
+                p, s, finite, logs, measured, program = ctx.layout.trial_step(ctx, key, p, s)
                 if not finite:
                     break  # a candidate that diverges is not a candidate
                 gains.append(_gain(s))
                 measured = _agreed([measured])[0]
                 # Trial steps run on the cluster beside the numbered ones: their own
                 # straggler draws (stream 2 + candidate), not those of the steps that follow.
-                seconds += trainer.simulate_logged(
+                seconds += ctx.simulate_logged(
                     step_traffic(to_host(logs)),
                     network,
-                    trainer.step + i,
+                    ctx.step + i,
                     measured_s=measured,
                     key=program,
                     stream=2 + c,
                 )[0]
             else:
                 trials.append(
-                    Trial(ratio, float(np.mean(gains)), self.compress_seconds(trainer, ratio))
+                    Trial(ratio, float(np.mean(gains)), self.compress_seconds(ctx, ratio))
                 )
-            trainer.loader.restore({"position": position, "seed": self.cfg.seed})
-        trainer.params, trainer.opt_state = params, opt_state
+            ctx.loader.restore({"position": position, "seed": self.cfg.seed})
+        ctx.params, ctx.opt_state = params, opt_state
         if not trials:
             raise FloatingPointError(
-                f"step {trainer.step + 1}: every candidate ratio became non-finite in its "
-                f"trial; {trainer._checkpoint_note()}"
+                f"step {ctx.step + 1}: every candidate ratio became non-finite in its "
+                f"trial; {ctx.checkpoint_note()}"
             )
-        self.controller.record(trials, trainer.step)
-        self.controller.choose(self._dense_bytes, trainer.n, network)
-        trainer.clock.advance(seconds)
+        self.controller.record(trials, ctx.step)
+        self.controller.choose(self._dense_bytes, ctx.n, network)
+        ctx.clock.advance(seconds)
         self.last_search_s = seconds
         return trials
 
     # ------------------------------------------------------------------ hooks
 
-    def before_step(self, trainer: Trainer) -> None:
-        network = trainer.schedule.at(trainer.step)
-        due = self.controller.due(trainer.step, network)
+    def before_step(self, ctx: Context) -> None:
+        network = ctx.schedule.at(ctx.step)
+        due = self.controller.due(ctx.step, network)
         self._event, self._search_s = due or "", 0.0
         if due == "search":
-            self.search(trainer, network)
+            self.search(ctx, network)
             self._search_s = self.last_search_s
         elif due == "choose":
-            self.controller.choose(self._dense_bytes, trainer.n, network)
+            self.controller.choose(self._dense_bytes, ctx.n, network)
 
-    def after_step(self, trainer: Trainer) -> None:
+    def after_step(self, ctx: Context) -> None:
         # The controller reads each step's gain before it decides on the next step.
-        self.controller.observe(_gain(trainer.opt_state))
+        self.controller.observe(_gain(ctx.opt_state))
 
-    def step_extras(self, trainer: Trainer, report: dict[str, Any]) -> dict[str, Any]:
-        ratio, collective = self.program_key(trainer)
+    def step_extras(self, ctx: Context, report: dict[str, Any]) -> dict[str, Any]:
+        ratio, collective = self.program_key(ctx)
         return {
             "ratio": ratio,
             "collective": collective,
@@ -203,7 +204,7 @@ class AdaptiveRatio(Controller):
         table = [[r, s] for r, s in self._compress.items()]
         return {"adaptive": self.controller.state_dict(), "compress_s": table}
 
-    def restore_extras(self, trainer: Trainer, extras: dict[str, Any]) -> None:
+    def restore_extras(self, ctx: Context, extras: dict[str, Any]) -> None:
         if "adaptive" not in extras:
             raise ValueError(
                 "the checkpoint holds no adaptive-ratio state; it was not written by an "

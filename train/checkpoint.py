@@ -798,18 +798,18 @@ def _differences(a: Any, b: Any, where: str = "") -> list[tuple[str, Any, Any]]:
 # ---------------------------------------------------------------------- a trainer's state
 
 
-def run_fingerprint(t: Any) -> dict[str, Any]:
+def run_fingerprint(ctx: Any) -> dict[str, Any]:
     """What a checkpoint must match to be resumed into trainer ``t``: the run's settings
     that shape its state, its parts' (layout, synchronisation, controller) entries and the
     parameter shapes."""
-    cfg = t.cfg
-    shapes = jax.tree_util.tree_map(lambda a: list(a.shape[1:]), t.params)
+    cfg = ctx.cfg
+    shapes = jax.tree_util.tree_map(lambda a: list(a.shape[1:]), ctx.params)
     fields = lambda section: {k: v for k, v in section.to_dict().items() if k != "name"}  # noqa: E731
     return {
         "task": cfg.task,
         "model": fields(cfg.model),
         "dataset": cfg.dataset,
-        "workers": t.n,
+        "workers": ctx.n,
         "global_batch": cfg.global_batch,
         "seed": cfg.seed,
         "optimizer": cfg.optimizer.name,
@@ -820,43 +820,43 @@ def run_fingerprint(t: Any) -> dict[str, Any]:
         "aggregator": cfg.aggregator.key,
         "aggregator_args": fields(cfg.aggregator),
         "step_sizes": list(type(cfg.aggregator).step_sizes),
-        **{k: v for part in t.parts for k, v in part.fingerprint().items()},
+        **{k: v for part in ctx.parts for k, v in part.fingerprint().items()},
         "param_shapes": jax.tree_util.tree_flatten_with_path(shapes)[0].__repr__(),
     }
 
 
-def _state_tree(t: Any) -> dict[str, Any]:
+def _state_tree(ctx: Any) -> dict[str, Any]:
     """Everything trainer ``t`` saves as arrays: the layout's parameters and optimizer
     state, the step, the loader position and the simulated clock."""
     return {
-        **t.layout.state_tree(t),
-        "step": np.asarray(t.step, np.int64),
-        "loader_position": np.asarray(t.loader.position, np.int64),
-        "clock": np.asarray(t.clock.now, np.float64),
+        **ctx.layout.state_tree(ctx),
+        "step": np.asarray(ctx.step, np.int64),
+        "loader_position": np.asarray(ctx.loader.position, np.int64),
+        "clock": np.asarray(ctx.clock.now, np.float64),
     }
 
 
-def save_run(t: Any, store: Checkpoints) -> None:
+def save_run(ctx: Any, store: Checkpoints) -> None:
     """Checkpoint trainer ``t`` at its current step (atomic: a crash leaves the previous
     one): the layout's host state first (e.g. message-buffer snapshots), then the arrays,
     the fingerprint and the parts' host-side extras (JSON) in one Orbax commit."""
-    t.layout.before_save(t, store)
+    ctx.layout.before_save(ctx, store)
     extras: dict[str, Any] = {}
-    for part in t.parts:
+    for part in ctx.parts:
         extras.update(part.checkpoint_extras())
-    store.save(t.step, _state_tree(t), run_fingerprint(t), extras)
-    t.store = store
-    t.layout.after_save(t, store)
+    store.save(ctx.step, _state_tree(ctx), run_fingerprint(ctx), extras)
+    ctx.store = store
+    ctx.layout.after_save(ctx, store)
 
 
-def restore_run(t: Any, store: Checkpoints, *, allow_unverified: bool = False) -> bool:
+def restore_run(ctx: Any, store: Checkpoints, *, allow_unverified: bool = False) -> bool:
     """Load the newest intact checkpoint of ``store`` into trainer ``t`` (see
     :meth:`Checkpoints.restore`): state, parts' extras, step, loader position, clock and
     the layout's host state; False when there is none."""
-    t.store = store
+    ctx.store = store
     found = store.restore(
-        _state_tree(t),
-        run_fingerprint(t),
+        _state_tree(ctx),
+        run_fingerprint(ctx),
         per_worker=("params", "opt_state"),
         allow_unverified=allow_unverified,
     )
@@ -869,11 +869,11 @@ def restore_run(t: Any, store: Checkpoints, *, allow_unverified: bool = False) -
             f"{int(state['step'])}, not {step}: it was renamed; move it back to "
             f"{str(store.folder / str(int(state['step'])))!r} or out of the folder"
         )
-    t.layout.set_state(t, state["params"], state["opt_state"])
-    for part in t.parts:
-        part.restore_extras(t, extras)
-    t.step = step
-    t.loader.restore({"position": int(state["loader_position"]), "seed": t.cfg.seed})
-    t.clock.restore({"now": float(state["clock"]), "overlap": t.cfg.overlap})
-    t.layout.after_restore(t)
+    ctx.layout.set_state(ctx, state["params"], state["opt_state"])
+    for part in ctx.parts:
+        part.restore_extras(ctx, extras)
+    ctx.step = step
+    ctx.loader.restore({"position": int(state["loader_position"]), "seed": ctx.cfg.seed})
+    ctx.clock.restore({"now": float(state["clock"]), "overlap": ctx.cfg.overlap})
+    ctx.layout.after_restore(ctx)
     return True

@@ -68,7 +68,8 @@ def _epilog() -> str:
     return "\n".join(lines)
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m train``."""
     p = argparse.ArgumentParser(
         prog=RUN,
         description=plain(__doc__),
@@ -119,12 +120,13 @@ def list_keys() -> str:
 
     out = []
     for key, default, text in key_docs():
-        out.append(f"{key} ({_default(default)})")
+        out.append(f"{key} ({format_default(default)})")
         out += textwrap.wrap(plain(text), width=92, initial_indent="    ", subsequent_indent="    ")
     return "\n".join(out)
 
 
-def _default(value: Any, quote: str = "") -> str:
+def format_default(value: Any, quote: str = "") -> str:
+    """A config key's default as the reference shows it (``...``: required)."""
     return "required" if value is ... else f"default: {quote}{value!r}{quote}"
 
 
@@ -132,63 +134,6 @@ def plain(text: str) -> str:
     """Docstring markup as a terminal shows it: ````x```` and ``:func:`x``` become ``x``."""
     text = re.sub(r":\w+:`~?([^`]+)`", r"\1", text)
     return re.sub(r"``([^`]+)``", r"\1", text)
-
-
-def reference_page() -> str:
-    """The command line and config reference (``docs/cli.md``), in Markdown: every
-    command's ``--help`` and every config key with its default and meaning."""
-    from .config import key_docs
-    from .estimate import _parser as estimate_parser
-    from .launch import _parser as launch_parser
-
-    def help_text(parser: argparse.ArgumentParser) -> str:
-        import io
-
-        out = io.StringIO()
-        width = os.environ.get("COLUMNS")
-        os.environ["COLUMNS"] = "100"  # the same page whatever the terminal
-        try:
-            parser.print_help(out)
-        finally:
-            if width is None:
-                os.environ.pop("COLUMNS")
-            else:
-                os.environ["COLUMNS"] = width
-        return out.getvalue().rstrip()
-
-    parts = [
-        "# Command line and config reference",
-        "",
-        "Written from the code at every docs build (`train.cli.reference_page`); a test",
-        "checks that this page is current.",
-        "",
-        "## `python -m train`",
-        "",
-        "```text",
-        help_text(_parser()),
-        "```",
-        "",
-        "## `python -m train.launch`",
-        "",
-        "```text",
-        help_text(launch_parser()),
-        "```",
-        "",
-        "## `python -m train.estimate`",
-        "",
-        "```text",
-        help_text(estimate_parser()),
-        "```",
-        "",
-        "## Config keys",
-        "",
-        "A YAML config (`--config`) sets any of these; `--set key=value` overrides one (a",
-        "nested one as `--set model.width=64`).",
-        "",
-    ]
-    for key, default, text in key_docs():
-        parts += [f"`{key}` ({_default(default, '`')})", f": {text}", ""]
-    return "\n".join(parts).rstrip() + "\n"
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
@@ -237,7 +182,7 @@ def _failed(message: str, code: int = 1) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, run one training job, print its summary."""
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     if args.list_keys:
         try:
             print(list_keys())

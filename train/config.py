@@ -982,10 +982,14 @@ def translate_legacy(data: dict[str, Any]) -> dict[str, Any]:
         return {"name": value} if isinstance(value, str) else dict(value)
 
     if "task" in data:
-        model = section("model", "gpt")
+        model = (
+            dict(data["model"]) if isinstance(data.get("model"), dict) else section("model", "gpt")
+        )
         task = data.pop("task")
-        # Another model family: the old family's fields are not the new one's.
-        data["model"] = {**model, "name": task} if model.get("name") == task else {"name": task}
+        # An earlier config's model fields (no name) are its task's; a model of another
+        # family (a base config's) is not: the task starts its own family afresh.
+        same = model.get("name", task) == task
+        data["model"] = {**model, "name": task} if same else {"name": task}
     opt_keys = {"lr", "muon_lr", "weight_decay", "clip_norm"}
     sched_keys = {"lr_schedule": "name", "lr_warmup_steps": "warmup_steps",
                   "lr_warmup_from": "warmup_from", "lr_floor": "floor",

@@ -45,7 +45,7 @@ from .programs import (
 )
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from .context import Context
 
 __all__ = ["DataParallel"]
 
@@ -76,9 +76,9 @@ class DataParallel(Layout):
 
     # ------------------------------------------------------------------ state and steps
 
-    def init_state(self, t: Trainer) -> tuple[Any, Any]:
-        params = t.initial_params()
-        tx = t._make_tx()
+    def init_state(self, ctx: Context) -> tuple[Any, Any]:
+        params = ctx.initial_params()
+        tx = ctx.make_tx()
         init = jax.jit(
             jax.shard_map(
                 lambda p: expand(tx.init(squeeze(p))),
@@ -99,15 +99,15 @@ class DataParallel(Layout):
 
         return jax.tree_util.tree_map(spread, params), init(jax.tree_util.tree_map(spread, params))
 
-    def build(self, t: Trainer) -> None:
-        self._step = self._build_step(t, t._make_tx())
-        self._eval_step = self._build_eval(t)
+    def build(self, ctx: Context) -> None:
+        self._step = self._build_step(ctx, ctx.make_tx())
+        self._eval_step = self._build_eval(ctx)
         self._programs.clear()
         self._modelled.clear()
 
-    def _build_step(self, t: Trainer, tx: optax.GradientTransformation) -> Callable:
+    def _build_step(self, ctx: Context, tx: optax.GradientTransformation) -> Callable:
         """The jitted step of the per-worker transform ``tx``."""
-        task = t.task
+        task = ctx.task
 
         def per_worker(params, opt_state, batch):
             # params, opt_state: [1, ...] this worker's; batch: [1, B / N, ...]
@@ -131,8 +131,8 @@ class DataParallel(Layout):
         )
         return jax.jit(step, donate_argnums=(0, 1))
 
-    def _build_eval(self, t: Trainer) -> Callable:
-        task = t.task
+    def _build_eval(self, ctx: Context) -> Callable:
+        task = ctx.task
 
         def per_worker(params, batch):
             _, metrics = task.loss(squeeze(params), squeeze(batch))
@@ -141,52 +141,52 @@ class DataParallel(Layout):
         f = jax.shard_map(per_worker, mesh=self.mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=P())
         return jax.jit(f)
 
-    def compiled_step(self, t: Trainer, key: Any = None) -> Any:
+    def compiled_step(self, ctx: Context, key: Any = None) -> Any:
         """The train step of program ``key`` (None: the parts' own; a controller's key:
         its transform's) compiled ahead of time for the loader's batch shapes, audited
         (:func:`~train.programs.checked`); compiled on first use."""
         if key not in self._programs:
-            batch = self.put_batch(t.train_data.get(t.loader.batch_ids(0)))
+            batch = self.put_batch(ctx.train_data.get(ctx.loader.batch_ids(0)))
             if self.abstract:
                 batch = structs(batch, self.sharded)
             step = self._step
-            if key is not None and t.control is not None:
-                step = self._build_step(t, t.control.make_tx(t, key))
-            lowered = step.lower(t.params, t.opt_state, batch)
+            if key is not None and ctx.control is not None:
+                step = self._build_step(ctx, ctx.control.make_tx(ctx, key))
+            lowered = step.lower(ctx.params, ctx.opt_state, batch)
             self._programs[key] = checked(lowered.compile())
         return self._programs[key]
 
-    def compile(self, t: Trainer) -> None:
-        self.compiled_step(t, self.program_key(t))
+    def compile(self, ctx: Context) -> None:
+        self.compiled_step(ctx, self.program_key(ctx))
         self._prefetched = None
 
-    def launch(self, t: Trainer, step: int, lagging: bool) -> Flight:
-        program = self.compiled_step(t, self.program_key(t))
-        batch = self._next_batch(t)
+    def launch(self, ctx: Context, step: int, lagging: bool) -> Flight:
+        program = self.compiled_step(ctx, self.program_key(ctx))
+        batch = self._next_batch(ctx)
         t0 = time.perf_counter()
-        params, opt_state, metrics, finite, report = program(t.params, t.opt_state, batch)
-        t.params, t.opt_state = params, opt_state
-        report = {**report, **t.parts_report(params, opt_state)}
+        params, opt_state, metrics, finite, report = program(ctx.params, ctx.opt_state, batch)
+        ctx.params, ctx.opt_state = params, opt_state
+        report = {**report, **ctx.parts_report(params, opt_state)}
         if not lagging:
             jax.block_until_ready((params, opt_state))
             return Flight(step, metrics, finite, report, [], t0, time.perf_counter() - t0)
         # A thread stamps when the step's outputs are ready, whatever the host loop is
         # doing then (compute_s must not count the host's own work).
-        ready = t.waiter().submit(ready_at, (metrics, finite))
-        if step < t.cfg.steps:
-            self._prefetch(t)  # host work while the devices run the step
+        ready = ctx.waiter().submit(ready_at, (metrics, finite))
+        if step < ctx.cfg.steps:
+            self._prefetch(ctx)  # host work while the devices run the step
         return Flight(step, metrics, finite, report, [], t0, None, ready)
 
-    def trial_step(self, t: Trainer, key: Any, params: Any, opt_state: Any) -> tuple:
-        program = self.compiled_step(t, key)
-        batch = self.put_batch(t.loader.next())
+    def trial_step(self, ctx: Context, key: Any, params: Any, opt_state: Any) -> tuple:
+        program = self.compiled_step(ctx, key)
+        batch = self.put_batch(ctx.loader.next())
         t0 = time.perf_counter()
         p, s, _, finite, _ = program(params, opt_state, batch)
         jax.block_until_ready((p, s))
         measured = time.perf_counter() - t0
         return p, s, host_finite(to_host(finite)), find_logs(s), measured, key
 
-    def state_logs(self, t: Trainer, opt_state: Any) -> list[Any]:
+    def state_logs(self, ctx: Context, opt_state: Any) -> list[Any]:
         return find_logs(opt_state)
 
     # ------------------------------------------------------------------ batches
@@ -209,47 +209,47 @@ class DataParallel(Layout):
             out[k] = jax.make_array_from_single_device_arrays(shape, self.sharded, parts)
         return out
 
-    def batch_at(self, t: Trainer, position: int) -> dict[str, jax.Array]:
+    def batch_at(self, ctx: Context, position: int) -> dict[str, jax.Array]:
         """The device batch of loader position ``position``; each process loads only its
         own workers' samples."""
-        ids = t.loader.batch_ids(position)
+        ids = ctx.loader.batch_ids(position)
         if jax.process_count() == 1:
-            return self.put_batch(t.train_data.get(ids))
+            return self.put_batch(ctx.train_data.get(ids))
         rows = shard({"ids": ids}, self.n)["ids"][self.local_rows]
-        local = t.train_data.get(rows.reshape(-1))
+        local = ctx.train_data.get(rows.reshape(-1))
         return self._put_local({k: v.reshape(*rows.shape, *v.shape[1:]) for k, v in local.items()})
 
-    def _next_batch(self, t: Trainer) -> dict[str, jax.Array]:
+    def _next_batch(self, ctx: Context) -> dict[str, jax.Array]:
         """The device batch at the loader's position (the prefetched one when it is that
         position's), advancing the loader."""
-        pos = t.loader.position
+        pos = ctx.loader.position
         fetched, self._prefetched = self._prefetched, None
-        batch = fetched[1] if fetched is not None and fetched[0] == pos else self.batch_at(t, pos)
-        t.loader.position = pos + 1
+        batch = fetched[1] if fetched is not None and fetched[0] == pos else self.batch_at(ctx, pos)
+        ctx.loader.position = pos + 1
         return batch
 
-    def _prefetch(self, t: Trainer) -> None:
+    def _prefetch(self, ctx: Context) -> None:
         """Load the next batch and start its copy to the devices (``device_put`` is
         asynchronous), keyed by its loader position."""
-        self._prefetched = (t.loader.position, self.batch_at(t, t.loader.position))
+        self._prefetched = (ctx.loader.position, self.batch_at(ctx, ctx.loader.position))
 
     # ------------------------------------------------------------------ programs
 
-    def program_key(self, t: Trainer) -> Any:
+    def program_key(self, ctx: Context) -> Any:
         """The controller's choice of program, or None (one program)."""
-        return None if t.control is None else t.control.program_key(t)
+        return None if ctx.control is None else ctx.control.program_key(ctx)
 
-    def step_programs(self, t: Trainer, key: Any) -> list[tuple[Any, np.ndarray]]:
+    def step_programs(self, ctx: Context, key: Any) -> list[tuple[Any, np.ndarray]]:
         """The one data-parallel step of program ``key`` (default: the current one)."""
-        key = self.program_key(t) if key is None else key
-        return [(self.compiled_step(t, key), np.arange(self.n))]
+        key = self.program_key(ctx) if key is None else key
+        return [(self.compiled_step(ctx, key), np.arange(self.n))]
 
     def simulate_step(
-        self, t, key, traffic, network, step, *, measured_s, overlap, branches, stream
+        self, ctx, key, traffic, network, step, *, measured_s, overlap, branches, stream
     ):
         """The synchronous step: the slowest device's compute, then the collectives."""
         return self.synchronous_seconds(
-            t,
+            ctx,
             key,
             traffic,
             network,
@@ -262,41 +262,41 @@ class DataParallel(Layout):
 
     # ------------------------------------------------------------------ model and files
 
-    def state_tree(self, t: Trainer) -> dict[str, Any]:
-        return {"params": t.params, "opt_state": t.opt_state}
+    def state_tree(self, ctx: Context) -> dict[str, Any]:
+        return {"params": ctx.params, "opt_state": ctx.opt_state}
 
-    def set_state(self, t: Trainer, params: Any, opt_state: Any) -> None:
-        t.params, t.opt_state = params, opt_state
+    def set_state(self, ctx: Context, params: Any, opt_state: Any) -> None:
+        ctx.params, ctx.opt_state = params, opt_state
 
-    def before_save(self, t: Trainer, store: Any) -> None:
+    def before_save(self, ctx: Context, store: Any) -> None:
         """Nothing on the host beyond the arrays."""
 
-    def after_save(self, t: Trainer, store: Any) -> None:
+    def after_save(self, ctx: Context, store: Any) -> None:
         """Nothing to clean up."""
 
-    def after_restore(self, t: Trainer) -> None:
+    def after_restore(self, ctx: Context) -> None:
         """Nothing on the host to restore."""
 
-    def evaluate(self, t: Trainer, data: Any) -> dict[str, float]:
-        batch_size = min(t.cfg.global_batch, len(data) // self.n * self.n)
+    def evaluate(self, ctx: Context, data: Any) -> dict[str, float]:
+        batch_size = min(ctx.cfg.global_batch, len(data) // self.n * self.n)
         loader = Loader(data, batch_size, seed=0, num_shards=self.n, shuffle=False)
         totals: dict[str, float] = {}
-        count = min(t.cfg.eval_batches, loader.batches_per_epoch)
-        params = t.eval_params()
+        count = min(ctx.cfg.eval_batches, loader.batches_per_epoch)
+        params = ctx.eval_params()
         for _ in range(count):
             m = self._eval_step(params, self.put_batch(loader.next()))
             for k, v in to_host(m).items():
                 totals[k] = totals.get(k, 0.0) + float(v) / count
         return totals
 
-    def num_params(self, t: Trainer) -> int:
-        return sum(math.prod(a.shape[1:]) for a in jax.tree_util.tree_leaves(t.params))
+    def num_params(self, ctx: Context) -> int:
+        return sum(math.prod(a.shape[1:]) for a in jax.tree_util.tree_leaves(ctx.params))
 
-    def model_params(self, t: Trainer, params: Any) -> Any:
+    def model_params(self, ctx: Context, params: Any) -> Any:
         return jax.tree_util.tree_map(lambda a: a[0], params)
 
-    def synced_bytes(self, t: Trainer) -> int:
-        return 4 * self.num_params(t)
+    def synced_bytes(self, ctx: Context) -> int:
+        return 4 * self.num_params(ctx)
 
-    def smallest_group(self, t: Trainer) -> int:
-        return self.num_params(t)
+    def smallest_group(self, ctx: Context) -> int:
+        return self.num_params(ctx)

@@ -50,7 +50,7 @@ made it, not at the merge ``overlap`` steps later.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -58,15 +58,20 @@ import numpy as np
 import optax
 
 import jaxcomm
-from jaxcomm._src.diloco import DiLoCoState
+from jaxcomm._src.diloco import DILOCO_SCOPE, DILOCO_WARMUP_SCOPE, DiLoCoState
 from jaxcomm._src.network import Network
+from jaxcomm._src.sparse import ROOT_SCOPE
 
 from .clock import wire_time
-from .config import Config
-from .localsgd import _divergence
+from .config import Config, DiLoCoSync
+from .localsgd import divergence
 from .models import layer_groups
-from .sync import Sync, build_context
-from .trainer import AXIS, Trainer, make_optimizer
+from .pipeline_programs import OWNED
+from .programs import AXIS
+from .sync import Sync, build_context, make_optimizer
+
+if TYPE_CHECKING:
+    from .context import Context
 
 __all__ = ["DiLoCo", "link_step"]
 
@@ -124,6 +129,7 @@ class DiLoCo(Sync):
     """DiLoCo / Streaming DiLoCo around the optimizer (see module)."""
 
     reads_state = False
+    runs = (DiLoCoSync,)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -188,10 +194,10 @@ class DiLoCo(Sync):
             s.period, schedule=self.schedule, overlap=s.overlap
         )
 
-    def make_tx(self, trainer: Trainer) -> optax.GradientTransformation:
-        n, data = trainer.n, trainer.train_data
+    def make_tx(self, ctx: Context) -> optax.GradientTransformation:
+        n, data = ctx.n, ctx.train_data
         sample = data.get(np.arange(self.cfg.global_batch // n))
-        params = jax.eval_shape(lambda k: trainer.task.init(k, sample), jax.random.key(0))
+        params = jax.eval_shape(lambda k: ctx.task.init(k, sample), jax.random.key(0))
         names = layer_groups(params)
         if self.sync.fragments > len(names):
             raise ValueError(
@@ -203,7 +209,7 @@ class DiLoCo(Sync):
         return self._wrapper(None if one else names, None if one else self.schedule)
 
     def group_txs(
-        self, trainer: Trainer, units: dict[str, Any], stages: int
+        self, ctx: Context, units: dict[str, Any], stages: int
     ) -> dict[str, optax.GradientTransformation]:
         """A pipeline's transforms: one wrapper per parameter group (``embed``, ``blocks``,
         ``head``), each synchronising its whole group over the ``data`` axis at the step
@@ -225,10 +231,10 @@ class DiLoCo(Sync):
 
     # ------------------------------------------------------------------ clock
 
-    def step_seconds(self, trainer, traffic, network, step, measured_s):
+    def step_seconds(self, ctx, traffic, network, step, measured_s):
         """``(step, compute, comm)`` seconds of step ``step`` on the link model of the
         module docstring (data parallel; None on a pipeline: GPipe's timeline)."""
-        if trainer.cfg.stages > 1:
+        if ctx.cfg.stages > 1:
             return None
         total = jaxcomm.audit.Traffic(
             sent=traffic.sent,
@@ -244,8 +250,8 @@ class DiLoCo(Sync):
                 overlap=self.sync.overlap,
                 warmup=self.warmup,
             )
-        _, compute, comm = trainer.simulate_step(
-            trainer._program_key(),
+        _, compute, comm = ctx.simulate_step(
+            ctx.program_key(),
             total,
             network,
             step,
@@ -257,6 +263,75 @@ class DiLoCo(Sync):
             self._wire, compute, comm, self.kind(step), step - self.warmup, self.sync.overlap
         )
         return seconds, compute, comm
+
+    def estimate(self, ctx, mode, branches):
+        """Each kind of step (inner only, synchronising a fragment, merging one) estimated
+        apart by ``mode``, then laid on the link clock (:func:`link_step`, as the trainer's
+        clock lays them) for three periods; the last period is the steady state. Top-level
+        figures are its per-step means (``sent_bytes_per_device``: the busiest step's),
+        ``diloco`` the details: compute utilisation (compute over wall time), peak and
+        per-period bytes; with ``warmup_steps`` also a warm-start step's figures
+        (``warmup_step_s``, ``warmup_comm_s``, ``warmup_sent_bytes_per_device``: a
+        data-parallel step, its all-reduce blocking), which the periods' figures leave out."""
+        if ctx.cfg.stages > 1:
+            raise ValueError(
+                "train.estimate of sync.method=diloco on a pipeline (stages > 1) is not "
+                "modelled: each parameter group synchronises on its own steps inside GPipe's "
+                "timeline; estimate the data-parallel shape (stages=1), or run it"
+            )
+        period, tau, batch = self.sync.period, self.sync.overlap, ctx.cfg.global_batch
+        kinds = list(dict.fromkeys(self._steps))
+        per_kind = {}
+        for b, kind in enumerate(kinds):
+            mine = dict(branches or {})
+            # AR-Topk's root inside a synchronising step: every root sends the same busiest
+            # device's bytes; the first is taken unless given.
+            if self.sync.compress is not None and self.sync.compress.key == "ar_topk":
+                mine.setdefault(ROOT_SCOPE, 0)
+            if len(kinds) > 1 or self.warmup:
+                mine[DILOCO_SCOPE] = b
+            if self.warmup:
+                mine[DILOCO_WARMUP_SCOPE] = 0
+            per_kind[kind] = mode(None, mine)
+        wire: dict[str, Any] = {"t": 0.0, "free": 0.0, "arrive": {}}
+        seconds, compute = [], []
+        for step in range(3 * period):
+            kind = self._steps[step % period]
+            m = per_kind[kind]
+            seconds.append(link_step(wire, m["compute_s"], m["comm_s"], kind, step, tau))
+            compute.append(m["compute_s"])
+        last = slice(2 * period, 3 * period)
+        sent = [per_kind[k]["sent_bytes_per_device"] for k in self._steps]
+        round_s = float(sum(seconds[last]))
+        busiest = max(per_kind.values(), key=lambda m: m["sent_bytes_per_device"])
+        warm = {}
+        if self.warmup:
+            m = mode(None, {**(branches or {}), DILOCO_SCOPE: len(kinds), DILOCO_WARMUP_SCOPE: 1})
+            fresh = {"t": 0.0, "free": 0.0, "arrive": {}}
+            warm = {
+                "warmup_steps": self.warmup,
+                "warmup_step_s": link_step(fresh, m["compute_s"], m["comm_s"], WARM, 0, tau),
+                "warmup_comm_s": m["comm_s"],
+                "warmup_sent_bytes_per_device": m["sent_bytes_per_device"],
+            }
+        return {
+            **busiest,
+            "step_s": round_s / period,
+            "compute_s": float(np.mean(compute[last])),
+            "comm_s": float(np.mean([per_kind[k]["comm_s"] for k in self._steps])),
+            "samples_per_s": batch * period / round_s,
+            "diloco": {
+                "period": period,
+                "overlap": tau,
+                "round_s": round_s,
+                "compute_utilisation": float(sum(compute[last]) / round_s),
+                "peak_sent_bytes_per_device": int(max(sent)),
+                "sent_bytes_per_period": int(sum(sent)),
+                "sync_comm_s": float(max(per_kind[k]["comm_s"] for k in kinds)),
+                "inner_step_s": float(min(per_kind[k]["compute_s"] for k in kinds)),
+                **warm,
+            },
+        }
 
     def replay(self, rows: list[dict[str, Any]], network: Network) -> np.ndarray:
         """Seconds of every step of a finished data-parallel run (its metrics rows, from
@@ -284,30 +359,30 @@ class DiLoCo(Sync):
     def checkpoint_extras(self) -> dict[str, Any]:
         return {"diloco_wire": dict(self._wire)}
 
-    def restore_extras(self, trainer: Trainer, extras: dict[str, Any]) -> None:
+    def restore_extras(self, ctx: Context, extras: dict[str, Any]) -> None:
         if "diloco_wire" in extras:
             w = extras["diloco_wire"]
             self._wire = {"t": w["t"], "free": w["free"], "arrive": dict(w["arrive"])}
 
     # ------------------------------------------------------------------ the synchronised model
 
-    def report(self, trainer: Trainer, params: Any, opt_state: Any) -> dict[str, Any]:
+    def report(self, ctx: Context, params: Any, opt_state: Any) -> dict[str, Any]:
         # One flag per parameter group (a pipeline's live on different devices).
         finite = [_finite(s.anchor) for s in _states(opt_state)]
-        return {"divergence": _divergence(params), "anchor_finite": finite}
+        return {"divergence": divergence(params), "anchor_finite": finite}
 
-    def step_extras(self, trainer: Trainer, report: dict[str, Any]) -> dict[str, Any]:
+    def step_extras(self, ctx: Context, report: dict[str, Any]) -> dict[str, Any]:
         if not bool(np.all(report["anchor_finite"])):
             # Caught at the synchronisation, not overlap steps later at the merge.
             raise FloatingPointError(
-                f"step {trainer.step}: theta_sync became non-finite (a worker's "
-                f"pseudo-gradient held NaN or Inf); {trainer._checkpoint_note()}"
+                f"step {ctx.step}: theta_sync became non-finite (a worker's "
+                f"pseudo-gradient held NaN or Inf); {ctx.checkpoint_note()}"
             )
         # -1: no fragment synchronised (-2 on a warm-start step, which averages gradients).
-        fragment = self.kind(trainer.step - 1)[0]
+        fragment = self.kind(ctx.step - 1)[0]
         return {"divergence": float(report["divergence"]), "sync_fragment": fragment}
 
-    def eval_params(self, trainer: Trainer, params: Any) -> Any:
+    def eval_params(self, ctx: Context, params: Any) -> Any:
         """``theta_sync`` in the parameters' dtypes and placement."""
 
         def anchor(opt_state: Any) -> Any:
@@ -316,17 +391,15 @@ class DiLoCo(Sync):
         def place(a: Any, p: Any) -> Any:
             return jax.device_put(a.astype(p.dtype), p.sharding)
 
-        opt = trainer.opt_state
-        if trainer.cfg.stages == 1:
+        opt = ctx.opt_state
+        if ctx.cfg.stages == 1:
             return jax.tree_util.tree_map(place, anchor(opt), params)
-        from .pipeline_programs import OWNED
-
         out = {}
         for name in params:
             a = anchor(opt[name])
             if name in OWNED:  # [D, 1, ...] on the owner stage's devices
                 cast = jax.tree_util.tree_map(lambda x, p: x.astype(p.dtype), a, params[name])
-                out[name] = trainer.layout.owned.merged(params[name], cast)
+                out[name] = ctx.layout.owned.merged(params[name], cast)
             else:
                 out[name] = jax.tree_util.tree_map(place, a, params[name])
         return out

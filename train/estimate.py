@@ -32,7 +32,8 @@ from typing import Any
 from . import RUN
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m train.estimate``."""
     p = argparse.ArgumentParser(prog=f"{RUN}.estimate", description=__doc__)
     p.add_argument("--config", help="YAML experiment config (default: built-in defaults)")
     p.add_argument(
@@ -58,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _mode(
-    trainer: Any, key: Any, network: Any, overlap: bool, batch: int, branches: Any = None
+    ctx: Any, key: Any, network: Any, overlap: bool, batch: int, branches: Any = None
 ) -> dict[str, Any]:
     """The estimate of one compiled step (``key`` picks the boundary mode)."""
     import numpy as np
@@ -74,13 +75,13 @@ def _mode(
             costs[id(program)] = cost.per_device(mine)
         return costs[id(program)]
 
-    flops = trainer.layout.per_device(trainer, key, lambda p: cost(p).flops)
-    hbm = trainer.layout.per_device(trainer, key, lambda p: cost(p).hbm_bytes)
+    flops = ctx.layout.per_device(ctx, key, lambda p: cost(p).flops)
+    hbm = ctx.layout.per_device(ctx, key, lambda p: cost(p).hbm_bytes)
     try:
-        traffic = trainer.step_audit(key, branches)
+        traffic = ctx.step_audit(key, branches)
     except ValueError as e:
         raise ValueError(f"cannot cost the step's communication: {e}") from e
-    step_s, compute_s, comm_s = trainer.simulate_step(
+    step_s, compute_s, comm_s = ctx.simulate_step(
         key, traffic, network, 0, overlap=overlap, branches=branches
     )
     return {
@@ -92,83 +93,6 @@ def _mode(
         "hbm_bytes_per_device": float(hbm.max()),
         "sent_bytes_per_device": int(np.max(traffic.sent)),
         "rounds_per_device": int(np.max(traffic.rounds)),
-    }
-
-
-def _diloco(
-    trainer: Any, network: Any, overlap: bool, batch: int, branches: Any = None
-) -> dict[str, Any]:
-    """A DiLoCo run's figures: each kind of step (inner only, synchronising a fragment,
-    merging one) estimated apart, then laid on DiLoCo's link clock
-    (:func:`train.diloco.link_step`) for three periods; the last period is the steady
-    state. Top-level figures are its per-step means (``sent_bytes_per_device``: the
-    busiest step's), ``diloco`` the details: compute utilisation (compute over wall time),
-    peak and per-period bytes; with ``sync.warmup_steps`` also a warm-start step's figures
-    (``warmup_step_s``, ``warmup_comm_s``, ``warmup_sent_bytes_per_device``: a
-    data-parallel step, its all-reduce blocking), which the periods' figures leave out."""
-    import numpy as np
-
-    from jaxcomm._src.diloco import DILOCO_SCOPE, DILOCO_WARMUP_SCOPE
-
-    from .diloco import WARM, link_step
-
-    sync = trainer.sync
-    period, tau = sync.sync["period"], sync.sync["overlap"]
-    kinds = list(dict.fromkeys(sync._steps))
-    per_kind = {}
-    from jaxcomm._src.sparse import ROOT_SCOPE
-
-    for b, kind in enumerate(kinds):
-        mine = dict(branches or {})
-        # AR-Topk's root inside a synchronising step: every root sends the same busiest
-        # device's bytes; the first is taken unless given.
-        if sync._codec()[0] == "ar_topk":
-            mine.setdefault(ROOT_SCOPE, 0)
-        if len(kinds) > 1 or sync.warmup:
-            mine[DILOCO_SCOPE] = b
-        if sync.warmup:
-            mine[DILOCO_WARMUP_SCOPE] = 0
-        per_kind[kind] = _mode(trainer, None, network, overlap, batch, mine)
-    wire: dict[str, Any] = {"t": 0.0, "free": 0.0, "arrive": {}}
-    seconds, compute = [], []
-    for step in range(3 * period):
-        kind = sync._steps[step % period]
-        m = per_kind[kind]
-        seconds.append(link_step(wire, m["compute_s"], m["comm_s"], kind, step, tau))
-        compute.append(m["compute_s"])
-    last = slice(2 * period, 3 * period)
-    sent = [per_kind[k]["sent_bytes_per_device"] for k in sync._steps]
-    round_s = float(sum(seconds[last]))
-    busiest = max(per_kind.values(), key=lambda m: m["sent_bytes_per_device"])
-    warm = {}
-    if sync.warmup:
-        mine = {**(branches or {}), DILOCO_SCOPE: len(kinds), DILOCO_WARMUP_SCOPE: 1}
-        m = _mode(trainer, None, network, overlap, batch, mine)
-        step_s = link_step({"t": 0.0, "free": 0.0, "arrive": {}}, m["compute_s"], m["comm_s"],
-                           WARM, 0, tau)  # fmt: skip
-        warm = {
-            "warmup_steps": sync.warmup,
-            "warmup_step_s": step_s,
-            "warmup_comm_s": m["comm_s"],
-            "warmup_sent_bytes_per_device": m["sent_bytes_per_device"],
-        }
-    return {
-        **busiest,
-        "step_s": round_s / period,
-        "compute_s": float(np.mean(compute[last])),
-        "comm_s": float(np.mean([per_kind[k]["comm_s"] for k in sync._steps])),
-        "samples_per_s": batch * period / round_s,
-        "diloco": {
-            "period": period,
-            "overlap": tau,
-            "round_s": round_s,
-            "compute_utilisation": float(sum(compute[last]) / round_s),
-            "peak_sent_bytes_per_device": int(max(sent)),
-            "sent_bytes_per_period": int(sum(sent)),
-            "sync_comm_s": float(max(per_kind[k]["comm_s"] for k in kinds)),
-            "inner_step_s": float(min(per_kind[k]["compute_s"] for k in kinds)),
-            **warm,
-        },
     }
 
 
@@ -200,39 +124,36 @@ def estimates(
             "e.g. --set compute=v100); compute='measured' can only be measured by running"
         )
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, abstract=True)
+    ctx = Trainer(cfg, abstract=True).ctx
     # Compiled steps: one data-parallel step; a pipeline step per boundary mode (AQ-SGD's
     # deltas once every sample was seen, float32 in the first epoch).
     aqsgd = cfg.stages > 1 and cfg.boundary.key == "aqsgd"
     steady = None if cfg.stages == 1 else aqsgd
     results = []
-    diloco = cfg.sync is not None and cfg.sync.key == "diloco"
     for spec, overlap in [(n, o) for n in networks for o in overlaps or [cfg.overlap]]:
         network = NetworkSchedule.parse(spec).at(0)
         out: dict[str, Any] = {
             "config": cfg.name,
             "compute": cfg.compute,
-            "mfu": trainer.compute_model.mfu,
-            "memory_efficiency": trainer.compute_model.efficiency,
+            "mfu": ctx.compute_model.mfu,
+            "memory_efficiency": ctx.compute_model.efficiency,
             "network": spec,
             "overlap": overlap,
-            "devices": int(trainer.mesh.devices.size),
+            "devices": int(ctx.mesh.devices.size),
             "global_batch": cfg.global_batch,
         }
-        if diloco and cfg.stages > 1:
-            raise ValueError(
-                "train.estimate of sync.method=diloco on a pipeline (stages > 1) is not "
-                "modelled: each parameter group synchronises on its own steps inside GPipe's "
-                "timeline; estimate the data-parallel shape (stages=1), or run it"
-            )
-        if diloco:
-            out.update(_diloco(trainer, network, overlap, cfg.global_batch, branches))
-        else:
-            out.update(_mode(trainer, steady, network, overlap, cfg.global_batch, branches))
+
+        def mode(key: Any, mine: Any, network: Any = network, overlap: bool = overlap) -> dict:
+            return _mode(ctx, key, network, overlap, cfg.global_batch, mine)
+
+        # A synchronisation with its own timeline (DiLoCo's link) lays its kinds of step
+        # on it, as its part does for the trainer's clock.
+        own = ctx.sync.estimate(ctx, mode, branches)
+        out.update(own if own is not None else mode(steady, branches))
         if branches:
             out["branches"] = dict(branches)
         if aqsgd:
-            out["first_epoch"] = _mode(trainer, False, network, overlap, cfg.global_batch, branches)
+            out["first_epoch"] = mode(False, branches)
         out["step_time"] = _step_time(out, cfg, overlap)
         out["estimate_wall_s"] = time.perf_counter() - t0
         results.append(out)
@@ -328,7 +249,7 @@ def _compare(rows: list[tuple[str, dict[str, Any]]], base: dict[str, Any] | None
 
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, estimate one step, print (and optionally write) the figures."""
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     from .config import load_config
 
     try:

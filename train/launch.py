@@ -46,6 +46,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from . import RUN
+from .cli import config_from_args
+from .cli import parser as train_parser
 from .distributed import (
     ENV_COORDINATOR,
     ENV_LAUNCHED,
@@ -495,7 +497,7 @@ def elastic(
         )
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     """The launcher's own options (the rest pass through to ``python -m train``)."""
     p = argparse.ArgumentParser(
         prog=f"{RUN}.launch",
@@ -567,7 +569,7 @@ def _resume_folder_as_out_dir(train_args: list[str], folder: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``--processes`` (and ``--port``, ``--grace``), check the config, launch."""
-    p = _parser()
+    p = parser()
     args, train_args = p.parse_known_args(argv)
     if args.processes < 1:
         p.error(f"--processes must be >= 1, got {args.processes}")
@@ -575,9 +577,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--port must be in [1, 65535], got {args.port}")
     if args.grace < 0:
         p.error(f"--grace must be >= 0, got {args.grace}")
-    from .cli import _parser as train_parser
-    from .cli import config_from_args
-
     targs = train_parser().parse_args(train_args)
     if isinstance(targs.resume, str):  # every process, and every restart, resumes that folder
         train_args = _resume_folder_as_out_dir(train_args, targs.resume)

@@ -35,9 +35,9 @@ from .programs import costed
 from .sync import Part
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from .context import Context
 
-__all__ = ["Flight", "Layout", "make_layout"]
+__all__ = ["Flight", "Layout"]
 
 
 @dataclasses.dataclass
@@ -81,49 +81,49 @@ class Layout(Part, abc.ABC):
     # ------------------------------------------------------------------ state and steps
 
     @abc.abstractmethod
-    def init_state(self, t: Trainer) -> tuple[Any, Any]:
+    def init_state(self, ctx: Context) -> tuple[Any, Any]:
         """The per-worker ``(params, opt_state)`` before step 1 (shapes if abstract)."""
 
     @abc.abstractmethod
-    def build(self, t: Trainer) -> None:
+    def build(self, ctx: Context) -> None:
         """(Re)build the step functions from the parts' transforms, dropping every compiled
         program and cost made from earlier ones (the state's structure is unchanged)."""
 
     @abc.abstractmethod
-    def compile(self, t: Trainer) -> None:
+    def compile(self, ctx: Context) -> None:
         """Before the loop: compile the first step's program(s), so errors (an unlogged
         collective, a stale buffer) come before any step."""
 
     @abc.abstractmethod
-    def launch(self, t: Trainer, step: int, lagging: bool) -> Flight:
+    def launch(self, ctx: Context, step: int, lagging: bool) -> Flight:
         """Dispatch step ``step`` (1-based), set the trainer's new state, and return what
         the host reads of it later (finished already unless ``lagging``)."""
 
     @abc.abstractmethod
-    def trial_step(self, t: Trainer, key: Any, params: Any, opt_state: Any) -> tuple:
+    def trial_step(self, ctx: Context, key: Any, params: Any, opt_state: Any) -> tuple:
         """One step of a controller's program ``key`` from ``(params, opt_state)`` (donated:
         pass copies) on the loader's next batch, for a trial the trainer's own state never
         sees: ``(params, opt_state, finite, logs, measured_s, program key)``."""
 
     @abc.abstractmethod
-    def state_logs(self, t: Trainer, opt_state: Any) -> list[Any]:
+    def state_logs(self, ctx: Context, opt_state: Any) -> list[Any]:
         """The traffic logs kept in ``opt_state``, each with per-device leading axes."""
 
     # ------------------------------------------------------------------ programs and time
 
     @abc.abstractmethod
-    def program_key(self, t: Trainer) -> Any:
+    def program_key(self, ctx: Context) -> Any:
         """Which compiled program(s) the next (or last) step runs."""
 
     @abc.abstractmethod
-    def step_programs(self, t: Trainer, key: Any) -> list[tuple[Any, np.ndarray]]:
+    def step_programs(self, ctx: Context, key: Any) -> list[tuple[Any, np.ndarray]]:
         """The compiled programs of a step of program ``key``, each with the mesh index
         (row-major) of each of its devices; compiled on first use."""
 
     @abc.abstractmethod
     def simulate_step(
         self,
-        t: Trainer,
+        ctx: Context,
         key: Any,
         traffic: jaxcomm.audit.Traffic,
         network: Network,
@@ -141,57 +141,57 @@ class Layout(Part, abc.ABC):
     # ------------------------------------------------------------------ model and files
 
     @abc.abstractmethod
-    def evaluate(self, t: Trainer, data: Any) -> dict[str, float]:
+    def evaluate(self, ctx: Context, data: Any) -> dict[str, float]:
         """Mean metrics on ``data`` (a dataset split) of the trainer's current (evaluation)
         parameters."""
 
     @abc.abstractmethod
-    def state_tree(self, t: Trainer) -> dict[str, Any]:
+    def state_tree(self, ctx: Context) -> dict[str, Any]:
         """``{"params", "opt_state"}`` as a checkpoint stores them (global arrays)."""
 
     @abc.abstractmethod
-    def set_state(self, t: Trainer, params: Any, opt_state: Any) -> None:
+    def set_state(self, ctx: Context, params: Any, opt_state: Any) -> None:
         """Take restored ``params`` and ``opt_state`` (as :meth:`state_tree` gave them)."""
 
     @abc.abstractmethod
-    def before_save(self, t: Trainer, store: Any) -> None:
+    def before_save(self, ctx: Context, store: Any) -> None:
         """Host state to write before the checkpoint of ``t.step`` commits."""
 
     @abc.abstractmethod
-    def after_save(self, t: Trainer, store: Any) -> None:
+    def after_save(self, ctx: Context, store: Any) -> None:
         """Clean-up once the checkpoint of ``t.step`` committed."""
 
     @abc.abstractmethod
-    def after_restore(self, t: Trainer) -> None:
+    def after_restore(self, ctx: Context) -> None:
         """Host state to restore once checkpoint ``t.step`` was loaded."""
 
     @abc.abstractmethod
-    def num_params(self, t: Trainer) -> int:
+    def num_params(self, ctx: Context) -> int:
         """Parameters of the model (one data replica's copy)."""
 
     @abc.abstractmethod
-    def model_params(self, t: Trainer, params: Any) -> Any:
+    def model_params(self, ctx: Context, params: Any) -> Any:
         """Replica 0 of per-worker host ``params`` in the model's own layout."""
 
     @abc.abstractmethod
-    def synced_bytes(self, t: Trainer) -> int:
+    def synced_bytes(self, ctx: Context) -> int:
         """Float32 bytes of the gradients the busiest device averages over ``data``."""
 
     @abc.abstractmethod
-    def smallest_group(self, t: Trainer) -> int:
+    def smallest_group(self, ctx: Context) -> int:
         """Elements of the smallest gradient group a device aggregates by itself."""
 
     # ------------------------------------------------------------------ shared helpers
 
-    def per_device(self, t: Trainer, key: Any, of: Callable[[Any], np.ndarray]) -> np.ndarray:
+    def per_device(self, ctx: Context, key: Any, of: Callable[[Any], np.ndarray]) -> np.ndarray:
         """``of(program)`` (one value per program device) summed per mesh device over the
         step's programs: ``[devices]`` in mesh (row-major) order."""
         total = np.zeros(self.mesh.devices.size, np.float64)
-        for program, index in self.step_programs(t, key):
+        for program, index in self.step_programs(ctx, key):
             total[index] += np.asarray(of(program), np.float64)
         return total
 
-    def step_audit(self, t: Trainer, key: Any, branches: Any = None) -> jaxcomm.audit.Traffic:
+    def step_audit(self, ctx: Context, key: Any, branches: Any = None) -> jaxcomm.audit.Traffic:
         """Per-device traffic of one step read from its compiled programs by
         :func:`jaxcomm.wire_audit` (device order as the logs); ``branches`` resolves the
         programs' conditionals as in :meth:`jaxcomm.WireAudit.traffic` (a key a program
@@ -206,32 +206,32 @@ class Layout(Part, abc.ABC):
                     audits[id(program)] = audit.traffic(mine)
                 return getattr(audits[id(program)], field)
 
-            return self.per_device(t, key, of).astype(np.int64)
+            return self.per_device(ctx, key, of).astype(np.int64)
 
         return jaxcomm.audit.Traffic(
             sent=part("sent"), rounds=part("rounds"), path_bytes=part("path_bytes")
         )
 
-    def program_seconds(self, t: Trainer, key: Any, branches: Any = None) -> np.ndarray:
+    def program_seconds(self, ctx: Context, key: Any, branches: Any = None) -> np.ndarray:
         """Per-device roofline seconds of a step's programs (``branches`` as in
         :meth:`step_audit`); cached per key when no branch is resolved."""
         if not branches and key in self._modelled:
             return self._modelled[key]
-        model = t.compute_model
+        model = ctx.compute_model
 
         def seconds(program):
             cost = costed(program)
             mine = {k: v for k, v in (branches or {}).items() if cost._matches(k)}
             return model.seconds(cost.per_device(mine))
 
-        out = self.per_device(t, key, seconds)
+        out = self.per_device(ctx, key, seconds)
         if not branches:
             self._modelled[key] = out
         return out
 
     def synchronous_seconds(
         self,
-        t: Trainer,
+        ctx: Context,
         key: Any,
         traffic: jaxcomm.audit.Traffic,
         network: Network,
@@ -244,12 +244,12 @@ class Layout(Part, abc.ABC):
     ) -> tuple[float, float, float]:
         """Every device computes (its programs on the roofline, or ``measured_s`` with
         ``compute: measured``), then the logged collectives run: :func:`synchronous_step`."""
-        if t.compute_model is None:
+        if ctx.compute_model is None:
             if measured_s is None:
                 raise ValueError("compute='measured' needs the measured step (measured_s)")
             per: Any = measured_s
         else:
-            per = self.program_seconds(t, key, branches)
+            per = self.program_seconds(ctx, key, branches)
         return synchronous_step(
             per,
             traffic.rounds,
@@ -257,19 +257,7 @@ class Layout(Part, abc.ABC):
             network,
             step,
             devices=self.mesh.devices.size,
-            stragglers=t.stragglers,
+            stragglers=ctx.stragglers,
             overlap=overlap,
             stream=stream,
         )
-
-
-def make_layout(cfg: Config, *, abstract: bool = False) -> Layout:
-    """The layout of ``cfg``: a pipeline over ``stage x data`` when ``stages > 1``, else
-    data parallel."""
-    if cfg.stages > 1:
-        from .pipeline_layout import Pipeline
-
-        return Pipeline(cfg, abstract=abstract)
-    from .data_parallel import DataParallel
-
-    return DataParallel(cfg, abstract=abstract)

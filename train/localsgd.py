@@ -30,7 +30,7 @@ step's ``sync_layers``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -41,10 +41,13 @@ import jaxcomm
 from jaxcomm._src.localsgd import SYNC_SCOPE, layer_comm_s, layer_wires, sync_branch
 from jaxcomm._src.network import Network
 
-from .config import Config
+from .config import Config, DreamDDPSync, ENPSync, LocalSGDSync
 from .models import layer_groups
-from .sync import Sync
-from .trainer import AXIS, Trainer, make_optimizer
+from .programs import AXIS
+from .sync import Sync, make_optimizer
+
+if TYPE_CHECKING:
+    from .context import Context
 
 __all__ = ["LocalSGD"]
 
@@ -58,7 +61,7 @@ def _mean_and_divergence(params: Any) -> tuple[Any, jax.Array]:
 
 
 @jax.jit
-def _divergence(params: Any) -> jax.Array:
+def divergence(params: Any) -> jax.Array:
     """``f32[]``: the divergence of :func:`_mean_and_divergence` alone."""
     return _mean_and_divergence(params)[1]
 
@@ -67,6 +70,7 @@ class LocalSGD(Sync):
     """Local SGD, PLSGD-ENP or DreamDDP around the optimizer (see module)."""
 
     reads_state = False
+    runs = (LocalSGDSync, ENPSync, DreamDDPSync)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -83,12 +87,12 @@ class LocalSGD(Sync):
 
     # ------------------------------------------------------------------ schedule
 
-    def make_tx(self, trainer: Trainer) -> optax.GradientTransformation:
+    def make_tx(self, ctx: Context) -> optax.GradientTransformation:
         if self.sync_schedule is None:
-            n, data = trainer.n, trainer.train_data
+            n, data = ctx.n, ctx.train_data
             sample = data.get(np.arange(self.cfg.global_batch // n))
-            params = jax.eval_shape(lambda k: trainer.task.init(k, sample), jax.random.key(0))
-            self.profile = self._profile(trainer, params, sample, layer_groups(params))
+            params = jax.eval_shape(lambda k: ctx.task.init(k, sample), jax.random.key(0))
+            self.profile = self._profile(ctx, params, sample, layer_groups(params))
             # What the wrapper averages as one message: each layer, or (fused) the whole model.
             self.layers = None if getattr(self.sync, "fused", False) else list(self.profile.names)
             self.layer_wires = layer_wires(params, self.layers, n, reduce=self.sync.reduce)
@@ -103,7 +107,7 @@ class LocalSGD(Sync):
         return optax.chain(optax.identity(), wrapper)
 
     def group_txs(
-        self, trainer: Trainer, units: dict[str, Any], stages: int
+        self, ctx: Context, units: dict[str, Any], stages: int
     ) -> dict[str, optax.GradientTransformation]:
         """A pipeline's transforms: one wrapper per parameter group (``units``: ``embed``,
         ``blocks``, ``head``, one device's shapes), each averaging its whole group over the
@@ -121,10 +125,10 @@ class LocalSGD(Sync):
             )
         names = list(units)
         if self.sync_schedule is None:
-            n, data = trainer.n, trainer.train_data
+            n, data = ctx.n, ctx.train_data
             sample = data.get(np.arange(self.cfg.global_batch // n))
-            params = jax.eval_shape(lambda k: trainer.task.init(k, sample), jax.random.key(0))
-            full = self._profile(trainer, params, sample, layer_groups(params))
+            params = jax.eval_shape(lambda k: ctx.task.init(k, sample), jax.random.key(0))
+            full = self._profile(ctx, params, sample, layer_groups(params))
             per = dict(zip(full.names, full.backward_s, strict=True))
             blocks = sum(v for k, v in per.items() if k not in ("embed", "head")) / stages
             backward = {"embed": per["embed"], "blocks": blocks, "head": per["head"]}
@@ -164,15 +168,15 @@ class LocalSGD(Sync):
         return [sum(backward)] if self.layers is None else backward
 
     def _profile(
-        self, trainer: Trainer, params: Any, sample: dict[str, np.ndarray], names: list[str]
+        self, ctx: Context, params: Any, sample: dict[str, np.ndarray], names: list[str]
     ) -> jaxcomm.compute.LayerProfile:
         """Per-layer times of one worker's step (its share of the global batch)."""
-        loss = lambda p, b: trainer.task.loss(p, b)[0]  # noqa: E731
+        loss = lambda p, b: ctx.task.loss(p, b)[0]  # noqa: E731
         device = self.cfg.roofline()  # None: layers timed on this host
         if device is not None:
             batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), sample)
             return jaxcomm.compute.profile_layers(loss, params, batch, names, roofline=device)
-        real = trainer.task.init(jax.random.key(0), sample)
+        real = ctx.task.init(jax.random.key(0), sample)
         profile = jaxcomm.compute.profile_layers(loss, real, sample, names)
         if jax.process_count() > 1:
             # Each host times its own layers; every process must build the same schedule
@@ -211,15 +215,15 @@ class LocalSGD(Sync):
             out["worker_lag_s"] = [float(v) for v in self._lag]
         return out
 
-    def restore_extras(self, trainer: Trainer, extras: dict[str, Any]) -> None:
+    def restore_extras(self, ctx: Context, extras: dict[str, Any]) -> None:
         """A measured profile can differ between processes: resume with the saved profile
         (the clock's forward/backward split), schedule and workers' lags. Saved by another
         number of workers, they describe another world: this one's own profile and schedule
         stay, and the workers start together."""
-        saved_workers = extras.get("workers", trainer.n)
-        if saved_workers != trainer.n:
+        saved_workers = extras.get("workers", ctx.n)
+        if saved_workers != ctx.n:
             print(
-                f"resumed from {saved_workers} workers on {trainer.n}: the profile and the "
+                f"resumed from {saved_workers} workers on {ctx.n}: the profile and the "
                 "synchronisation schedule are this world's own, not the checkpoint's",
                 flush=True,
             )
@@ -240,11 +244,11 @@ class LocalSGD(Sync):
         if schedule.groups != self.sync_schedule.groups:
             self.sync_schedule = schedule
             self._branch_s.clear()
-            trainer.rebuild_step()
+            ctx.rebuild()
 
     # ------------------------------------------------------------------ clock
 
-    def step_seconds(self, trainer, traffic, network, step, measured_s):
+    def step_seconds(self, ctx, traffic, network, step, measured_s):
         """One iteration of DreamDDP's timeline (see module): ``(step, compute, comm)``;
         the layers' wires give the communication (``traffic`` is unused).
 
@@ -258,24 +262,24 @@ class LocalSGD(Sync):
 
         A pipeline keeps its own timeline (GPipe's, then the step's logged averaging):
         None here."""
-        if trainer.cfg.stages > 1:
+        if ctx.cfg.stages > 1:
             return None
         group = self.sync_schedule.groups[step % self.sync_schedule.period]
-        if trainer.compute_model is None:
+        if ctx.compute_model is None:
             compute = float(measured_s)
         else:
-            compute = self.branch_compute_s(trainer, sync_branch(self.sync_schedule, step))
+            compute = self.branch_compute_s(ctx, sync_branch(self.sync_schedule, step))
         backward = self.timeline_backward()
         forward = max(compute - sum(backward), 0.0)
-        if trainer.stragglers is not None:
-            return self._straggled(trainer, group, forward, backward, network, step)
+        if ctx.stragglers is not None:
+            return self._straggled(ctx, group, forward, backward, network, step)
         comm = layer_comm_s(self.layer_wires, network)
         seconds = jaxcomm.schedules.iteration_time(group, forward, backward, comm)
         return seconds, forward + sum(backward), float(sum(comm[layer] for layer in group))
 
-    def _straggled(self, trainer, group, forward, backward, network, step):
+    def _straggled(self, ctx, group, forward, backward, network, step):
         """:meth:`step_seconds` with stragglers: ``(clock advance, compute, comm)``."""
-        n, stragglers = trainer.n, trainer.stragglers
+        n, stragglers = ctx.n, ctx.stragglers
         factors = stragglers.compute_factors(step, n)
         start = np.zeros(n) if self._lag is None else -self._lag
         # ends[w, l]: when worker w's backward of layer l ends, from the clock's now.
@@ -296,28 +300,28 @@ class LocalSGD(Sync):
         self._lag = now - local
         return now, float(np.max(factors * (forward + sum(backward)))), comm
 
-    def branch_compute_s(self, trainer: Trainer, branch: int) -> float:
+    def branch_compute_s(self, ctx: Context, branch: int) -> float:
         """Roofline seconds of the step taking averaging branch ``branch`` (its group's
         averaging arithmetic, not the costliest branch's), on the slowest device."""
         if branch not in self._branch_s:
-            per = trainer._modelled_per_device(None, {SYNC_SCOPE: branch})
+            per = ctx.modelled_per_device(None, {SYNC_SCOPE: branch})
             self._branch_s[branch] = float(np.max(per))
         return self._branch_s[branch]
 
     # ------------------------------------------------------------------ the averaged model
 
-    def report(self, trainer: Trainer, params: Any, opt_state: Any) -> dict[str, Any]:
+    def report(self, ctx: Context, params: Any, opt_state: Any) -> dict[str, Any]:
         # The divergence is computed on the devices beside the step, so that reading it
         # does not stall the loop.
-        return {"divergence": _divergence(params)}
+        return {"divergence": divergence(params)}
 
-    def step_extras(self, trainer: Trainer, report: dict[str, Any]) -> dict[str, Any]:
-        group = self.sync_schedule.groups[(trainer.step - 1) % self.sync_schedule.period]
+    def step_extras(self, ctx: Context, report: dict[str, Any]) -> dict[str, Any]:
+        group = self.sync_schedule.groups[(ctx.step - 1) % self.sync_schedule.period]
         return {"divergence": float(report["divergence"]), "sync_layers": len(group)}
 
-    def eval_params(self, trainer: Trainer, params: Any) -> Any:
+    def eval_params(self, ctx: Context, params: Any) -> Any:
         mean = _mean_and_divergence(params)[0]
-        return jax.tree.map(lambda a: jax.device_put(a, trainer.sharded), mean)
+        return jax.tree.map(lambda a: jax.device_put(a, ctx.sharded), mean)
 
     def summary_extras(self) -> dict[str, Any]:
         return {"schedule": str(self.sync_schedule), "profile": self.profile.method}

@@ -26,8 +26,8 @@ from jaxcomm._src.pipeline import FIRST_SCOPE, LAST_SCOPE
 from .programs import costed
 
 if TYPE_CHECKING:
+    from .context import Context
     from .pipeline_layout import Pipeline
-    from .trainer import Trainer
 
 __all__ = ["GPipeClock"]
 
@@ -49,7 +49,7 @@ class GPipeClock:
 
     def step_seconds(
         self,
-        t: Trainer,
+        ctx: Context,
         key: Any,
         traffic: jaxcomm.audit.Traffic,
         network: Network,
@@ -65,7 +65,7 @@ class GPipeClock:
         > 0 draws stragglers independently of the step's own draws."""
         p, cfg = self.p, self.p.cfg
         n_stages, devices = p.stages, cfg.workers * p.stages
-        f, b, rest = self.tick_seconds(t, key, branches)
+        f, b, rest = self.tick_seconds(ctx, key, branches)
         ticks = cfg.microbatches + n_stages - 1
         fw_msg, bw_msg = self.message_bytes(key)
         factors = np.ones(devices)
@@ -76,7 +76,7 @@ class GPipeClock:
         # A step's own draws are streams 0 (compute, messages) and 1 (the data-parallel
         # rounds); a trial step's stream s > 0 draws from 2s and 2s + 1.
         own, rounds_stream = (0, 1) if not stream else (2 * stream, 2 * stream + 1)
-        stragglers = t.stragglers
+        stragglers = ctx.stragglers
         if stragglers is not None:
             factors = stragglers.compute_factors(step, devices, stream=own)
             lat = stragglers.message_latencies(step, shape, network, stream=own)
@@ -115,7 +115,7 @@ class GPipeClock:
         # messages on the same links; ``overlap`` hides messages behind compute, not behind
         # other messages.
         seconds = max(pipes) + other
-        compute = float(np.max((self.tick_busy(t, key, branches) + rest) * factors))
+        compute = float(np.max((self.tick_busy(ctx, key, branches) + rest) * factors))
         p2p = network.wire_seconds(
             p2p_rounds, (ticks - 1) * (fw_msg + bw_msg), latency_s=p2p_rounds * latency
         )
@@ -131,7 +131,7 @@ class GPipeClock:
         return jaxcomm.pipeline.boundary_message_bytes(p.boundary, act, bool(seen))
 
     def tick_seconds(
-        self, t: Trainer, key: Any, branches: Any = None
+        self, ctx: Context, key: Any, branches: Any = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per device (mesh order), roofline seconds of one forward tick, one backward tick
         and the rest of the step.
@@ -156,10 +156,10 @@ class GPipeClock:
         if cache in self._ticks:
             return self._ticks[cache]
         p = self.p
-        model, n = t.compute_model, p.mesh.devices.size
+        model, n = ctx.compute_model, p.mesh.devices.size
         ticks = p.cfg.microbatches + p.stages - 1
         f, b, rest = np.zeros(n), np.zeros(n), np.zeros(n)
-        main, *owned = p.step_programs(t, key)
+        main, *owned = p.step_programs(ctx, key)
         cost = costed(main[0])
 
         def mine(c):
@@ -216,8 +216,8 @@ class GPipeClock:
         self._ticks[cache] = (f, b, rest)
         return self._ticks[cache]
 
-    def tick_busy(self, t: Trainer, key: Any, branches: Any = None) -> np.ndarray:
+    def tick_busy(self, ctx: Context, key: Any, branches: Any = None) -> np.ndarray:
         """Per device, roofline seconds of all the ticks of the program (the loss counted
         on the ``M`` ticks that run it), the compute the step's ``compute`` reports."""
-        self.tick_seconds(t, key, branches)
+        self.tick_seconds(ctx, key, branches)
         return self._busy[(self.p.split_key(key), tuple(sorted((branches or {}).items())))]

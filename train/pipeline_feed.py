@@ -27,8 +27,8 @@ from jaxcomm._src.pipeline import BoundaryState
 from .distributed import is_primary
 
 if TYPE_CHECKING:
+    from .context import Context
     from .pipeline_layout import Pipeline
-    from .trainer import Trainer
 
 __all__ = ["Prepared", "Feed", "as_global"]
 
@@ -53,8 +53,8 @@ def as_global(full: np.ndarray, sharding: NamedSharding) -> jax.Array:
 class Feed:
     """Batches and message buffers of pipeline layout ``p`` for trainer ``t``."""
 
-    def __init__(self, p: Pipeline, t: Trainer):
-        self.p, self.t, cfg = p, t, p.cfg
+    def __init__(self, p: Pipeline, ctx: Context):
+        self.p, self.ctx, cfg = p, ctx, p.cfg
         self.buffer_dir = getattr(cfg.boundary, "buffer_dir", "")
         act = (p.gpt_cfg.seq_len, p.gpt_cfg.width)
         # Only AQ-SGD needs previous messages; the other boundaries ignore them.
@@ -72,7 +72,7 @@ class Feed:
 
         def buffer(b: int, kind: str) -> jaxcomm.pipeline.MessageBuffer:
             return jaxcomm.pipeline.MessageBuffer(
-                len(t.train_data),
+                len(ctx.train_data),
                 act,
                 storage_bits=getattr(cfg.boundary, "buffer_bits", 0) or None,
                 path=self.path(b, kind),
@@ -140,7 +140,7 @@ class Feed:
         rows stay zero on the host and are never copied to a device)."""
         rows = self.replica_ids(ids)
         mine = self.p.local_replicas
-        local = self.t.train_data.get(rows[mine].reshape(-1))["tokens"]
+        local = self.ctx.train_data.get(rows[mine].reshape(-1))["tokens"]
         tokens = np.zeros((rows.shape[0], rows.shape[1], local.shape[-1]), local.dtype)
         tokens[mine] = local.reshape(len(mine), rows.shape[1], -1)
         return self.micro({"tokens": tokens.reshape(-1, local.shape[-1])})
@@ -171,7 +171,7 @@ class Feed:
         the devices, so called while a step runs they overlap its compute.
         """
         t0 = time.perf_counter()
-        ids = self.t.loader.batch_ids(position)
+        ids = self.ctx.loader.batch_ids(position)
         batch = self.local_batch(ids)
         if not self.buffers:
             return Prepared(position, ids, batch, self.zeros_state(), False, 0.0)

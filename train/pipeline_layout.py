@@ -64,7 +64,7 @@ from .pipeline_programs import OWNED, STAGE, OwnedGroups, build_eval, build_step
 from .programs import AXIS, checked, host_finite, ready_at, state_report, structs
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from .context import Context
 
 __all__ = ["Pipeline", "make_boundary"]
 
@@ -134,11 +134,11 @@ class Pipeline(Layout):
                         f"{w} activations allows (at most {most})"
                     )
 
-    def init_state(self, t: Trainer) -> tuple[Any, Any]:
+    def init_state(self, ctx: Context) -> tuple[Any, Any]:
         cfg = self.cfg
-        self.gpt_cfg: GPTConfig = t.task.module.cfg
+        self.gpt_cfg: GPTConfig = ctx.task.module.cfg
         self._check_codec_sizes()
-        params = t.initial_params()
+        params = ctx.initial_params()
         if self.abstract:
             staged = jax.eval_shape(lambda p: stage_params(p, self.gpt_cfg, self.stages), params)
             stacked = structs(staged, self.sharded, lead=(cfg.workers,))
@@ -157,33 +157,33 @@ class Pipeline(Layout):
             )
             for name in GROUPS
         }
-        self._ckey = self.control_key(t)
-        group_tx = self._group_txs(t, self._ckey)
+        self._ckey = self.control_key(ctx)
+        group_tx = self._group_txs(ctx, self._ckey)
         opt_state = self.owned.init_state(stacked, group_tx)
-        self.feed = Feed(self, t)
+        self.feed = Feed(self, ctx)
         return stacked, opt_state
 
-    def _group_txs(self, t: Trainer, ckey: Any) -> dict[str, optax.GradientTransformation]:
+    def _group_txs(self, ctx: Context, ckey: Any) -> dict[str, optax.GradientTransformation]:
         """One transform per parameter group: the synchronisation's (the same for every
         group when the replicas aggregate every step; each group on its own schedule with
         local SGD), or the controller's program ``ckey`` for every group."""
-        if t.control is None:
-            return t.sync.group_txs(t, self.units, self.stages)
-        tx = t.control.make_tx(t, ckey)
+        if ctx.control is None:
+            return ctx.sync.group_txs(ctx, self.units, self.stages)
+        tx = ctx.control.make_tx(ctx, ckey)
         return {name: tx for name in GROUPS}
 
-    def build(self, t: Trainer) -> None:
-        self._ckey = self.control_key(t)
+    def build(self, ctx: Context) -> None:
+        self._ckey = self.control_key(ctx)
         self._variants.clear()
-        self._set_variant(self._variant(t, self._ckey))
+        self._set_variant(self._variant(ctx, self._ckey))
         self._eval_step = build_eval(self)
         self.clock.clear()
         self._modelled.clear()
 
     _FIELDS = ("group_tx", "_step", "_owned_step", "_compiled", "_owned_compiled")
 
-    def _variant(self, t: Trainer, ckey: Any) -> tuple:
-        group_tx = self._group_txs(t, ckey)
+    def _variant(self, ctx: Context, ckey: Any) -> tuple:
+        group_tx = self._group_txs(ctx, ckey)
         owned = {name: self.owned.build_step(group_tx[name], name) for name in OWNED}
         return group_tx, build_step(self, group_tx["blocks"]), owned, {}, {}
 
@@ -191,29 +191,29 @@ class Pipeline(Layout):
         for f, v in zip(self._FIELDS, values, strict=True):
             setattr(self, f, v)
 
-    def _use(self, t: Trainer, ckey: Any) -> None:
+    def _use(self, ctx: Context, ckey: Any) -> None:
         """Make the programs of the controller's key ``ckey`` current: the groups'
         transforms, the steps and their compiled programs (built on first use)."""
         if ckey == self._ckey:
             return
         self._variants[self._ckey] = tuple(getattr(self, f) for f in self._FIELDS)
-        values = self._variants[ckey] if ckey in self._variants else self._variant(t, ckey)
+        values = self._variants[ckey] if ckey in self._variants else self._variant(ctx, ckey)
         self._set_variant(values)
         self._ckey = ckey
 
     # ------------------------------------------------------------------ steps
 
-    def compile(self, t: Trainer) -> None:
+    def compile(self, ctx: Context) -> None:
         self.feed.check_stale()
-        self._next = self.feed.prepare(t.loader.position)
+        self._next = self.feed.prepare(ctx.loader.position)
 
-    def _program(self, t: Trainer, prep: Prepared) -> Any:
+    def _program(self, ctx: Context, prep: Prepared) -> Any:
         """The compiled step for ``prep``'s boundary mode (compiled on first use)."""
         if prep.seen not in self._compiled:
             lowered = self._step[prep.seen].lower(
-                t.params["blocks"],
-                {name: t.params[name] for name in OWNED},
-                t.opt_state["blocks"],
+                ctx.params["blocks"],
+                {name: ctx.params[name] for name in OWNED},
+                ctx.opt_state["blocks"],
                 prep.batch,
                 prep.state,
                 jax.random.key(0),
@@ -221,8 +221,8 @@ class Pipeline(Layout):
             self._compiled[prep.seen] = checked(lowered.compile(), "the pipeline step")
         for name in OWNED:  # gradients have the parameters' shapes and shardings
             if name not in self._owned_compiled:
-                view = self.owned.view(t.params[name], name)
-                lowered = self._owned_step[name].lower(view, t.opt_state[name], view)
+                view = self.owned.view(ctx.params[name], name)
+                lowered = self._owned_step[name].lower(view, ctx.opt_state[name], view)
                 self._owned_compiled[name] = checked(lowered.compile(), f"the {name} update")
         return self._compiled[prep.seen]
 
@@ -241,27 +241,27 @@ class Pipeline(Layout):
             finites.append(ok)
         return params, new_state, finites
 
-    def launch(self, t: Trainer, step: int, lagging: bool) -> Flight:
+    def launch(self, ctx: Context, step: int, lagging: bool) -> Flight:
         """Run step ``step`` synchronously: the step already overlaps the next step's host
         work (batch, buffer reads) with its own devices, and its new messages are written
         to the host buffer after it."""
         cur = self._next
         self.io = {"buffer_exposed_s": 0.0, "buffer_prefetch_s": 0.0}
-        if cur is None or cur.position != t.loader.position:
-            cur = self.feed.prepare(t.loader.position)
+        if cur is None or cur.position != ctx.loader.position:
+            cur = self.feed.prepare(ctx.loader.position)
             self.io["buffer_exposed_s"] = cur.seconds
-        self._use(t, self.control_key(t))
-        program = self._program(t, cur)
+        self._use(ctx, self.control_key(ctx))
+        program = self._program(ctx, cur)
         self._last_seen = cur.seen
         key = jax.random.fold_in(jax.random.key(self.cfg.seed), cur.position)
         t0 = time.perf_counter()
-        owned = {name: t.params[name] for name in OWNED}
+        owned = {name: ctx.params[name] for name in OWNED}
         blocks, opt_blocks, owned_grads, metrics, finite, new_state, log = program(
-            t.params["blocks"], owned, t.opt_state["blocks"], cur.batch, cur.state, key
+            ctx.params["blocks"], owned, ctx.opt_state["blocks"], cur.batch, cur.state, key
         )
         # Stamp the moment the devices finish from a waiting thread, so that neither the
         # step time nor the exposed buffer time depends on how long the prefetch took.
-        main_done = t.waiter().submit(ready_at, (blocks, opt_blocks, owned_grads, new_state))
+        main_done = ctx.waiter().submit(ready_at, (blocks, opt_blocks, owned_grads, new_state))
         # Step t + 1's batch, buffer reads and host-to-device copies go out while step t
         # runs, unless they would read rows step t is about to write (an epoch boundary):
         # then they are prepared after its writes, and the time is exposed. This comes
@@ -271,14 +271,14 @@ class Pipeline(Layout):
         nxt = cur.position + 1
         buffers = self.feed.buffers
         if step < self.cfg.steps and not (
-            buffers and np.intersect1d(t.loader.batch_ids(nxt), cur.ids).size
+            buffers and np.intersect1d(ctx.loader.batch_ids(nxt), cur.ids).size
         ):
             self._next = self.feed.prepare(nxt)
         prefetch_end = time.perf_counter()
-        params, opt_state, finites = self._apply_owned(owned, owned_grads, t.opt_state)
+        params, opt_state, finites = self._apply_owned(owned, owned_grads, ctx.opt_state)
         params["blocks"], opt_state["blocks"] = blocks, opt_blocks
         finites.append(finite)
-        done = t.waiter().submit(ready_at, (params, opt_state, finites))
+        done = ctx.waiter().submit(ready_at, (params, opt_state, finites))
         main_end, device_end = main_done.result(), done.result()
         # Device time: the step program, then the embedding's and head's programs, which
         # start once both it and the prefetch (dispatched before them) are done.
@@ -287,25 +287,25 @@ class Pipeline(Layout):
             self.io["buffer_prefetch_s"] = self._next.seconds
             # Host work past the step program's end is on the critical path.
             self.io["buffer_exposed_s"] += max(0.0, prefetch_end - main_end)
-        t.loader.position = nxt
+        ctx.loader.position = nxt
         self._last = (cur.ids, new_state)
-        t.params, t.opt_state = params, opt_state
+        ctx.params, ctx.opt_state = params, opt_state
         report = {
             **state_report(opt_state),
-            **t.parts_report(params, opt_state),
-            "logs": self.state_logs(t, opt_state),
+            **ctx.parts_report(params, opt_state),
+            "logs": self.state_logs(ctx, opt_state),
         }
         ok = host_finite(*to_host(finites))
         return Flight(step, metrics, ok, report, [log], t0, compute_s)
 
-    def trial_step(self, t: Trainer, key: Any, params: Any, opt_state: Any) -> tuple:
+    def trial_step(self, ctx: Context, key: Any, params: Any, opt_state: Any) -> tuple:
         """The buffered messages of the trial's batch are read, never written."""
         prev = self._ckey
-        self._use(t, key)
+        self._use(ctx, key)
         try:
-            prep = self.feed.prepare(t.loader.position)
-            t.loader.position += 1
-            program = self._program(t, prep)
+            prep = self.feed.prepare(ctx.loader.position)
+            ctx.loader.position += 1
+            program = self._program(ctx, prep)
             rng = jax.random.fold_in(jax.random.key(self.cfg.seed), prep.position)
             owned = {name: params[name] for name in OWNED}
             t0 = time.perf_counter()
@@ -317,18 +317,18 @@ class Pipeline(Layout):
             jax.block_until_ready((new_p, new_s, finites))
             measured = time.perf_counter() - t0
             ok = host_finite(*to_host([finite, *finites]))
-            logs = [*self.state_logs(t, new_s), log]
+            logs = [*self.state_logs(ctx, new_s), log]
             return new_p, new_s, ok, logs, measured, (prep.seen, key)
         finally:
-            self._use(t, prev)
+            self._use(ctx, prev)
 
-    def after_step(self, t: Trainer) -> None:
+    def after_step(self, ctx: Context) -> None:
         """Write the step's new messages back (asynchronously; a later read of the same
         ids waits for these writes)."""
         if self._last is not None and self.feed.buffers:
             self.io["buffer_writeback_s"] = self.feed.write_back(*self._last)
 
-    def state_logs(self, t: Trainer, opt_state: Any) -> list[Any]:
+    def state_logs(self, ctx: Context, opt_state: Any) -> list[Any]:
         """The aggregator logs in ``opt_state``, each as ``[D, S, ...]`` per device."""
         logs = find_logs(opt_state["blocks"])
         for name in OWNED:
@@ -337,51 +337,51 @@ class Pipeline(Layout):
 
     # ------------------------------------------------------------------ programs and time
 
-    def control_key(self, t: Trainer) -> Any:
+    def control_key(self, ctx: Context) -> Any:
         """The controller's choice of program (None without a controller)."""
-        return None if t.control is None else t.control.program_key(t)
+        return None if ctx.control is None else ctx.control.program_key(ctx)
 
-    def program_key(self, t: Trainer) -> Any:
+    def program_key(self, ctx: Context) -> Any:
         """The boundary mode of the last step (one compiled step per mode), with the
         controller's key when there is one: ``(seen, key)``."""
-        return self._last_seen if t.control is None else (self._last_seen, self._ckey)
+        return self._last_seen if ctx.control is None else (self._last_seen, self._ckey)
 
     def split_key(self, key: Any) -> tuple[bool, Any]:
         """``(seen, controller key)`` of a program key (``seen`` alone: the current one)."""
         return tuple(key) if isinstance(key, tuple) else (bool(key), self._ckey)
 
-    def step_programs(self, t: Trainer, key: Any) -> list[tuple[Any, np.ndarray]]:
+    def step_programs(self, ctx: Context, key: Any) -> list[tuple[Any, np.ndarray]]:
         """The pipeline step of boundary mode ``key`` (default ``False``; every device: its
         ticks run in lockstep, so each stage's program spans the GPipe schedule, bubbles
         included) and the embedding's and head's programs with the devices of their
         stages. ``key`` may also be ``(seen, controller key)``."""
         seen, ckey = self.split_key(False if key is None else key)
         prev = self._ckey
-        self._use(t, ckey)
+        self._use(ctx, ckey)
         try:
             if seen not in self._compiled:
                 if not self.abstract:
                     raise ValueError(
                         f"no step with boundary mode seen={seen} has been compiled yet"
                     )
-                self._program(t, self.feed.prepare_abstract(seen))
+                self._program(ctx, self.feed.prepare_abstract(seen))
             out = [(self._compiled[seen], np.arange(self.cfg.workers * self.stages))]
             for name in OWNED:
                 index = np.arange(self.cfg.workers) * self.stages + self.owned.owner(name)
                 out.append((self._owned_compiled[name], index))
         finally:
-            self._use(t, prev)
+            self._use(ctx, prev)
         return out
 
     def simulate_step(
-        self, t, key, traffic, network, step, *, measured_s, overlap, branches, stream
+        self, ctx, key, traffic, network, step, *, measured_s, overlap, branches, stream
     ):
         """GPipe's timeline (:class:`~train.pipeline_clock.GPipeClock`) with a ``compute``
         device; with ``compute: measured`` the host's step time has no per-tick breakdown,
         so the step is costed as every device's compute, then the logged traffic."""
-        if t.compute_model is None:
+        if ctx.compute_model is None:
             return self.synchronous_seconds(
-                t,
+                ctx,
                 key,
                 traffic,
                 network,
@@ -392,7 +392,7 @@ class Pipeline(Layout):
                 stream=stream,
             )
         return self.clock.step_seconds(
-            t, key, traffic, network, step, overlap=overlap, branches=branches, stream=stream
+            ctx, key, traffic, network, step, overlap=overlap, branches=branches, stream=stream
         )
 
     # ------------------------------------------------------------------ parts' hooks
@@ -407,7 +407,7 @@ class Pipeline(Layout):
             "state_layout": "blocks+embed+head, saved [D, S] (owner stage)",
         }
 
-    def step_extras(self, t: Trainer, report: dict[str, Any]) -> dict[str, float]:
+    def step_extras(self, ctx: Context, report: dict[str, Any]) -> dict[str, float]:
         """Message-buffer host time, in seconds: ``buffer_prefetch_s`` preparing the next
         step (reads waited on, host arrays built, copies issued) while this one ran,
         ``buffer_exposed_s`` the part of the buffer work the devices waited for (a prefetch
@@ -421,66 +421,66 @@ class Pipeline(Layout):
 
     # ------------------------------------------------------------------ model and files
 
-    def evaluate(self, t: Trainer, data: Any) -> dict[str, float]:
+    def evaluate(self, ctx: Context, data: Any) -> dict[str, float]:
         """Validation loss through the pipeline (FP32 boundaries, no buffer)."""
         d, m = self.cfg.workers, self.cfg.microbatches
         loader = Loader(data, d * m * self.micro, seed=0, num_shards=d, shuffle=False)
         count = min(self.cfg.eval_batches, loader.batches_per_epoch)
-        state, params = self.feed.zeros_state(), t.eval_params()
+        state, params = self.feed.zeros_state(), ctx.eval_params()
         total = 0.0
         for _ in range(count):
             out = self._eval_step(params, self.feed.micro(loader.next()), state)
             total += float(to_host(out)["loss"])
         return {"loss": total / max(count, 1)}
 
-    def state_tree(self, t: Trainer) -> dict[str, Any]:
+    def state_tree(self, ctx: Context) -> dict[str, Any]:
         # The embedding's and head's optimizer states live on their owner stage's devices
         # only ([D, 1, ...] on a sub-mesh); saved as [D, S, ...] over the whole mesh, zeros
         # off the owner stage, so every process writes its part of global arrays.
-        opt = dict(t.opt_state)
+        opt = dict(ctx.opt_state)
         for name in OWNED:
             opt[name] = self.owned.spread(opt[name], name)
-        return {"params": t.params, "opt_state": opt}
+        return {"params": ctx.params, "opt_state": opt}
 
-    def set_state(self, t: Trainer, params: Any, opt_state: Any) -> None:
+    def set_state(self, ctx: Context, params: Any, opt_state: Any) -> None:
         opt = dict(opt_state)
         for name in OWNED:
             opt[name] = self.owned.view(opt[name], name)
-        t.params, t.opt_state = params, opt
+        ctx.params, ctx.opt_state = params, opt
 
-    def before_save(self, t: Trainer, store: Any) -> None:
-        self.feed.save(t.step)
+    def before_save(self, ctx: Context, store: Any) -> None:
+        self.feed.save(ctx.step)
 
-    def after_save(self, t: Trainer, store: Any) -> None:
+    def after_save(self, ctx: Context, store: Any) -> None:
         self.feed.prune(store.all_steps())
 
-    def after_restore(self, t: Trainer) -> None:
-        self.feed.restore(t.step)
+    def after_restore(self, ctx: Context) -> None:
+        self.feed.restore(ctx.step)
         self._next = None
 
-    def num_params(self, t: Trainer) -> int:
+    def num_params(self, ctx: Context) -> int:
         """Every stage's blocks, one embedding and one head."""
 
         def count(tree, lead):
             return sum(math.prod(a.shape[lead:]) for a in jax.tree_util.tree_leaves(tree))
 
-        p = t.params
+        p = ctx.params
         return count(p["blocks"], 1) + count(p["embed"], 2) + count(p["head"], 2)
 
-    def model_params(self, t: Trainer, params: Any) -> Any:
+    def model_params(self, ctx: Context, params: Any) -> Any:
         """Replica 0's parameters in the GPT's own layout (stages joined)."""
         return unstage_params(jax.tree_util.tree_map(lambda a: a[0], params), self.gpt_cfg)
 
-    def synced_bytes(self, t: Trainer) -> int:
+    def synced_bytes(self, ctx: Context) -> int:
         """A stage's blocks with the embedding (stage 0) or the head (the last)."""
 
         def count(name):
-            return sum(math.prod(a.shape[2:]) for a in jax.tree_util.tree_leaves(t.params[name]))
+            return sum(math.prod(a.shape[2:]) for a in jax.tree_util.tree_leaves(ctx.params[name]))
 
         return 4 * (count("blocks") + max(count("embed"), count("head")))
 
-    def smallest_group(self, t: Trainer) -> int:
+    def smallest_group(self, ctx: Context) -> int:
         return min(
-            sum(math.prod(a.shape[2:]) for a in jax.tree_util.tree_leaves(t.params[name]))
+            sum(math.prod(a.shape[2:]) for a in jax.tree_util.tree_leaves(ctx.params[name]))
             for name in GROUPS
         )

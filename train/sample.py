@@ -136,7 +136,8 @@ def generate(
     return out[start:].astype(np.uint8)
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m train.sample``."""
     p = argparse.ArgumentParser(prog=f"{RUN}.sample", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", metavar="DIR", help="a GPT run's folder (config.json, params)")
     p.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
@@ -153,7 +154,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, load the run, write the prompt and its continuation to stdout."""
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     prompt = args.prompt.encode("utf-8", "surrogateescape")  # the bytes as given
     problem = None
     if not prompt:

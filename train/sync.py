@@ -18,8 +18,8 @@ timeline; a :class:`Controller` names the program each step runs and builds its 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import optax
@@ -30,15 +30,13 @@ from .models import layer_groups
 from .programs import AXIS
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from .context import Context
 
 __all__ = [
     "Part",
     "Sync",
     "Controller",
     "EveryStep",
-    "make_sync",
-    "make_controller",
     "make_optimizer",
     "make_schedule",
     "make_aggregator",
@@ -156,19 +154,19 @@ class Part:
         """The config the trainer runs with this part (e.g. a default filled in)."""
         return cfg
 
-    def start(self, trainer: Trainer) -> None:
+    def start(self, ctx: Context) -> None:
         """Called once the trainer has built its state, before any step."""
 
     def fingerprint(self) -> dict[str, Any]:
         """Entries a checkpoint must match to be resumed with this part."""
         return {}
 
-    def report(self, trainer: Trainer, params: Any, opt_state: Any) -> dict[str, Any]:
+    def report(self, ctx: Context, params: Any, opt_state: Any) -> dict[str, Any]:
         """Device values the host reads of a step, computed from its new state by programs
         dispatched right after it."""
         return {}
 
-    def step_extras(self, trainer: Trainer, report: dict[str, Any]) -> dict[str, Any]:
+    def step_extras(self, ctx: Context, report: dict[str, Any]) -> dict[str, Any]:
         """Columns for the step's metrics row, from the step's report."""
         return {}
 
@@ -176,43 +174,55 @@ class Part:
         """Host-side state saved with each checkpoint (JSON)."""
         return {}
 
-    def restore_extras(self, trainer: Trainer, extras: dict[str, Any]) -> None:
+    def restore_extras(self, ctx: Context, extras: dict[str, Any]) -> None:
         """Take back what :meth:`checkpoint_extras` saved (the whole extras mapping)."""
 
     def summary_extras(self) -> dict[str, Any]:
         """Entries for ``summary.json``."""
         return {}
 
-    def before_step(self, trainer: Trainer) -> None:
+    def before_step(self, ctx: Context) -> None:
         """Host work before each step (e.g. a search that changes the step)."""
 
-    def after_step(self, trainer: Trainer) -> None:
+    def after_step(self, ctx: Context) -> None:
         """Host work once a step's state is accepted."""
 
 
 class Sync(Part):
     """How the data replicas synchronise: the per-worker transform and its clock."""
 
-    def make_tx(self, trainer: Trainer) -> optax.GradientTransformation:
+    #: The ``sync`` config classes (:data:`train.config.SYNCS`) this part runs.
+    runs: ClassVar[tuple[type, ...]] = ()
+
+    def make_tx(self, ctx: Context) -> optax.GradientTransformation:
         """The per-worker transform of the trainer's config (aggregator, optimizer)."""
         raise NotImplementedError
 
     def group_txs(
-        self, trainer: Trainer, units: dict[str, Any], stages: int
+        self, ctx: Context, units: dict[str, Any], stages: int
     ) -> dict[str, optax.GradientTransformation]:
         """One transform per parameter group of a pipeline (``units``: group name -> one
         device's parameter shapes, input to output); here the same one for every group."""
-        tx = self.make_tx(trainer)
+        tx = self.make_tx(ctx)
         return {name: tx for name in units}
 
     def step_seconds(
-        self, trainer: Trainer, traffic: Any, network: Any, step: int, measured_s: float
+        self, ctx: Context, traffic: Any, network: Any, step: int, measured_s: float
     ) -> tuple[float, float, float] | None:
         """``(step, compute, comm)`` seconds of step ``step`` (0-based) on this part's own
         timeline, or None for the layout's (its compute, then the logged traffic)."""
         return None
 
-    def eval_params(self, trainer: Trainer, params: Any) -> Any:
+    def estimate(
+        self, ctx: Context, mode: Callable[[Any, Any], dict[str, Any]], branches: Any
+    ) -> dict[str, Any] | None:
+        """``train.estimate``'s figures of a step on this part's own timeline, from
+        ``mode(program key, branches)`` (one compiled step's figures: ``step_s``,
+        ``compute_s``, ``comm_s``, ``sent_bytes_per_device``, ...); None for the layout's
+        (one step of the current program)."""
+        return None
+
+    def eval_params(self, ctx: Context, params: Any) -> Any:
         """The per-worker parameters that evaluation and export use."""
         return params
 
@@ -222,11 +232,11 @@ class Controller(Part):
 
     reads_state = True
 
-    def program_key(self, trainer: Trainer) -> Any:
+    def program_key(self, ctx: Context) -> Any:
         """A hashable name of the program the next step runs."""
         raise NotImplementedError
 
-    def make_tx(self, trainer: Trainer, key: Any) -> optax.GradientTransformation:
+    def make_tx(self, ctx: Context, key: Any) -> optax.GradientTransformation:
         """The per-worker transform of program ``key``."""
         raise NotImplementedError
 
@@ -234,27 +244,5 @@ class Controller(Part):
 class EveryStep(Sync):
     """The configured aggregator every step, followed by the optimizer."""
 
-    def make_tx(self, trainer: Trainer) -> optax.GradientTransformation:
-        return optax.chain(make_aggregator(trainer.cfg), make_optimizer(trainer.cfg))
-
-
-def make_sync(cfg: Config) -> Sync:
-    """The synchronisation of ``cfg``: its ``sync`` wrapper, else its aggregator each step."""
-    if cfg.sync is not None and cfg.sync.key == "diloco":
-        from .diloco import DiLoCo
-
-        return DiLoCo(cfg)
-    if cfg.sync is not None:
-        from .localsgd import LocalSGD
-
-        return LocalSGD(cfg)
-    return EveryStep()
-
-
-def make_controller(cfg: Config) -> Controller | None:
-    """The controller of ``cfg`` (the adaptive compression ratio), or None."""
-    if cfg.adaptive:
-        from .adaptive import AdaptiveRatio
-
-        return AdaptiveRatio(cfg)
-    return None
+    def make_tx(self, ctx: Context) -> optax.GradientTransformation:
+        return optax.chain(make_aggregator(ctx.cfg), make_optimizer(ctx.cfg))

@@ -33,7 +33,6 @@ step ``t``, if later) to seeing step ``t`` finish.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
 import json
 import os
@@ -46,19 +45,18 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
 
 import jaxcomm
 from jaxcomm._src.network import Network, SimClock
 
 from . import RUN
+from .adaptive import AdaptiveRatio
 from .checkpoint import (
     Checkpoints,
     RunFolderBusy,
     load_model_params,
     lock_holder,
     restore_run,
-    resume_note,
     run_fingerprint,
     run_lock,
     save_model_params,
@@ -67,11 +65,16 @@ from .checkpoint import (
 )
 from .clock import StepTraffic, step_traffic, wire_time
 from .config import Config, resume_command
+from .context import Context
 from .data import HELD_OUT_DATASETS, Loader, Subset, get_dataset
+from .data_parallel import DataParallel
+from .diloco import DiLoCo
 from .distributed import is_primary, to_host
-from .layout import Flight, make_layout
+from .layout import Flight, Layout
+from .localsgd import LocalSGD
+from .pipeline_layout import Pipeline
 from .programs import AXIS, host_finite, host_metrics
-from .sync import Part, make_aggregator, make_controller, make_optimizer, make_sync
+from .sync import Controller, EveryStep, Sync, make_aggregator, make_optimizer
 
 __all__ = [
     "Trainer",
@@ -96,98 +99,120 @@ class Trainer:
     def __init__(self, cfg: Config, *, abstract: bool = False):
         """``abstract=True`` builds shapes only (no parameters, optimizer state or buffers
         are allocated): enough to compile the step and cost it (``train.estimate``)."""
-        self.abstract = abstract
         if jax.process_count() > 1 and cfg.workers * cfg.stages != jax.device_count():
             raise ValueError(
                 f"workers x stages = {cfg.workers} x {cfg.stages} must use every device of a "
                 "multi-process run "
                 f"({jax.process_count()} processes, {jax.device_count()} devices)"
             )
-        self.sync = make_sync(cfg)
-        self.control = make_controller(cfg)
-        for part in (self.sync, self.control):
+        sync, control = make_sync(cfg), make_controller(cfg)
+        for part in (sync, control):
             if part is not None:
                 cfg = part.adjust_config(cfg)
         self.cfg = cfg
-        self.layout = make_layout(cfg, abstract=abstract)
-        # The parts the run loop calls around each step, the layout first (its after-step
-        # work, e.g. a pipeline's message write-back, comes before a controller reads).
-        self.parts: list[Part] = [
-            p for p in (self.layout, self.sync, self.control) if p is not None
-        ]
-        self.mesh, self.n = self.layout.mesh, self.layout.n
-        self.sharded, self.replicated = self.layout.sharded, self.layout.replicated
-        self.task = cfg.model.build()
-        data_kwargs = {"seq_len": self.task.module.cfg.seq_len} if cfg.task == "gpt" else {}
-        self.train_data = get_dataset(cfg.dataset, "train", **data_kwargs)
+        task = cfg.model.build()
+        data_kwargs = {"seq_len": task.module.cfg.seq_len} if cfg.task == "gpt" else {}
+        train_data = get_dataset(cfg.dataset, "train", **data_kwargs)
         self.valid_data = get_dataset(cfg.dataset, "valid", **data_kwargs)
         if cfg.train_samples:
-            self.train_data = Subset(self.train_data, cfg.train_samples)
-        self.loader = Loader(self.train_data, cfg.global_batch, seed=cfg.seed, num_shards=self.n)
-        self.schedule = cfg.network_schedule()
-        self.clock = SimClock(overlap=cfg.overlap)
-        self.compute_model = cfg.roofline()
-        self.stragglers = cfg.straggler_model()
-        self.step = 0
+            train_data = Subset(train_data, cfg.train_samples)
+        # What the layout and the parts see of this run (the state lives there).
+        self.ctx = ctx = Context(
+            cfg,
+            abstract=abstract,
+            task=task,
+            train_data=train_data,
+            loader=Loader(train_data, cfg.global_batch, seed=cfg.seed, num_shards=cfg.workers),
+            schedule=cfg.network_schedule(),
+            clock=SimClock(overlap=cfg.overlap),
+            compute_model=cfg.roofline(),
+            stragglers=cfg.straggler_model(),
+            sync=sync,
+            control=control,
+        )
+        ctx.attach(make_layout(cfg, abstract=abstract))
         self.last_traffic: StepTraffic | None = None
-        self._ready_pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self.params, self.opt_state = self.layout.init_state(self)
-        self.layout.build(self)
-        for part in self.parts:
-            part.start(self)
+        ctx.params, ctx.opt_state = ctx.layout.init_state(ctx)
+        ctx.layout.build(ctx)
+        for part in ctx.parts:
+            part.start(ctx)
 
-    # ------------------------------------------------------------------ state
+    # What the trainer shares with its context (the same objects).
+    abstract = property(lambda self: self.ctx.abstract)
+    task = property(lambda self: self.ctx.task)
+    train_data = property(lambda self: self.ctx.train_data)
+    loader = property(lambda self: self.ctx.loader)
+    schedule = property(lambda self: self.ctx.schedule)
+    clock = property(lambda self: self.ctx.clock)
+    compute_model = property(lambda self: self.ctx.compute_model)
+    sync = property(lambda self: self.ctx.sync)
+    control = property(lambda self: self.ctx.control)
+    layout = property(lambda self: self.ctx.layout)
+    parts = property(lambda self: self.ctx.parts)
+    mesh = property(lambda self: self.ctx.mesh)
+    n = property(lambda self: self.ctx.n)
+    sharded = property(lambda self: self.ctx.sharded)
+    replicated = property(lambda self: self.ctx.replicated)
 
-    def _make_tx(self) -> optax.GradientTransformation:
-        """The per-worker transform of a one-group layout: the synchronisation's (an
-        aggregator before the optimizer, or a sync wrapper around it), or the controller's
-        current program's."""
-        if self.control is not None:
-            return self.control.make_tx(self, self.control.program_key(self))
-        return self.sync.make_tx(self)
+    @property
+    def params(self) -> Any:
+        """Per-worker parameters (leading axis ``[n]``)."""
+        return self.ctx.params
+
+    @params.setter
+    def params(self, value: Any) -> None:
+        self.ctx.params = value
+
+    @property
+    def opt_state(self) -> Any:
+        """Per-worker optimizer (and aggregator) state (leading axis ``[n]``)."""
+        return self.ctx.opt_state
+
+    @opt_state.setter
+    def opt_state(self, value: Any) -> None:
+        self.ctx.opt_state = value
+
+    @property
+    def step(self) -> int:
+        """Steps done."""
+        return self.ctx.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.ctx.step = value
+
+    @property
+    def stragglers(self) -> Any:
+        """The straggler model (None: none)."""
+        return self.ctx.stragglers
+
+    @stragglers.setter
+    def stragglers(self, value: Any) -> None:
+        self.ctx.stragglers = value
+
+    @property
+    def store(self) -> Any:
+        """The checkpoint store once one is opened."""
+        return self.ctx.store
 
     def rebuild_step(self) -> None:
-        """Build the step again from the parts (e.g. a restored schedule), dropping every
-        compiled program and cost made from the old one."""
-        self.layout.build(self)
+        """Build the step again from the parts (see :meth:`train.context.Context.rebuild`)."""
+        self.ctx.rebuild()
 
     def initial_params(self) -> Any:
         """The model's parameters before step 1: ``cfg.init_params`` if set, else random."""
-        sample = self.train_data.get(np.arange(min(2, len(self.train_data))))
-        # The rbg generator compiles far faster than threefry for many parameter shapes.
-        key = jax.random.key(self.cfg.seed, impl="rbg")
-        if self.abstract:
-            return jax.eval_shape(lambda k: self.task.init(k, sample), key)
-        params = self.task.init(key, sample)
-        if self.cfg.init_params:
-            params = load_model_params(self.cfg.init_params, params)
-        return params
-
-    def parts_report(self, params: Any, opt_state: Any) -> dict[str, Any]:
-        """Device values the parts read of a step, computed from its new state by programs
-        dispatched right after it (fresh outputs: the next step's donation of the state
-        leaves them intact)."""
-        out: dict[str, Any] = {}
-        for part in self.parts:
-            out.update(part.report(self, params, opt_state))
-        return out
-
-    def waiter(self) -> concurrent.futures.ThreadPoolExecutor:
-        """A thread that stamps when a step's outputs are ready."""
-        if self._ready_pool is None:
-            self._ready_pool = concurrent.futures.ThreadPoolExecutor(1, "jaxcomm-ready")
-        return self._ready_pool
+        return self.ctx.initial_params()
 
     def eval_params(self) -> Any:
         """The per-worker parameters that evaluation runs: the trained ones (identical on
         every worker for synchronous training; the worker mean for local SGD)."""
-        return self.sync.eval_params(self, self.params)
+        return self.ctx.eval_params()
 
     # ------------------------------------------------------------------ checkpoints
 
     def fingerprint(self) -> dict[str, Any]:
         """What a checkpoint must match to be resumed into this trainer."""
-        return run_fingerprint(self)
+        return run_fingerprint(self.ctx)
 
     def save(self, store: Checkpoints) -> None:
         """Write a checkpoint of the current step (:func:`train.checkpoint.save_run`). A
@@ -197,20 +222,15 @@ class Trainer:
         if stop is not None:
             stop.saving = True
         try:
-            save_run(self, store)
+            save_run(self.ctx, store)
         finally:
             if stop is not None:
                 stop.saving = False
 
-    def _checkpoint_note(self) -> str:
-        """Where a stopped run can continue from, for its error message."""
-        store = getattr(self, "store", None)
-        return resume_note(store.folder if store else None, store.saved_step if store else None)
-
     def restore(self, store: Checkpoints, *, allow_unverified: bool = False) -> bool:
         """Load the newest intact checkpoint of ``store`` (:func:`train.checkpoint.restore_run`);
         False when there is none."""
-        return restore_run(self, store, allow_unverified=allow_unverified)
+        return restore_run(self.ctx, store, allow_unverified=allow_unverified)
 
     # ------------------------------------------------------------------ programs and time
 
@@ -218,96 +238,35 @@ class Trainer:
         """Mean metrics of split ``split`` (``valid``, or ``test`` where the dataset has one)
         over ``eval_batches`` fixed batches."""
         data = self.valid_data if split == "valid" else self._held_out_data(split)
-        return self.layout.evaluate(self, data)
+        return self.layout.evaluate(self.ctx, data)
 
     def _held_out_data(self, split: str) -> Any:
         cfg = self.cfg
         data_kwargs = {"seq_len": self.task.module.cfg.seq_len} if cfg.task == "gpt" else {}
         return get_dataset(cfg.dataset, split, **data_kwargs)
 
-    def _program_key(self) -> Any:
-        return self.layout.program_key(self)
-
     def step_programs(self, key: Any = None) -> list[tuple[Any, np.ndarray]]:
-        """The compiled programs of one step of program ``key``, each with the mesh index
-        (row-major) of each of its devices (see the layout's)."""
-        return self.layout.step_programs(self, key)
+        """The compiled programs of one step (:meth:`train.context.Context.step_programs`)."""
+        return self.ctx.step_programs(key)
 
     def step_audit(self, key: Any = None, branches: Any = None) -> jaxcomm.audit.Traffic:
-        """Per-device traffic of one step read from its compiled programs by
-        :func:`jaxcomm.wire_audit`; ``branches`` resolves conditionals (e.g. Marsit's
-        full-precision rounds) as in :meth:`jaxcomm.WireAudit.traffic`."""
-        return self.layout.step_audit(self, key, branches)
-
-    def _modelled_per_device(self, key: Any = None, branches: Any = None) -> np.ndarray:
-        key = self._program_key() if key is None else key
-        return self.layout.program_seconds(self, key, branches)
+        """Per-device traffic of one step (:meth:`train.context.Context.step_audit`)."""
+        return self.ctx.step_audit(key, branches)
 
     def modelled_compute_s(self) -> float:
         """Compute time of the last step on the ``compute`` device: the roofline of its
         compiled program(s), on the slowest device (a synchronous step waits for it)."""
-        return float(np.max(self._modelled_per_device()))
+        return float(np.max(self.ctx.modelled_per_device()))
 
-    def simulate_step(
-        self,
-        key: Any,
-        traffic: jaxcomm.audit.Traffic,
-        network: Network,
-        step: int,
-        *,
-        measured_s: float | None = None,
-        overlap: bool | None = None,
-        branches: Any = None,
-        stream: int = 0,
-    ) -> tuple[float, float, float]:
-        """Simulated seconds of one step of program ``key``: ``(step, compute, comm)``.
+    def simulate_step(self, key: Any, traffic: Any, network: Network, step: int, **kw: Any):
+        """Simulated ``(step, compute, comm)`` seconds of one step of program ``key``
+        (:meth:`train.context.Context.simulate_step`)."""
+        return self.ctx.simulate_step(key, traffic, network, step, **kw)
 
-        Compute is the roofline of the step's programs on the ``compute`` device
-        (``measured_s``, the host's measured step, with ``compute: measured``);
-        communication is ``traffic`` (per-device totals) over ``network``; the layout
-        lays them on its timeline (data parallel: the slowest device's compute, then the
-        busiest device's collectives, ``max`` of the two with ``overlap``; a pipeline:
-        GPipe's). Stragglers (drawn for ``step``, 0-based; ``stream`` > 0 draws
-        independently of the step's own) scale each device's compute and jitter the
-        latency of each round. ``overlap`` overrides the config's; ``branches`` resolves
-        conditionals for the compute as in :meth:`step_audit`."""
-        overlap = self.cfg.overlap if overlap is None else bool(overlap)
-        return self.layout.simulate_step(
-            self,
-            key,
-            traffic,
-            network,
-            step,
-            measured_s=measured_s,
-            overlap=overlap,
-            branches=branches,
-            stream=stream,
-        )
-
-    def simulate_logged(
-        self,
-        traffic: StepTraffic,
-        network: Network,
-        step: int,
-        *,
-        measured_s: float,
-        key: Any = None,
-        stream: int = 0,
-    ) -> tuple[float, float, float]:
-        """:meth:`simulate_step` of a step from its logged traffic; ``key`` names its
-        program (default: the one the last step ran). A synchronisation with its own
-        timeline (DreamDDP's layer-wise one) takes the step's own draws (``stream`` 0)."""
-        if stream == 0:
-            own = self.sync.step_seconds(self, traffic, network, step, measured_s)
-            if own is not None:
-                return own
-        total = jaxcomm.audit.Traffic(
-            sent=traffic.sent,
-            rounds=traffic.rounds.sum(1),
-            path_bytes=traffic.path_bytes.sum(1),
-        )
-        key = self._program_key() if key is None else key
-        return self.simulate_step(key, total, network, step, measured_s=measured_s, stream=stream)
+    def simulate_logged(self, traffic: StepTraffic, network: Network, step: int, **kw: Any):
+        """:meth:`simulate_step` of a step from its logged traffic
+        (:meth:`train.context.Context.simulate_logged`)."""
+        return self.ctx.simulate_logged(traffic, network, step, **kw)
 
     # ------------------------------------------------------------------ the host loop
 
@@ -326,12 +285,12 @@ class Trainer:
     def _after_step(self) -> None:
         """Run once a step's state is accepted (before metrics and checkpoints)."""
         for part in self.parts:
-            part.after_step(self)
+            part.after_step(self.ctx)
 
     def _before_step(self) -> None:
         """Run before each training step (e.g. a search that changes the step)."""
         for part in self.parts:
-            part.before_step(self)
+            part.before_step(self.ctx)
 
     def _step_extras(self, report: dict[str, Any]) -> dict[str, float]:
         """Extra per-step metrics: a top-k aggregator's compression gain (mean over
@@ -341,7 +300,7 @@ class Trainer:
             out["gain"] = float(np.mean(np.asarray(gain)))
             out["root"] = int(np.asarray(root).reshape(-1)[0])
         for part in self.parts:
-            out.update(part.step_extras(self, report))
+            out.update(part.step_extras(self.ctx, report))
         return out
 
     # ------------------------------------------------------------------ run
@@ -425,7 +384,7 @@ class Trainer:
     ) -> dict[str, Any]:
         cfg = self.cfg
         run_dir = cfg.run_dir
-        manager = self.store = Checkpoints(run_dir, cfg.keep_checkpoints)
+        manager = self.ctx.store = Checkpoints(run_dir, cfg.keep_checkpoints)
         if manager.latest_step() is not None and not resume:
             raise ValueError(
                 f"{str(run_dir)!r} already holds a run's checkpoints (newest: step "
@@ -457,7 +416,7 @@ class Trainer:
                 file=sys.stderr,
                 flush=True,
             )
-        self.layout.compile(self)
+        self.layout.compile(self.ctx)
         wall0 = time.perf_counter()
         self._lagging = self._lags()
         self._last_ready = None
@@ -478,7 +437,7 @@ class Trainer:
                 if dispatched < cfg.steps and not stopped:
                     self._before_step()
                     dispatched += 1
-                    flights.append(self.layout.launch(self, dispatched, self._lagging))
+                    flights.append(self.layout.launch(self.ctx, dispatched, self._lagging))
                 # Read a step once the next is queued behind it; read at once when its
                 # state is needed on the host (a checkpoint, an evaluation: the next step
                 # would donate it), when no step follows, or when not lagging.
@@ -599,7 +558,7 @@ class Trainer:
         if not finite:
             raise FloatingPointError(
                 f"step {flight.step}: loss, gradients or parameters became non-finite "
-                f"(loss={float(metrics['loss'])}); {self._checkpoint_note()}"
+                f"(loss={float(metrics['loss'])}); {self.ctx.checkpoint_note()}"
             )
         self.step = flight.step
         self._after_step()
@@ -645,7 +604,7 @@ class Trainer:
 
     def num_params(self) -> int:
         """Parameters of the model (one data replica's copy)."""
-        return self.layout.num_params(self)
+        return self.layout.num_params(self.ctx)
 
     def worker_params(self, worker: int = 0) -> Any:
         """Parameters of one worker (data replica) as host numpy arrays."""
@@ -654,7 +613,33 @@ class Trainer:
     def model_params(self) -> Any:
         """Replica 0's parameters (the averaged model for local SGD) in the model's own
         layout (what ``init_params`` loads)."""
-        return self.layout.model_params(self, to_host(self.eval_params()))
+        return self.layout.model_params(self.ctx, to_host(self.eval_params()))
+
+
+def make_layout(cfg: Config, *, abstract: bool = False) -> Layout:
+    """The layout of ``cfg``: a pipeline over ``stage x data`` when ``stages > 1``, else
+    data parallel."""
+    return (Pipeline if cfg.stages > 1 else DataParallel)(cfg, abstract=abstract)
+
+
+#: The synchronisation parts; each names the ``sync`` config classes it runs.
+SYNC_PARTS: tuple[type[Sync], ...] = (LocalSGD, DiLoCo)
+
+
+def make_sync(cfg: Config) -> Sync:
+    """The synchronisation of ``cfg``: the part that runs its ``sync`` choice, else its
+    aggregator each step."""
+    if cfg.sync is None:
+        return EveryStep()
+    for part in SYNC_PARTS:
+        if isinstance(cfg.sync, part.runs):
+            return part(cfg)
+    raise ValueError(f"sync {cfg.sync.key!r}: no synchronisation part runs it")
+
+
+def make_controller(cfg: Config) -> Controller | None:
+    """The controller of ``cfg`` (the adaptive compression ratio), or None."""
+    return AdaptiveRatio(cfg) if cfg.adaptive else None
 
 
 def nothing_to_resume(cfg: Config) -> str | None:
