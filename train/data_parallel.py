@@ -244,21 +244,8 @@ class DataParallel(Layout):
         key = self.program_key(ctx) if key is None else key
         return [(self.compiled_step(ctx, key), np.arange(self.n))]
 
-    def simulate_step(
-        self, ctx, key, traffic, network, step, *, measured_s, overlap, branches, stream
-    ):
-        """The synchronous step: the slowest device's compute, then the collectives."""
-        return self.synchronous_seconds(
-            ctx,
-            key,
-            traffic,
-            network,
-            step,
-            measured_s=measured_s,
-            overlap=overlap,
-            branches=branches,
-            stream=stream,
-        )
+    #: The synchronous step: the slowest device's compute, then the collectives.
+    simulate_step = Layout.synchronous_seconds
 
     # ------------------------------------------------------------------ model and files
 

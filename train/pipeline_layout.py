@@ -380,17 +380,8 @@ class Pipeline(Layout):
         device; with ``compute: measured`` the host's step time has no per-tick breakdown,
         so the step is costed as every device's compute, then the logged traffic."""
         if ctx.compute_model is None:
-            return self.synchronous_seconds(
-                ctx,
-                key,
-                traffic,
-                network,
-                step,
-                measured_s=measured_s,
-                overlap=overlap,
-                branches=branches,
-                stream=stream,
-            )
+            kw = {"measured_s": measured_s, "branches": branches, "stream": stream}
+            return self.synchronous_seconds(ctx, key, traffic, network, step, overlap=overlap, **kw)
         return self.clock.step_seconds(
             ctx, key, traffic, network, step, overlap=overlap, branches=branches, stream=stream
         )
