@@ -137,14 +137,23 @@ def cli_page() -> str:
     return "\n".join(parts).rstrip() + "\n"
 
 
-def _write_pages(app) -> None:
-    if os.environ.get("JAXCOMM_DOCS_READ_ONLY"):  # the tests build a checkout as it is
-        return
+def write_pages(folder: Path) -> None:
+    """Write the generated pages (``cli.md``, ``api.md``) into ``folder`` where they changed."""
     for name, text in (("cli.md", cli_page()), ("api.md", api_page())):
-        page = Path(app.srcdir) / name
+        page = Path(folder) / name
         if not page.exists() or page.read_text() != text:
             page.write_text(text)
 
 
+def _write_pages(app) -> None:
+    if os.environ.get("JAXCOMM_DOCS_READ_ONLY"):  # the tests build a checkout as it is
+        return
+    write_pages(Path(app.srcdir))
+
+
 def setup(app):
     app.connect("builder-inited", _write_pages)
+
+
+if __name__ == "__main__":  # python docs/conf.py: the generated pages without a docs build
+    write_pages(Path(__file__).parent)
