@@ -55,7 +55,7 @@ def expand_cell(tree: Any) -> Any:
 
 
 def _is_keyed(node: Any) -> bool:
-    return hasattr(node, "_replace") and hasattr(node, "key")
+    return hasattr(node, "_replace") and getattr(node, "key", None) is not None
 
 
 def _salted(state: Any, salt: Any) -> Any:
