@@ -1,4 +1,5 @@
-"""Run metadata recorded next to every benchmark result: command, date, machine, JAX."""
+"""Run metadata recorded next to every benchmark result: command, date, machine, JAX.
+Importing it also puts the checkout on ``sys.path`` (``import train`` from a benchmark)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
+
+# A benchmark runs from a checkout (python benchmarks/<name>.py): its trainer is the
+# checkout's train/ and models/, which an install names jaxcomm_train.
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 
 def run_meta(argv: list[str] | None, t0: float | None = None, **extra: Any) -> dict[str, Any]:

@@ -42,6 +42,7 @@ if "device_count" not in os.environ.get("XLA_FLAGS", ""):  # 8 CPU devices unles
     os.environ["XLA_FLAGS"] = _flags.strip()
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))  # the checkout's train/ and models/
 
 import jax  # noqa: E402
 from _meta import run_meta  # noqa: E402

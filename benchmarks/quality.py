@@ -698,7 +698,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "extend":
         steps *= CAP
         args.methods = [m for m in args.methods if m in LOW_BYTE] or list(LOW_BYTE)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    # The benchmarks' folder (_meta) and the checkout (train/, models/) on the path.
+    here = Path(__file__).resolve().parent
+    sys.path[:0] = [str(here), str(here.parent)]
     _compilation_cache(out / "scratch" / "xla_cache")
     t0 = time.time()
     while True:  # an extension past an axis's end makes more runs once a choice is known

@@ -987,9 +987,10 @@ def translate_legacy(data: dict[str, Any]) -> dict[str, Any]:
         )
         task = data.pop("task")
         # An earlier config's model fields (no name) are its task's; a model of another
-        # family (a base config's) is not: the task starts its own family afresh.
-        same = model.get("name", task) == task
-        data["model"] = {**model, "name": task} if same else {"name": task}
+        # family (a base config's) keeps only the fields the task's family has.
+        if model.get("name", task) != task and task in MODELS.names():
+            model = {k: v for k, v in model.items() if k in MODELS[task].model_fields}
+        data["model"] = {**model, "name": task}
     opt_keys = {"lr", "muon_lr", "weight_decay", "clip_norm"}
     sched_keys = {"lr_schedule": "name", "lr_warmup_steps": "warmup_steps",
                   "lr_warmup_from": "warmup_from", "lr_floor": "floor",
@@ -1022,6 +1023,9 @@ def _legacy_boundary(data: dict[str, Any], boundary: dict[str, Any]) -> dict[str
     """The boundary section of the earlier flat keys (``boundary``, ``fw_bits``,
     ``bw_bits``, ``boundary_args``, ``buffer_bits``, ``buffer_dir``)."""
     fw_bits, bw_bits = data.pop("fw_bits", 4), data.pop("bw_bits", 8)
+    for key, bits, low in (("fw_bits", fw_bits, 1), ("bw_bits", bw_bits, 0)):
+        if isinstance(bits, bool) or not isinstance(bits, int) or not low <= bits <= 8:
+            raise ValueError(f"{key} must be an integer in [{low}, 8], got {bits!r}")
     args = dict(data.pop("boundary_args", None) or {})
     buffers = {k: data.pop(k) for k in ("buffer_bits", "buffer_dir") if k in data}
     name = boundary["name"]
@@ -1036,10 +1040,19 @@ def _legacy_boundary(data: dict[str, Any], boundary: dict[str, Any]) -> dict[str
         chunk, k, bucket = (args.pop(f"{prefix}_{n}", None) for n in ("chunk", "k", "bucket"))
         rank = args.pop(f"{prefix}_rank", None)
         if rank is not None:
+            if chunk is not None or k is not None:
+                raise ValueError(
+                    f"{prefix}_rank sends a low-rank code; it excludes {prefix}_chunk and "
+                    f"{prefix}_k (a top-k code)"
+                )
             return {"name": "lowrank", "rank": rank, "bits": bits}
         if chunk is not None or k is not None:
             return {"name": "chunk_topk", "chunk": chunk, "k": k, "bits": bits or None}
         if not bits:
+            if bucket is not None:
+                raise ValueError(
+                    f"{prefix}_bucket={bucket} quantizes, but {prefix}_bits is 0 (float32)"
+                )
             return {"name": "fp32"}
         return {"name": "quantize", "bits": bits, "bucket": bucket}
 
@@ -1049,14 +1062,21 @@ def _legacy_boundary(data: dict[str, Any], boundary: dict[str, Any]) -> dict[str
         {"name": "quantize", "bits": bw_bits} if bw_bits else {"name": "fp32"}
     )  # fmt: skip
     if name == "aqsgd":
-        first = args.pop("first_bits", None)
-        if first:
+        if "first_bits" in args:
+            first = args.pop("first_bits")
+            if isinstance(first, bool) or not isinstance(first, int) or not 1 <= first <= 8:
+                raise ValueError(
+                    f"boundary_args.first_bits must be a positive integer up to 8, got {first!r}"
+                )
             out["first"] = {"name": "quantize", "bits": first}
         if "bw_memory" in args:
             out["memory"] = args.pop("bw_memory")
         out.update(buffers)
     if args:
-        raise ValueError(f"boundary_args: unknown keys {sorted(args)}")
+        known = [f"{p}_{n}" for p in ("fw", "bw") for n in ("chunk", "k", "bucket", "rank")]
+        known += ["first_bits", "bw_memory"]
+        unknown = sorted(args)
+        raise ValueError(f"boundary_args: unknown keys {unknown}" + did_you_mean(unknown[0], known))
     return out
 
 

@@ -91,7 +91,7 @@ class Codec:
     """A wire codec. Subclasses set :attr:`name` and :attr:`payload` and define
     :meth:`encode`; :meth:`decode` and :meth:`nbytes` follow from the payload.
 
-    Class attributes:
+    Attributes:
       name: the codec's registry name (:data:`CODECS`).
       payload: the payload class :meth:`encode` returns; its array leaves are the wire bytes.
       unbiased: ``E[decode(encode(x, key))] = x`` over keys.
