@@ -134,7 +134,7 @@ def _run(root: Path, config: str, overrides: list[str], out: Path, estimate: boo
         return {"estimate": json.loads((out / "estimate.json").read_text())}
     summary = json.loads((out / "summary.json").read_text())
     # From the log, so trees whose summaries name their bytes differently compare alike.
-    sent = [json.loads(r)["sent_bytes"] for r in (out / "metrics.jsonl").read_text().split()]
+    sent = [json.loads(r)["sent_bytes"] for r in (out / "metrics.jsonl").read_text().splitlines()]
     return {
         "sim_time_s": summary["sim_time_s"],
         "final_loss": summary["final_loss"],
