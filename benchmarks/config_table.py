@@ -74,7 +74,41 @@ ROWS: dict[str, tuple[str, list[str]]] = {
         "configs/dreamddp_default.yaml",
         [*SHORT, "stragglers={seed: 1, compute_sigma: 0.3, latency_jitter: 0.5}"],
     ),
+    "diloco_default": (
+        "configs/diloco_default.yaml",
+        [*SHORT, "steps=12", "sync={method: diloco, period: 4}"],
+    ),
+    "diloco_streaming_int8": (
+        "configs/diloco_default.yaml",
+        [
+            *SHORT,
+            "steps=12",
+            "sync={method: diloco, period: 4, fragments: 2, overlap: 1, compress: int8}",
+        ],
+    ),
+    "diloco_sparseloco_warm": (
+        "configs/diloco_default.yaml",
+        [
+            *SHORT,
+            "steps=12",
+            "sync={method: diloco, period: 4, compress: sparseloco}",
+            "sync.warmup_steps=4",
+        ],
+    ),
+    "dp_adamw_cosine_clip": (
+        "configs/dp_default.yaml",
+        [
+            *SHORT,
+            "optimizer=adamw",
+            "lr_schedule=cosine",
+            "lr_warmup_steps=3",
+            "weight_decay=0.1",
+            "clip_norm=0.5",
+        ],
+    ),
     "estimate:aqsgd_gpt2xl": ("configs/aqsgd_gpt2xl.yaml", []),
+    "estimate:activations_100x": ("configs/activations_100x.yaml", []),
+    "estimate:diloco_intellect1": ("configs/diloco_intellect1.yaml", []),
     "estimate:marsit_resnet50": (
         "configs/marsit_resnet50.yaml",
         ["workers=8", "global_batch=64", "branch:marsit_round=0"],
