@@ -217,7 +217,7 @@ def test_trial_steps_draw_their_own_stragglers(tmp_path):
     trainer = Trainer(_cfg(tmp_path, steps=1, stragglers={"seed": 4, "compute_sigma": 0.5}))
     trainer.run()
     streams = []
-    simulate = trainer.simulate_logged
+    simulate = trainer.ctx.simulate_logged
 
     def record(*args, stream=0, **kw):
         streams.append((args[2], stream))

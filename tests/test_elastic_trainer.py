@@ -114,8 +114,8 @@ def _restored(cfg):
 def _check_state(before, after, n):
     _check_rules(jax.device_get(before.params), jax.device_get(after.params), n)
     _check_rules(
-        jax.device_get(before.layout.state_tree(before)["opt_state"]),
-        jax.device_get(after.layout.state_tree(after)["opt_state"]),
+        jax.device_get(before.layout.state_tree(before.ctx)["opt_state"]),
+        jax.device_get(after.layout.state_tree(after.ctx)["opt_state"]),
         n,
     )
 

@@ -6,8 +6,12 @@ import ast
 import inspect
 from pathlib import Path
 
+import train.adaptive
+import train.checkpoint
 import train.context
 import train.data_parallel
+import train.pipeline_clock
+import train.pipeline_feed
 import train.pipeline_layout
 import train.sync
 import train.trainer
@@ -16,19 +20,28 @@ TRAIN = Path(train.trainer.__file__).parent
 
 
 def _imports(path: Path) -> set[str]:
-    """Sibling modules ``path`` imports at run time (anywhere in the file)."""
+    """Sibling modules ``path`` imports at run time (anywhere in the file, relatively or as
+    ``train.<module>``); only the body of an ``if TYPE_CHECKING:`` is left out."""
     tree = ast.parse(path.read_text())
     typing_only = {
         id(n)
         for node in ast.walk(tree)
         if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
-        for n in ast.walk(node)
+        for stmt in node.body
+        for n in ast.walk(stmt)
     }
     out = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1 and id(node) not in typing_only:
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
             names = [node.module] if node.module else [a.name for a in node.names]
             out.update(n.split(".")[0] for n in names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("train"):
+            rest = node.module.split(".")[1:]
+            out.update(rest[:1] or [a.name for a in node.names])
+        elif isinstance(node, ast.Import):
+            out.update(a.name.split(".")[1] for a in node.names if a.name.startswith("train."))
     return out
 
 
@@ -55,9 +68,16 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_the_cycle_finder_finds_a_circle():
+def test_the_cycle_finder_finds_a_circle(tmp_path):
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+    source = tmp_path / "m.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\nfrom .a import x\nif TYPE_CHECKING:\n"
+        "    from .b import y\nelse:\n    from .c import z\ndef f():\n"
+        "    from train.d import w\n    import train.e\n"
+    )
+    assert _imports(source) == {"a", "c", "d", "e"}
 
 
 def test_the_trainer_modules_import_without_a_circle():
@@ -78,11 +98,16 @@ def test_layouts_and_parts_see_the_context_not_the_trainer():
         train.sync.Controller,
         train.data_parallel.DataParallel,
         train.pipeline_layout.Pipeline,
+        train.pipeline_clock.GPipeClock,
+        train.pipeline_feed.Feed,
+        train.adaptive.AdaptiveRatio,
         *train.trainer.SYNC_PARTS,
     ]
-    for cls in classes:
-        for name, fn in inspect.getmembers(cls, inspect.isfunction):
-            text = str(inspect.signature(fn))
-            assert "Trainer" not in text and "trainer" not in text, (cls, name, text)
+    functions = [f for c in classes for _, f in inspect.getmembers(c, inspect.isfunction)]
+    functions += [train.checkpoint.save_run, train.checkpoint.restore_run]
+    for fn in functions:
+        params = inspect.signature(fn).parameters
+        assert not {"t", "trainer"} & set(params), fn
+        assert not any("Trainer" in str(p.annotation) for p in params.values()), fn
     hooks = inspect.signature(train.sync.Part.after_step).parameters
     assert hooks["ctx"].annotation in ("Context", train.context.Context)

@@ -26,7 +26,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,9 @@ from flax import serialization
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .distributed import is_primary, to_host
+
+if TYPE_CHECKING:
+    from .context import Context
 
 __all__ = [
     "Checkpoints",
@@ -798,8 +801,8 @@ def _differences(a: Any, b: Any, where: str = "") -> list[tuple[str, Any, Any]]:
 # ---------------------------------------------------------------------- a trainer's state
 
 
-def run_fingerprint(ctx: Any) -> dict[str, Any]:
-    """What a checkpoint must match to be resumed into trainer ``t``: the run's settings
+def run_fingerprint(ctx: Context) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed into run ``ctx``: the run's settings
     that shape its state, its parts' (layout, synchronisation, controller) entries and the
     parameter shapes."""
     cfg = ctx.cfg
@@ -825,8 +828,8 @@ def run_fingerprint(ctx: Any) -> dict[str, Any]:
     }
 
 
-def _state_tree(ctx: Any) -> dict[str, Any]:
-    """Everything trainer ``t`` saves as arrays: the layout's parameters and optimizer
+def _state_tree(ctx: Context) -> dict[str, Any]:
+    """Everything run ``ctx`` saves as arrays: the layout's parameters and optimizer
     state, the step, the loader position and the simulated clock."""
     return {
         **ctx.layout.state_tree(ctx),
@@ -836,8 +839,8 @@ def _state_tree(ctx: Any) -> dict[str, Any]:
     }
 
 
-def save_run(ctx: Any, store: Checkpoints) -> None:
-    """Checkpoint trainer ``t`` at its current step (atomic: a crash leaves the previous
+def save_run(ctx: Context, store: Checkpoints) -> None:
+    """Checkpoint run ``ctx`` at its current step (atomic: a crash leaves the previous
     one): the layout's host state first (e.g. message-buffer snapshots), then the arrays,
     the fingerprint and the parts' host-side extras (JSON) in one Orbax commit."""
     ctx.layout.before_save(ctx, store)
@@ -849,8 +852,8 @@ def save_run(ctx: Any, store: Checkpoints) -> None:
     ctx.layout.after_save(ctx, store)
 
 
-def restore_run(ctx: Any, store: Checkpoints, *, allow_unverified: bool = False) -> bool:
-    """Load the newest intact checkpoint of ``store`` into trainer ``t`` (see
+def restore_run(ctx: Context, store: Checkpoints, *, allow_unverified: bool = False) -> bool:
+    """Load the newest intact checkpoint of ``store`` into run ``ctx`` (see
     :meth:`Checkpoints.restore`): state, parts' extras, step, loader position, clock and
     the layout's host state; False when there is none."""
     ctx.store = store

@@ -1040,13 +1040,20 @@ def _legacy_boundary(data: dict[str, Any], boundary: dict[str, Any]) -> dict[str
         chunk, k, bucket = (args.pop(f"{prefix}_{n}", None) for n in ("chunk", "k", "bucket"))
         rank = args.pop(f"{prefix}_rank", None)
         if rank is not None:
-            if chunk is not None or k is not None:
+            if chunk is not None or k is not None or bucket is not None:
                 raise ValueError(
-                    f"{prefix}_rank sends a low-rank code; it excludes {prefix}_chunk and "
-                    f"{prefix}_k (a top-k code)"
+                    f"{prefix}_rank sends a low-rank code; it excludes {prefix}_chunk, "
+                    f"{prefix}_k and {prefix}_bucket"
                 )
             return {"name": "lowrank", "rank": rank, "bits": bits}
         if chunk is not None or k is not None:
+            if chunk is None or k is None:
+                raise ValueError(f"{prefix}_chunk and {prefix}_k go together (a top-k code)")
+            if bucket is not None:
+                raise ValueError(
+                    f"{prefix}_bucket quantizes whole rows; {prefix}_chunk with {prefix}_k "
+                    "sends a top-k code: choose one"
+                )
             return {"name": "chunk_topk", "chunk": chunk, "k": k, "bits": bits or None}
         if not bits:
             if bucket is not None:

@@ -3,9 +3,10 @@
 A :class:`Layout` owns the mesh, builds the per-worker state and the step programs from the
 transforms the synchronisation (or a controller) gives, runs a step, and answers for it:
 which compiled programs it is made of (to audit and cost), how long it takes on the
-simulated clock, how its state is saved. The trainer (:class:`train.trainer.Trainer`) holds
-the state and runs the loop; it calls its layout through the methods below, passing itself
-(``t``) as the parts of :mod:`train.sync` are passed it.
+simulated clock, how its state is saved. The trainer (:class:`train.trainer.Trainer`) runs
+the loop; it calls its layout through the methods below, passing the run's
+:class:`~train.context.Context` (``ctx``: the state lives there), as the parts of
+:mod:`train.sync` are passed it.
 
 * :class:`train.data_parallel.DataParallel`: ``shard_map`` over ``data``, one program;
 * :class:`train.pipeline_layout.Pipeline`: GPipe over ``data x stage`` with boundary
@@ -96,7 +97,7 @@ class Layout(Part, abc.ABC):
 
     @abc.abstractmethod
     def launch(self, ctx: Context, step: int, lagging: bool) -> Flight:
-        """Dispatch step ``step`` (1-based), set the trainer's new state, and return what
+        """Dispatch step ``step`` (1-based), set the context's new state, and return what
         the host reads of it later (finished already unless ``lagging``)."""
 
     @abc.abstractmethod
@@ -135,7 +136,7 @@ class Layout(Part, abc.ABC):
         stream: int,
     ) -> tuple[float, float, float]:
         """Simulated ``(step, compute, comm)`` seconds of one step (see
-        :meth:`train.trainer.Trainer.simulate_step`); :meth:`synchronous_seconds` is the
+        :meth:`train.context.Context.simulate_step`); :meth:`synchronous_seconds` is the
         synchronous step's."""
 
     # ------------------------------------------------------------------ model and files
@@ -155,15 +156,15 @@ class Layout(Part, abc.ABC):
 
     @abc.abstractmethod
     def before_save(self, ctx: Context, store: Any) -> None:
-        """Host state to write before the checkpoint of ``t.step`` commits."""
+        """Host state to write before the checkpoint of ``ctx.step`` commits."""
 
     @abc.abstractmethod
     def after_save(self, ctx: Context, store: Any) -> None:
-        """Clean-up once the checkpoint of ``t.step`` committed."""
+        """Clean-up once the checkpoint of ``ctx.step`` committed."""
 
     @abc.abstractmethod
     def after_restore(self, ctx: Context) -> None:
-        """Host state to restore once checkpoint ``t.step`` was loaded."""
+        """Host state to restore once checkpoint ``ctx.step`` was loaded."""
 
     @abc.abstractmethod
     def num_params(self, ctx: Context) -> int:

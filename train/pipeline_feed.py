@@ -51,7 +51,7 @@ def as_global(full: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 
 class Feed:
-    """Batches and message buffers of pipeline layout ``p`` for trainer ``t``."""
+    """Batches and message buffers of pipeline layout ``p`` of the run ``ctx``."""
 
     def __init__(self, p: Pipeline, ctx: Context):
         self.p, self.ctx, cfg = p, ctx, p.cfg
