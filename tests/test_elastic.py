@@ -11,6 +11,8 @@ every aggregator and sync wrapper of the contract suite, 8 to 4 and 4 to 8 worke
   dropped the residuals, or summed them, fails this).
 """
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,28 +100,22 @@ def _check_rules(old, new, n_new, path=()):
             assert np.all((a == np.asarray(e)) | (a == 0))
         return
     if type(old) in jaxcomm.elastic.RULES:
-        pending = [f for f, r in jaxcomm.elastic.RULES[type(old)].items() if r == "pending"]
+        beside = jaxcomm.elastic.RULES[type(old)]
         for f in old._fields:
-            rule = jaxcomm.elastic.resize_rule_of(old, f)
             a, b = getattr(old, f), getattr(new, f)
             if a is None:  # a field this configuration does not use (e.g. no segments)
                 assert b is None
                 continue
-            if rule == "replica":
+            if f not in beside:  # replica (residuals too: their mean is kept)
                 _check_rules(a, b, n_new, (*path, f))
                 continue
+            # Segments of the flattened vector, worker i holding segment i.
+            assert jaxcomm.elastic.resize_rule_of(old, f) == "segments"
             a, b = np.asarray(a), np.asarray(b)
             assert b.shape[0] == n_new
-            if rule == "pending":
-                # The correction still owed to the model: the mean over workers.
-                np.testing.assert_allclose(
-                    b.astype(np.float64).mean(0), a.astype(np.float64).mean(0), rtol=1e-6,
-                    atol=1e-7 * np.abs(a).max(),
-                )  # fmt: skip
-            else:  # segments of the flattened vector, worker i holding segment i
-                d = np.shape(getattr(old, pending[0]))[-1]
-                np.testing.assert_array_equal(_join(b, d), _join(a, d))
-                assert b.shape[-1] == -(-d // n_new)
+            d = np.shape(getattr(old, beside[f]))[-1]
+            np.testing.assert_array_equal(_join(b, d), _join(a, d))
+            assert b.shape[-1] == -(-d // n_new)
         return
     if isinstance(old, tuple | list | dict):
         items = old.items() if isinstance(old, dict) else enumerate(old)
@@ -228,3 +224,24 @@ def test_bad_input_is_refused_naming_it():
         jaxcomm.elastic.resize_workers({"a": np.zeros((8, 3))}, 0)
     with pytest.raises(ValueError, match="has no field 'resid'"):
         jaxcomm.elastic.register_resize_rule(jaxcomm.TopKState, resid="pending")
+    with pytest.raises(ValueError, match="has no field 'whole'"):
+        jaxcomm.elastic.register_resize_rule(jaxcomm.TopKState, residual="whole")
+
+
+def test_the_earlier_pending_rule_warns_and_changes_nothing():
+    """``pending`` ran ``replica``'s code: registering it warns and leaves no rule, and a
+    residual is averaged (its mean kept) all the same."""
+    with pytest.warns(FutureWarning, match="ignored"):
+        jaxcomm.elastic.register_resize_rule(_Residual, residual="pending")
+    assert _Residual not in jaxcomm.elastic.RULES
+    state = _Residual(np.arange(24.0).reshape(8, 3), np.full(8, 5, np.int32))
+    out = jaxcomm.elastic.resize_workers(state, 2)
+    mean = np.broadcast_to(state.residual.mean(0), (2, 3))
+    np.testing.assert_array_equal(out.state.residual, mean)
+    np.testing.assert_array_equal(out.state.count, [5, 5])
+    assert "averaged" in out.notes[".residual"] and ".count" not in out.notes
+
+
+class _Residual(NamedTuple):
+    residual: np.ndarray
+    count: np.ndarray

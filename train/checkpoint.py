@@ -36,6 +36,7 @@ from flax import serialization
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .distributed import is_primary, to_host
+from .programs import AXIS
 
 if TYPE_CHECKING:
     from .context import Context
@@ -317,18 +318,26 @@ def resume_note(folder: Path | None, step: int | None) -> str:
     )
 
 
-def _row_sharding(a: jax.Array) -> NamedSharding | None:
-    """The sharding of one row of ``a`` (its leading axis dropped); None when ``a`` has no
-    leading axis of several rows on a named mesh (nothing to save once)."""
+def has_rows(a: Any) -> bool:
+    """Whether state array ``a`` (or its shape) holds one row per worker: a leading axis
+    sharded over the workers' mesh axis (state every worker holds bit for bit is one copy,
+    with no such axis)."""
     sharding = getattr(a, "sharding", None)
-    if not isinstance(a, jax.Array) or a.ndim < 1 or a.shape[0] < 2:
+    if not isinstance(sharding, NamedSharding) or not sharding.spec or len(a.shape) < 1:
+        return False
+    first = sharding.spec[0]
+    return AXIS == first or (isinstance(first, tuple) and AXIS in first)
+
+
+def _row_sharding(a: jax.Array) -> NamedSharding | None:
+    """The sharding of one row of ``a`` (its leading axis dropped); None when ``a`` is not
+    one row per worker of several workers (nothing to save once)."""
+    if not isinstance(a, jax.Array) or not has_rows(a) or a.shape[0] < 2:
         return None
     if not _comparable(a.dtype):
         return None  # saved whole: typed PRNG keys, complex, sub-byte integers
-    if not isinstance(sharding, NamedSharding):
-        return None
-    spec = tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
-    return NamedSharding(sharding.mesh, PartitionSpec(*spec[1:]))
+    spec = tuple(a.sharding.spec) + (None,) * (a.ndim - len(a.sharding.spec))
+    return NamedSharding(a.sharding.mesh, PartitionSpec(*spec[1:]))
 
 
 def _comparable(dtype: Any) -> bool:
@@ -407,9 +416,9 @@ def _row_targets(template: Any, once: list[str]) -> Any:
 
     def target(path, a):
         struct = ocp.utils.to_shape_dtype_struct(a)
-        if jax.tree_util.keystr(path) in names:
+        if jax.tree_util.keystr(path) in names and has_rows(a):
             return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=_row_sharding(a))
-        return struct
+        return struct  # (an earlier checkpoint's row of what is now one copy: as saved)
 
     return jax.tree_util.tree_map_with_path(target, template)
 
@@ -420,7 +429,11 @@ def expand_rows(restored: Any, template: Any, once: list[str]) -> Any:
     names = set(once)
     flat, treedef = jax.tree_util.tree_flatten_with_path(restored)
     want = jax.tree_util.tree_leaves(template)
-    pick = [i for i, (path, _) in enumerate(flat) if jax.tree_util.keystr(path) in names]
+    pick = [
+        i
+        for i, (path, _) in enumerate(flat)
+        if jax.tree_util.keystr(path) in names and has_rows(want[i])
+    ]
     if not pick:
         return restored
     shapes = [want[i].shape for i in pick]
@@ -563,16 +576,33 @@ class Checkpoints:
         finally:
             reader.close()
         names = set(once)
+        rowed = {
+            jax.tree_util.keystr(path)
+            for path, a in jax.tree_util.tree_flatten_with_path(template)[0]
+            if has_rows(a)
+        }
 
         def rows(path: Any, a: Any) -> np.ndarray:
             a = np.asarray(a)
-            if jax.tree_util.keystr(path) in names:  # saved once: every worker's row
+            name = jax.tree_util.keystr(path)
+            if name in names and name in rowed:  # saved once: every worker's row
                 return np.broadcast_to(a[None], (old_n, *a.shape))
             return a
 
         state = jax.tree_util.tree_map_with_path(rows, state)
-        resized = jaxcomm.elastic.resize_workers({k: state[k] for k in per_worker}, new_n)
-        state = {**state, **resized.state}
+        # Only the arrays with a row per worker change; one copy stays as it is.
+        mine = jax.tree_util.tree_map_with_path(
+            lambda path, a: a if jax.tree_util.keystr(path) in rowed else None,
+            {k: state[k] for k in per_worker},
+        )
+        resized = jaxcomm.elastic.resize_workers(mine, new_n)
+        new = {
+            jax.tree_util.keystr(path): a
+            for path, a in jax.tree_util.tree_flatten_with_path(resized.state)[0]
+        }
+        state = jax.tree_util.tree_map_with_path(
+            lambda path, a: new.get(jax.tree_util.keystr(path), a), state
+        )
         print(
             f"resuming a run of {old_n} workers on {new_n} (checkpoint step {step}); state "
             "kept bit for bit unless named here:",
@@ -806,7 +836,9 @@ def run_fingerprint(ctx: Context) -> dict[str, Any]:
     that shape its state, its parts' (layout, synchronisation, controller) entries and the
     parameter shapes."""
     cfg = ctx.cfg
-    shapes = jax.tree_util.tree_map(lambda a: list(a.shape[1:]), ctx.params)
+    shapes = jax.tree_util.tree_map(
+        lambda a: list(a.shape[1:] if has_rows(a) else a.shape), ctx.params
+    )
     fields = lambda section: {k: v for k, v in section.to_dict().items() if k != "name"}  # noqa: E731
     return {
         "task": cfg.task,

@@ -1,10 +1,14 @@
 """The data-parallel layout: ``shard_map`` over a ``data`` axis, one step program.
 
-Every piece of training state that may differ between workers (parameters, optimizer and
-aggregator state) has a leading worker axis ``[N, ...]`` sharded over ``data``, so dense
-data parallelism, compressed aggregators with per-worker residuals and local SGD all use
-the same step: each worker's gradient of its shard of the batch, then the per-worker
-transform (an aggregator and the optimizer, or a sync wrapper around the optimizer).
+State that differs between workers (aggregator state, and under local SGD or DiLoCo the
+parameters and inner optimizer state) has a leading worker axis ``[N, ...]`` sharded over
+``data``; state every worker holds bit for bit (synchronous parameters and optimizer state,
+DiLoCo's anchor and outer state) is one copy (``P()``). Which is which is read from the
+types ``shard_map`` gives the values (``check_vma``), so the compiler proves that what is
+held once is the same on every worker. Dense data parallelism, compressed aggregators with
+per-worker residuals and local SGD all use the same step: each worker's gradient of its
+shard of the batch, then the per-worker transform (an aggregator and the optimizer, or a
+sync wrapper around the optimizer).
 
 The host need not wait between steps (``async_steps``): step ``t + 1`` is dispatched
 before step ``t``'s outputs are read, the next batch is loaded and copied to the devices
@@ -26,6 +30,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jaxcomm
 from jaxcomm._src.network import find_logs
 
 from .config import Config
@@ -39,9 +44,11 @@ from .programs import (
     expand,
     host_finite,
     ready_at,
+    row_specs,
     squeeze,
     state_report,
     structs,
+    varying_rows,
 )
 
 if TYPE_CHECKING:
@@ -79,25 +86,93 @@ class DataParallel(Layout):
     def init_state(self, ctx: Context) -> tuple[Any, Any]:
         params = ctx.initial_params()
         tx = ctx.make_tx()
+        self.rows = self._worker_rows(ctx, tx, params)
+        rows_p, rows_s = self.rows
         init = jax.jit(
             jax.shard_map(
-                lambda p: expand(tx.init(squeeze(p))),
+                lambda p: expand(tx.init(squeeze(p, rows_p)), rows_s),
                 mesh=self.mesh,
-                in_specs=P(AXIS),
-                out_specs=P(AXIS),
+                in_specs=(row_specs(rows_p),),
+                out_specs=row_specs(rows_s),
             )
         )
         if self.abstract:
-            stacked = structs(params, self.sharded, lead=(self.n,))
-            return stacked, structs(jax.eval_shape(init, stacked), self.sharded)
+            placed = self._structs(params, rows_p)
+            return placed, self._structs(jax.eval_shape(init, placed), rows_s, axis="keep")
 
-        def spread(a: Any) -> jax.Array:
+        def spread(a: Any, row: bool) -> jax.Array:
             # Built from each process's own devices' slices (the init is the same on
             # every process), so it also works when the mesh spans several processes.
-            full = np.broadcast_to(np.asarray(a), (self.n, *a.shape))
-            return jax.make_array_from_callback(full.shape, self.sharded, lambda i: full[i])
+            full = np.broadcast_to(np.asarray(a), (self.n, *a.shape)) if row else np.asarray(a)
+            sharding = self.sharded if row else self.replicated
+            return jax.make_array_from_callback(full.shape, sharding, lambda i: full[i])
 
-        return jax.tree_util.tree_map(spread, params), init(jax.tree_util.tree_map(spread, params))
+        placed = jax.tree_util.tree_map(spread, params, rows_p)
+        return placed, init(placed)
+
+    def _structs(self, tree: Any, rows: Any, axis: str = "add") -> Any:
+        """``tree`` as shapes placed like the state: the leaves marked in ``rows`` one row
+        per worker, the others one copy. ``axis``: whether ``tree``'s leaves lack the worker
+        axis (``"add"`` it to the rows), have it on every leaf (``"drop"`` it from the
+        others) or are shaped already (``"keep"``)."""
+
+        def struct(a: Any, row: bool) -> jax.ShapeDtypeStruct:
+            shape = tuple(a.shape)
+            if axis == "add" and row:
+                shape = (self.n, *shape)
+            elif axis == "drop" and not row:
+                shape = shape[1:]
+            sharding = self.sharded if row else self.replicated
+            return jax.ShapeDtypeStruct(shape, a.dtype, sharding=sharding)
+
+        return jax.tree_util.tree_map(struct, tree, rows)
+
+    def _worker_rows(self, ctx: Context, tx: optax.GradientTransformation, params: Any) -> tuple:
+        """``(params rows, optimizer state rows)``: trees of bools, True for the leaves that
+        differ between workers (one row per worker), False for those every worker holds bit
+        for bit (one copy, ``P()``). Read from the types ``shard_map`` gives the values of
+        the init and of one step (``check_vma``): a leaf is a row when either makes it
+        varying with the rows found so far, repeated until nothing changes."""
+        task = ctx.task
+        sample = shard(ctx.train_data.get(ctx.loader.batch_ids(0)), self.n)
+        batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.sharded)
+                 for k, v in sample.items()}  # fmt: skip
+        rows_p = jax.tree_util.tree_map(lambda _: False, params)
+        rows_s = None
+        found: dict[str, Any] = {}
+        for _ in range(8):
+
+            def init(p, rows_p=rows_p):
+                s = tx.init(squeeze(p, rows_p))
+                found["init"] = varying_rows(s)
+                return expand(s)
+
+            shapes = jax.eval_shape(
+                jax.shard_map(init, mesh=self.mesh, in_specs=(row_specs(rows_p),),
+                              out_specs=P(AXIS)),
+                self._structs(params, rows_p),
+            )  # fmt: skip
+            rows_s = found["init"] if rows_s is None else _either(rows_s, found["init"])
+
+            def step(p, s, b, rows_p=rows_p, rows_s=rows_s):
+                p, s = squeeze(p, rows_p), squeeze(s, rows_s)
+                p, s = self._update(task, tx, p, s, squeeze(b))[:2]
+                found["step"] = (varying_rows(p), varying_rows(s))
+                return expand(p), expand(s)
+
+            jax.eval_shape(
+                jax.shard_map(step, mesh=self.mesh,
+                              in_specs=(row_specs(rows_p), row_specs(rows_s), P(AXIS)),
+                              out_specs=(P(AXIS), P(AXIS))),
+                self._structs(params, rows_p), self._structs(shapes, rows_s, axis="drop"), batch,
+            )  # fmt: skip
+            new_p = _either(rows_p, found["step"][0])
+            new_s = _either(rows_s, found["step"][1])
+            leaves = jax.tree_util.tree_leaves
+            if leaves((new_p, new_s)) == leaves((rows_p, rows_s)):
+                return rows_p, rows_s
+            rows_p, rows_s = new_p, new_s
+        raise RuntimeError("the per-worker state did not settle")  # unreachable: rows only grow
 
     def build(self, ctx: Context) -> None:
         self._step = self._build_step(ctx, ctx.make_tx())
@@ -105,40 +180,53 @@ class DataParallel(Layout):
         self._programs.clear()
         self._modelled.clear()
 
+    @staticmethod
+    def _update(task: Any, tx: optax.GradientTransformation, p: Any, s: Any, b: Any) -> tuple:
+        """One worker's step: its gradient of its batch ``b`` (at ``p`` typed as its own, so
+        that nothing sums the gradients behind the transform), then ``tx``. Returns
+        ``(params, opt_state, loss, metrics, grads)``."""
+        mine = jaxcomm.varying(p, AXIS)
+        (loss, metrics), grads = jax.value_and_grad(task.loss, has_aux=True)(mine, b)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss, metrics, grads
+
     def _build_step(self, ctx: Context, tx: optax.GradientTransformation) -> Callable:
         """The jitted step of the per-worker transform ``tx``."""
         task = ctx.task
+        rows_p, rows_s = self.rows
 
         def per_worker(params, opt_state, batch):
-            # params, opt_state: [1, ...] this worker's; batch: [1, B / N, ...]
-            p, s, b = squeeze(params), squeeze(opt_state), squeeze(batch)
-            (loss, metrics), grads = jax.value_and_grad(task.loss, has_aux=True)(p, b)
-            updates, s = tx.update(grads, s, p)
-            p = optax.apply_updates(p, updates)
+            # params, opt_state: this worker's rows ([1, ...]) and the shared leaves;
+            # batch: [1, B / N, ...]
+            p, s = squeeze(params, rows_p), squeeze(opt_state, rows_s)
+            p, s, loss, metrics, grads = self._update(task, tx, p, s, squeeze(batch))
             ok = all_finite((loss, grads, p)).astype(jnp.int32)
             # Each worker's metrics and finite flag go to the host, which averages them
             # (`host_metrics`): a collective for them would cost every step 2 (N - 1)
             # latencies on the ring for a few bytes. The report is a separate output, so
             # that the host can read it after the next step has taken (donated) the state.
             report = expand(state_report(s))
-            return expand(p), expand(s), expand(metrics), expand(ok), report
+            return expand(p, rows_p), expand(s, rows_s), expand(metrics), expand(ok), report
 
         step = jax.shard_map(
             per_worker,
             mesh=self.mesh,
-            in_specs=(P(AXIS), P(AXIS), P(AXIS)),
-            out_specs=(P(AXIS),) * 5,
+            in_specs=(row_specs(rows_p), row_specs(rows_s), P(AXIS)),
+            out_specs=(row_specs(rows_p), row_specs(rows_s), P(AXIS), P(AXIS), P(AXIS)),
         )
         return jax.jit(step, donate_argnums=(0, 1))
 
     def _build_eval(self, ctx: Context) -> Callable:
         task = ctx.task
+        rows_p = self.rows[0]
 
         def per_worker(params, batch):
-            _, metrics = task.loss(squeeze(params), squeeze(batch))
+            _, metrics = task.loss(squeeze(params, rows_p), squeeze(batch))
             return jax.lax.pmean(metrics, AXIS)
 
-        f = jax.shard_map(per_worker, mesh=self.mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=P())
+        f = jax.shard_map(
+            per_worker, mesh=self.mesh, in_specs=(row_specs(rows_p), P(AXIS)), out_specs=P()
+        )
         return jax.jit(f)
 
     def compiled_step(self, ctx: Context, key: Any = None) -> Any:
@@ -277,13 +365,23 @@ class DataParallel(Layout):
         return totals
 
     def num_params(self, ctx: Context) -> int:
-        return sum(math.prod(a.shape[1:]) for a in jax.tree_util.tree_leaves(ctx.params))
+        rows = jax.tree_util.tree_leaves(self.rows[0])
+        shapes = [
+            a.shape[1:] if r else a.shape
+            for a, r in zip(jax.tree_util.tree_leaves(ctx.params), rows, strict=True)
+        ]
+        return sum(math.prod(s) for s in shapes)
 
     def model_params(self, ctx: Context, params: Any) -> Any:
-        return jax.tree_util.tree_map(lambda a: a[0], params)
+        return jax.tree_util.tree_map(lambda a, r: a[0] if r else a, params, self.rows[0])
 
     def synced_bytes(self, ctx: Context) -> int:
         return 4 * self.num_params(ctx)
 
     def smallest_group(self, ctx: Context) -> int:
         return self.num_params(ctx)
+
+
+def _either(a: Any, b: Any) -> Any:
+    """Leafwise ``a or b`` of two trees of bools."""
+    return jax.tree_util.tree_map(lambda x, y: bool(x or y), a, b)

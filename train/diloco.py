@@ -389,7 +389,10 @@ class DiLoCo(Sync):
             return _states(opt_state)[0].anchor
 
         def place(a: Any, p: Any) -> Any:
-            return jax.device_put(a.astype(p.dtype), p.sharding)
+            a = a.astype(p.dtype)
+            if a.ndim < p.ndim:  # held once: every worker's row of the parameters
+                a = jax.jit(lambda x: jnp.broadcast_to(x, p.shape), out_shardings=p.sharding)(a)
+            return jax.device_put(a, p.sharding)
 
         opt = ctx.opt_state
         if ctx.cfg.stages == 1:

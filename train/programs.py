@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm._src.network import find_logs
@@ -28,6 +29,8 @@ __all__ = [
     "state_report",
     "squeeze",
     "expand",
+    "row_specs",
+    "varying_rows",
 ]
 
 #: The mesh axis over data replicas (workers), in every layout.
@@ -42,14 +45,39 @@ def structs(tree: Any, sharding: Any, lead: tuple[int, ...] = ()) -> Any:
     )
 
 
-def squeeze(tree: Any) -> Any:
-    """Drop the leading (per-worker) axis of every leaf: ``[1, ...]`` to ``[...]``."""
-    return jax.tree_util.tree_map(lambda a: a[0], tree)
+def squeeze(tree: Any, rows: Any = None) -> Any:
+    """Drop the leading (per-worker) axis of every leaf, ``[1, ...]`` to ``[...]``; with
+    ``rows`` (a tree of bools of ``tree``'s structure), only of the leaves marked True."""
+    if rows is None:
+        return jax.tree_util.tree_map(lambda a: a[0], tree)
+    return jax.tree_util.tree_map(lambda a, r: a[0] if r else a, tree, rows)
 
 
-def expand(tree: Any) -> Any:
-    """Add a leading (per-worker) axis to every leaf: ``[...]`` to ``[1, ...]``."""
-    return jax.tree_util.tree_map(lambda a: a[None], tree)
+def expand(tree: Any, rows: Any = None) -> Any:
+    """Add a leading (per-worker) axis to every leaf, ``[...]`` to ``[1, ...]``; with
+    ``rows``, only to the leaves marked True."""
+    if rows is None:
+        return jax.tree_util.tree_map(lambda a: a[None], tree)
+    return jax.tree_util.tree_map(lambda a, r: a[None] if r else a, tree, rows)
+
+
+def row_specs(rows: Any) -> Any:
+    """``shard_map`` specs of a state whose leaves marked True in ``rows`` hold one row per
+    worker (``P(AXIS)``); the others are one copy on every worker (``P()``)."""
+    return jax.tree_util.tree_map(lambda r: P(AXIS) if r else P(), rows)
+
+
+def varying_rows(tree: Any) -> Any:
+    """Inside ``shard_map`` (``check_vma=True``): a tree of bools, True where a leaf of
+    ``tree`` is typed as differing between workers."""
+
+    def vary(a: Any) -> bool:
+        t = jax.typeof(a)
+        mat = getattr(t, "manual_axis_type", None)  # JAX 0.10
+        axes = mat.varying if mat is not None else getattr(t, "vma", frozenset())
+        return AXIS in axes
+
+    return jax.tree_util.tree_map(vary, tree)
 
 
 def costed(program: Any) -> jaxcomm.audit.ProgramCost:

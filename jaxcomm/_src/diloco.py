@@ -81,7 +81,7 @@ from jax import lax
 
 from jaxcomm._src._checks import check_choice, check_float, check_int
 from jaxcomm._src.aggregate import DENSE_REDUCE, dense_all_reduce, worker_state
-from jaxcomm._src.collectives import as_varying
+from jaxcomm._src.collectives import as_varying, replicated
 from jaxcomm._src.dreamddp import Schedule, as_schedule
 from jaxcomm._src.localsgd import Layers, _join_layers, layer_names
 from jaxcomm._src.network import CommLog, empty_log
@@ -107,7 +107,10 @@ PATTERNS = ("strided", "sequential")
 
 
 class DiLoCoState(NamedTuple):
-    """State of :func:`diloco`, per worker.
+    """State of :func:`diloco`. Inside ``shard_map``, ``count``, ``anchor`` and ``outer``
+    are typed as replicated over the workers (one copy, ``P()``, may hold them) and
+    ``inner`` and ``reduce`` as per worker; the whole state may also be kept one row per
+    worker (``P(axis)``).
 
     Attributes:
       inner: the inner optimizer's state, local to this worker.
@@ -439,21 +442,27 @@ def diloco(
                 by_layer[names.index(name)] = tree
         return _join_layers(by_layer, names, like)
 
+    def _typed(u_parts, anchors, outers, reduces):
+        # What every worker holds bit for bit (theta_sync, the outer states: computed from
+        # the all-reduced mean) is typed so; the updates and error feedback are per worker.
+        shared = replicated((anchors, outers), axis_name)
+        return (as_varying(u_parts, axis_name), *shared, as_varying(reduces, axis_name))
+
     def init_fn(params):
         layout, _ = init_layout("diloco", params)
         names, frags, _ = plan(params)
         anchor = _f32(params)
         parts = split(anchor, names, frags)
-        state = DiLoCoState(
-            inner=inner.init(params),
-            count=jnp.zeros([], jnp.int32),
-            anchor=anchor,
-            outer=tuple(outer.init(p) for p in parts),
-            reduce=tuple(_quiet(agg.init(p)) for p in parts)
-            + ((_quiet(warm_agg.init(params)),) if warmup else ()),
+        reduce = tuple(_quiet(agg.init(p)) for p in parts)
+        return DiLoCoState(
+            inner=worker_state(inner.init(params), axis_name),
+            count=replicated(jnp.zeros([], jnp.int32), axis_name),
+            anchor=replicated(anchor, axis_name),
+            outer=replicated(tuple(outer.init(p) for p in parts), axis_name),
+            reduce=worker_state(reduce + ((_quiet(warm_agg.init(params)),) if warmup else ()),
+                                axis_name),
             layout=layout,
-        )
-        return worker_state(state, axis_name)
+        )  # fmt: skip
 
     def update_fn(grads, state, params=None):
         if params is None:
@@ -510,7 +519,7 @@ def diloco(
                     u_parts[p] = jax.tree_util.tree_map(
                         mix, p_parts[p], u_parts[p], l_parts[p], anchors[p]
                     )
-                return as_varying((u_parts, anchors, outers, reduces), axis_name)
+                return _typed(u_parts, anchors, outers, reduces)
 
             return run
 
@@ -519,7 +528,7 @@ def diloco(
             _, u_parts, l_parts, _, outers, reduces = map(list, operand)
             anchors = [_f32(part) for part in l_parts]
             reduces = [_quiet(r) for r in reduces]
-            return as_varying((u_parts, anchors, outers, reduces), axis_name)
+            return _typed(u_parts, anchors, outers, reduces)
 
         p_parts = split(params, names, frags)
         operand = (
@@ -542,13 +551,13 @@ def diloco(
         updates = join(u_parts, names, params)
         anchor = join(anchors, names, state.anchor)
         new_state = DiLoCoState(
-            inner_state,
-            state.count + 1,
+            worker_state(inner_state, axis_name),
+            replicated(state.count + 1, axis_name),
             anchor,
             tuple(outers),
-            tuple(reduces) + tuple(warm_reduce),
+            worker_state(tuple(reduces) + tuple(warm_reduce), axis_name),
             state.layout,
         )
-        return updates, worker_state(new_state, axis_name)
+        return updates, new_state
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -1,32 +1,32 @@
 """Per-worker state on a different number of workers: the rules that fold or split it.
 
-A data-parallel run keeps its state stacked over workers: every array has a leading axis of
-``N`` rows, one per worker (parameters, optimizer state, aggregator state). To continue such
-a run on ``N'`` workers (a machine lost, or one added), each array needs ``N'`` rows, and
-what goes in them depends on what the array means. :func:`resize_workers` maps a stacked
-state by the following rules, chosen per field of the state types that need one (see
-:data:`RULES`), and states what each rule keeps:
+A data-parallel run keeps its per-worker state stacked over workers: every array of it has
+a leading axis of ``N`` rows, one per worker (aggregator state; the parameters and optimizer
+state of local SGD and DiLoCo between averages). What every worker holds bit for bit
+(synchronous parameters and optimizer state, DiLoCo's anchor) is one copy and does not
+depend on ``N``. To continue a run on ``N'`` workers (a machine lost, or one added), each
+stacked array needs ``N'`` rows, and what goes in them depends on what the array means.
+:func:`resize_workers` maps a stacked state by two rules, ``segments`` for the fields that
+:data:`RULES` names and ``replica`` for every other, and states what each keeps:
 
 * ``replica``, every field without a rule of its own. Rows bitwise identical on every
-  worker (parameters and optimizer state under synchronous training, counters, the shared
-  PRNG key, an outer optimizer's state) are kept bit for bit. Rows that differ (local
-  SGD's and DiLoCo's replicas and their inner optimizer states between two averages)
-  become their mean over the old workers: the new workers start from the **averaged
-  model**, which is what the next averaging would have produced from them. Integer rows
-  that differ cannot be averaged and are refused.
-* ``pending``: the error-feedback residuals ``ErrorFedState.residual`` (of
-  :func:`jaxcomm.error_fed` and the aggregators built on it),
-  ``TopKState.residual``, ``EFSignState.error`` and
-  ``MarsitState.compensation``, and SSDM's momentum (each worker adds it to its own
-  message). Every aggregator here applies the **mean** over workers of what they send, so
-  what the residuals still owe the model is ``(1/N) sum_i e_i``. Each new worker gets that
-  mean, so ``(1/N') sum_j e'_j = (1/N) sum_i e_i``: the pending correction, in the model's
-  units, is unchanged and nothing is dropped. (Summing and spreading, ``e'_j = sum_i e_i /
-  N'``, would scale the pending correction by ``N / N'``.) Equal rows are kept bit for bit.
+  worker (counters, the shared PRNG key) are kept bit for bit. Rows that differ become
+  their mean over the old workers. For local SGD's and DiLoCo's replicas and their inner
+  optimizer states between two averages, the new workers start from the **averaged
+  model**, which is what the next averaging would have produced from them. For the
+  error-feedback residuals (``ErrorFedState.residual`` of :func:`jaxcomm.error_fed` and
+  the aggregators built on it, ``TopKState.residual``, ``EFSignState.error``,
+  ``MarsitState.compensation``, SSDM's momentum) the mean is also the right rule: every
+  aggregator here applies the **mean** over workers of what they send, so what the
+  residuals still owe the model is ``(1/N) sum_i e_i``, and with each new worker holding
+  that mean, ``(1/N') sum_j e'_j = (1/N) sum_i e_i``: the pending correction, in the
+  model's units, is unchanged and nothing is dropped. (Summing and spreading, ``e'_j =
+  sum_i e_i / N'``, would scale it by ``N / N'``.) Integer rows that differ cannot be
+  averaged and are refused.
 * ``segments``: ``ErrorFedState.server_error``, where worker ``i`` owns segment ``i`` of
-  the flattened model. The old segments are joined in worker order into one vector (their
-  padding dropped) and cut again into ``N'`` segments: the joined vector is unchanged bit
-  for bit.
+  the flattened model (whose length is the last axis of a field beside it, the
+  residual). The old segments are joined in worker order into one vector (their padding
+  dropped) and cut again into ``N'`` segments: the joined vector is unchanged bit for bit.
 
 The traffic logs inside aggregator states (:class:`~jaxcomm.network.CommLog`, what the last
 step sent, rewritten by the next) restart empty.
@@ -37,6 +37,7 @@ array whole). Averages are taken in float64 and rounded once to the array's dtyp
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -45,46 +46,51 @@ import numpy as np
 
 from jaxcomm._src._checks import check_int
 from jaxcomm._src.error_fed import ErrorFedState
-from jaxcomm._src.marsit import MarsitState
 from jaxcomm._src.network import CommLog, empty_log
-from jaxcomm._src.signsgd import EFSignState, SSDMState
-from jaxcomm._src.sparse import TopKState
 
 __all__ = ["RULES", "Resized", "resize_workers", "register_resize_rule", "resize_rule_of"]
 
-#: The field rules of the state types that need more than ``replica`` (see the module).
-RULES: dict[type, dict[str, str]] = {
-    ErrorFedState: {"residual": "pending", "server_error": "segments"},
-    TopKState: {"residual": "pending"},
-    EFSignState: {"error": "pending"},
-    MarsitState: {"compensation": "pending"},
-    SSDMState: {"momentum": "pending"},
-}
-
-_KINDS = ("replica", "pending", "segments")
+#: The segment fields of the state types that have them (see the module): ``{state type:
+#: {segments field: the field beside it whose last axis is the whole length}}``.
+RULES: dict[type, dict[str, str]] = {ErrorFedState: {"server_error": "residual"}}
 
 
-def register_resize_rule(state_type: type, **fields: str) -> None:
-    """Give the fields of a NamedTuple state type (a custom aggregator's) their rules:
-    ``register_resize_rule(MyState, residual="pending")``. Fields not named follow
-    ``replica``. A ``segments`` field must sit beside a ``pending`` field whose last axis
-    is the full length the segments cut."""
+def register_resize_rule(state_type: type, **segments: str) -> None:
+    """Give a NamedTuple state type (a custom aggregator's) its ``segments`` fields:
+    ``register_resize_rule(MyState, server_error="residual")`` cuts ``server_error`` again
+    as segments of a vector as long as ``residual``'s last axis. Every other field
+    (per-worker residuals included) follows ``replica``, which needs no rule.
+
+    ``"pending"``, an earlier rule for residuals, ran ``replica``'s code: it is accepted
+    with a ``FutureWarning`` and ignored."""
     if not (isinstance(state_type, type) and hasattr(state_type, "_fields")):
         raise TypeError(f"state_type must be a NamedTuple class, got {state_type!r}")
-    for name, kind in fields.items():
-        if name not in state_type._fields:
-            raise ValueError(
-                f"{state_type.__name__} has no field {name!r}; its fields are "
-                f"{list(state_type._fields)}"
+    rules = {}
+    for name, beside in segments.items():
+        for field in (name, beside):
+            if field not in state_type._fields and field != "pending":
+                raise ValueError(
+                    f"{state_type.__name__} has no field {field!r}; its fields are "
+                    f"{list(state_type._fields)}"
+                )
+        if beside == "pending":
+            warnings.warn(
+                f"register_resize_rule({state_type.__name__}, {name}='pending'): every field "
+                "is resized so already ('replica'); the rule is ignored and will go",
+                FutureWarning,
+                stacklevel=2,
             )
-        if kind not in _KINDS:
-            raise ValueError(f"rule for {name!r} must be one of {_KINDS}, got {kind!r}")
-    RULES[state_type] = dict(fields)
+            continue
+        if beside == name:
+            raise ValueError(f"{name!r} cannot be segments of its own length")
+        rules[name] = beside
+    if rules:
+        RULES[state_type] = rules
 
 
 def resize_rule_of(node: Any, field: str) -> str:
-    """The rule (``replica``, ``pending`` or ``segments``) of ``field`` of state ``node``."""
-    return RULES.get(type(node), {}).get(field, "replica")
+    """The rule (``replica`` or ``segments``) of ``field`` of state ``node``."""
+    return "segments" if field in RULES.get(type(node), {}) else "replica"
 
 
 class Resized(NamedTuple):
@@ -155,35 +161,34 @@ def resize_workers(state: Any, workers: int) -> Resized:
     (old,) = counts
     notes: dict[str, str] = {}
 
-    def leaf(path: Any, a: Any, rule: str, length: int | None = None) -> np.ndarray:
+    def leaf(path: Any, a: Any, length: int | None = None) -> np.ndarray:
         a = np.asarray(a)
         name = jax.tree_util.keystr(path)
-        if rule == "segments":
-            if length is None:
-                raise ValueError(f"{name}: a 'segments' field needs a 'pending' field beside it")
+        if length is not None:
             notes[name] = f"segments of {old} workers joined and cut into {workers}"
             return _segments(a, length, workers)
         if _equal_rows(a):
             return _rows(a[0], workers)
-        kind = "pending error" if rule == "pending" else "replicas averaged"
-        notes[name] = f"{kind}: the mean of {old} workers' rows on each of {workers}"
+        notes[name] = f"averaged: the mean of {old} workers' rows on each of {workers}"
         return _mean(a, workers, name)
 
     def node(path: tuple, x: Any) -> Any:
         rules = RULES[type(x)]
-        pending = [f for f, r in rules.items() if r == "pending"]
-        length = np.shape(getattr(x, pending[0]))[-1] if pending else None
         out = {}
         for f in x._fields:
             here = (*path, jax.tree_util.GetAttrKey(f))
-            rule = rules.get(f, "replica")
             sub = getattr(x, f)
             if sub is None:  # a field this configuration leaves unused
                 out[f] = None
-            elif rule == "replica":
-                out[f] = walk(here, sub)
+            elif f in rules:
+                whole = getattr(x, rules[f])
+                if whole is None:
+                    raise ValueError(
+                        f"{jax.tree_util.keystr(here)}: its length field {rules[f]!r} is unset"
+                    )
+                out[f] = leaf(here, sub, np.shape(whole)[-1])
             else:
-                out[f] = leaf(here, sub, rule, length)
+                out[f] = walk(here, sub)
         return type(x)(**out)
 
     def log(x: CommLog) -> CommLog:
@@ -202,7 +207,7 @@ def resize_workers(state: Any, workers: int) -> Resized:
                 return log(x)
             if type(x) in RULES:
                 return node(full, x)
-            return leaf(full, x, "replica")
+            return leaf(full, x)
 
         special = lambda x: type(x) in RULES or type(x) is CommLog  # noqa: E731
         return jax.tree_util.tree_map_with_path(visit, tree, is_leaf=special)
