@@ -75,11 +75,12 @@ def test_diloco_synchronises_each_period_and_evaluates_theta_sync(tmp_path):
     # Evaluation runs on theta_sync, not on the workers' (diverged) parameters or their mean.
     anchor = _host(_anchor(trainer))
     evald = _host(trainer.eval_params())
-    for a, e in zip(anchor, evald, strict=True):
-        np.testing.assert_array_equal(a.astype(e.dtype), e)
     params = _host(trainer.params)
+    for a, e, p in zip(anchor, evald, params, strict=True):
+        assert a.shape == p.shape[1:]  # theta_sync is held once; the workers' rows differ
+        np.testing.assert_array_equal(np.broadcast_to(a.astype(e.dtype), e.shape), e)
     assert (
-        max(float(np.max(np.abs(p.mean(0) - a[0]))) for p, a in zip(params, anchor, strict=True))
+        max(float(np.max(np.abs(p.mean(0) - a))) for p, a in zip(params, anchor, strict=True))
         > 1e-4
     )
     assert np.all(np.isfinite([r["loss"] for r in rows]))
