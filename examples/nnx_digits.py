@@ -28,7 +28,7 @@ from sklearn.datasets import load_digits
 
 import jaxcomm
 
-# Aggregators chain before Adam; the sign family and Marsit are whole optimizers.
+# Aggregators chain before Adam; the sign family, Marsit and DeMo are whole optimizers.
 AGGREGATORS = {
     "psum": lambda: jaxcomm.dense_all_reduce("data", reduce="psum"),
     "ring": lambda: jaxcomm.dense_all_reduce("data", reduce="ring"),
@@ -51,6 +51,7 @@ WHOLE = {
     "ef_signsgd": lambda: jaxcomm.ef_signsgd("data", lr=2e-3),
     "ssdm": lambda: jaxcomm.ssdm("data", lr=2e-3),
     "cascading_sign": lambda: jaxcomm.cascading_sign("data", lr=1e-3),
+    "demo": lambda: jaxcomm.demo("data", lr=2e-3, beta=0.9),
 }
 
 

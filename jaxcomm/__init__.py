@@ -39,6 +39,7 @@ from jaxcomm._src.audit import (
     unlogged_traffic,
     wire_audit,
 )
+from jaxcomm._src.demo import DeMoState, demo
 from jaxcomm._src.diloco import DiLoCoState, diloco
 from jaxcomm._src.error_fed import (
     ECQuantizedState,
@@ -77,8 +78,8 @@ __all__ = [
     # aggregators (each an optax transform over a shard_map axis) and their states
     "dense_all_reduce", "ec_quantized_all_reduce", "ar_topk", "lw_topk", "ms_topk",
     "chunk_topk", "statistical_quantized", "marsit", "signsgd_mv", "ef_signsgd", "ssdm",
-    "cascading_sign", "powersgd", "error_fed", "ErrorFedState", "PowerSGDState", "DenseState",
-    "ECQuantizedState",
+    "cascading_sign", "powersgd", "demo", "error_fed", "ErrorFedState", "PowerSGDState",
+    "DeMoState", "DenseState", "ECQuantizedState",
     "TopKState", "ChunkTopKState", "StatQuantizedState", "MarsitState", "SignMVState",
     "EFSignState", "SSDMState", "CascadingState", "whole_optimizer", "WholeOptimizer",
     # wrappers around an optimizer

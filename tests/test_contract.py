@@ -136,6 +136,8 @@ CASES = {
     ),
     "statistical_quantized": Case(lambda ax: jaxcomm.statistical_quantized(ax, bits=2)),
     "powersgd": Case(lambda ax: jaxcomm.powersgd(ax, rank=2)),
+    # Blocks of 1 x 7 ("w": 13 is prime) and 5 ("b"), the top 4 DCT coefficients of each.
+    "demo": Case(lambda ax: jaxcomm.demo(ax, lr=0.01, chunk=8, k=4)),
     "error_fed_two_phase": Case(
         lambda ax, c=jaxcomm.codecs.QuantizeCodec(2, 16): jaxcomm.error_fed(  # noqa: B008
             c, ax, exchange="two_phase"

@@ -309,6 +309,7 @@ _SETTINGS = {
     "docs/algorithms/dreamddp.md#0": _worker,
     "docs/algorithms/marsit.md#0": _worker,
     "docs/algorithms/powersgd.md#0": _worker,
+    "docs/algorithms/demo.md#0": _worker,
     # Runs for a whole DiLoCo period in tests/test_diloco.py (theta_sync checked).
     "docs/algorithms/diloco.md#0": None,
 }

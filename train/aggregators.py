@@ -298,6 +298,29 @@ class PowerSGD(Aggregator):
         return jaxcomm.powersgd(ctx.axis, **self.arguments())
 
 
+@AGGREGATORS.register("demo")
+class DeMo(Aggregator):
+    """DeMo: each worker's own momentum, its top-``k`` DCT coefficients of every block
+    all-gathered, a sign step; a whole optimizer (:func:`jaxcomm.demo`)."""
+
+    whole_optimizer: ClassVar[bool] = True
+    step_sizes: ClassVar[tuple[str, ...]] = ("lr", "beta", "weight_decay")
+    lr: Number = Field(gt=0, description="step size")
+    beta: Number = Field(0.999, ge=0, lt=1, description="momentum decay each step")
+    chunk: int = Field(
+        64, ge=2, description="longest block side (each dimension's largest divisor up to it)"
+    )
+    k: int = Field(32, ge=1, description="DCT coefficients sent per block (at most chunk)")
+    sign: bool = Field(True, description="step by the sign of the averaged components")
+    weight_decay: Number = Field(0.0, ge=0, description="decoupled weight decay (times lr)")
+    average: Literal["senders", "workers"] = Field(
+        "senders", description="divide each coefficient by the workers that sent it or by all"
+    )
+
+    def _build(self, ctx: BuildContext) -> optax.GradientTransformation:
+        return jaxcomm.demo(ctx.axis, **self.arguments())
+
+
 @AGGREGATORS.register("marsit")
 class Marsit(_Seeded):
     """Marsit: one-bit ring all-reduce with the unbiased bit-wise merge, a whole optimizer
