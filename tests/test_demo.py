@@ -258,9 +258,14 @@ def test_a_whole_optimizer_refusing_an_optimizer_after_it():
         _trace(f, mesh)
 
 
-def test_momentum_resizes_as_a_pending_residual():
-    state = jaxcomm.DeMoState(jnp.zeros(3), jaxcomm.network.empty_log(), None)
-    assert jaxcomm.elastic.resize_rule_of(state, "momentum") == "pending"
+def test_momentum_resizes_to_the_workers_mean():
+    """The momentum is what each worker still owes the model: on another number of workers
+    each new one starts from the old workers' mean, so the mean owed is unchanged."""
+    momentum = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+    log = jax.tree.map(lambda e: np.broadcast_to(np.asarray(e), (8, *np.shape(e))),
+                       jaxcomm.network.empty_log())  # fmt: skip
+    out = jaxcomm.elastic.resize_workers(jaxcomm.DeMoState(momentum, log, None), 2).state
+    np.testing.assert_array_equal(out.momentum, np.broadcast_to(momentum.mean(0), (2, 3)))
 
 
 @pytest.mark.parametrize(

@@ -58,7 +58,6 @@ from jax import lax
 from jaxcomm._src._checks import axis_size, check_choice, check_float, check_int
 from jaxcomm._src.aggregate import WholeOptimizer, whole_optimizer, worker_state
 from jaxcomm._src.collectives import all_gather, all_gather_wire, replicated
-from jaxcomm._src.elastic import register_resize_rule
 from jaxcomm._src.network import CommLog, empty_log, log_wire
 from jaxcomm._src.worker import (
     TreeLayout,
@@ -90,11 +89,6 @@ class DeMoState(NamedTuple):
     momentum: jax.Array
     log: CommLog
     layout: TreeLayout
-
-
-# The momentum is what this worker still owes the model: on another number of workers each
-# new one starts from the mean (jaxcomm.elastic's "pending").
-register_resize_rule(DeMoState, momentum="pending")
 
 
 def dct_matrix(n: int) -> np.ndarray:
