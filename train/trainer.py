@@ -383,41 +383,64 @@ class Trainer:
         self, *, resume: bool, metrics_cb: Callable | None, allow_unverified: bool = False
     ) -> dict[str, Any]:
         cfg = self.cfg
-        run_dir = cfg.run_dir
-        manager = self.ctx.store = Checkpoints(run_dir, cfg.keep_checkpoints)
-        if manager.latest_step() is not None and not resume:
+        store = self._open_store(resume)
+        resumed = self.restore(store, allow_unverified=allow_unverified) if resume else False
+        if resumed and self.step >= cfg.steps:
+            done = self._finished_summary(cfg.run_dir / "summary.json")
+            if done is not None:
+                store.close()
+                return done
+        kept = self._start_files(resumed)
+        self._say("compiling the training step (the first run on this machine takes the longest)")
+        self.layout.compile(self.ctx)
+        wall0 = time.perf_counter()
+        start = self.step
+        stopped = self._train(kept, store, metrics_cb)
+        self._save_last(store, stopped, start)
+        self._say("final evaluation and summary")
+        summary = self._summary(resumed, wall0)
+        self._write_outputs(summary)
+        return summary
+
+    def _say(self, what: str) -> None:
+        """One line of progress on stderr (process 0)."""
+        if is_primary():
+            print(f"{self.cfg.name}: {what}...", file=sys.stderr, flush=True)
+
+    def _open_store(self, resume: bool) -> Checkpoints:
+        """The run folder's checkpoints: a new run refuses a folder that holds some, a
+        resume one that holds none."""
+        run_dir = self.cfg.run_dir
+        store = self.ctx.store = Checkpoints(run_dir, self.cfg.keep_checkpoints)
+        if store.latest_step() is not None and not resume:
             raise ValueError(
                 f"{str(run_dir)!r} already holds a run's checkpoints (newest: step "
-                f"{manager.latest_step()}): continue it with {RUN} --resume "
+                f"{store.latest_step()}): continue it with {RUN} --resume "
                 f"{str(run_dir)} (its saved settings), or write this run to another folder "
                 "with --set name=<new name> (or --set out_dir=<folder>)"
             )
-        if resume and manager.latest_step() is None:
-            raise NothingToResume(nothing_to_resume(cfg) or f"nothing to resume in {run_dir}")
+        if resume and store.latest_step() is None:
+            raise NothingToResume(nothing_to_resume(self.cfg) or f"nothing to resume in {run_dir}")
         if not resume:
-            manager.start_run()
-        resumed = self.restore(manager, allow_unverified=allow_unverified) if resume else False
-        if resumed and self.step >= cfg.steps:
-            done = self._finished_summary(run_dir / "summary.json")
-            if done is not None:
-                manager.close()
-                return done
-        primary = is_primary()
-        metrics_path = run_dir / "metrics.jsonl"
-        kept = _kept_rows(metrics_path, self.step) if resumed else []
-        if primary:  # files are written once, by process 0
-            write_atomically(metrics_path, "".join(line + "\n" for line in kept))
-            write_atomically(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
+            store.start_run()
+        return store
 
-        if primary:
-            print(
-                f"{cfg.name}: compiling the training step (the first run on this machine takes "
-                "the longest)...",
-                file=sys.stderr,
-                flush=True,
-            )
-        self.layout.compile(self.ctx)
-        wall0 = time.perf_counter()
+    def _start_files(self, resumed: bool) -> list[str]:
+        """Write ``config.json`` and ``metrics.jsonl`` (a resumed run's rows up to its step);
+        returns those rows."""
+        metrics_path = self.cfg.run_dir / "metrics.jsonl"
+        kept = _kept_rows(metrics_path, self.step) if resumed else []
+        if is_primary():  # files are written once, by process 0
+            write_atomically(metrics_path, "".join(line + "\n" for line in kept))
+            config = json.dumps(self.cfg.to_dict(), indent=2)
+            write_atomically(self.cfg.run_dir / "config.json", config)
+        return kept
+
+    def _train(self, kept: list[str], store: Checkpoints, metrics_cb: Callable | None) -> bool:
+        """Step to ``cfg.steps`` (or a stop signal), each step dispatched before the last
+        one's outputs are read where the layout allows; returns whether a signal stopped it."""
+        cfg = self.cfg
+        primary = is_primary()
         self._lagging = self._lags()
         self._last_ready = None
         # A resumed run's last logged step, so a run resumed at its end still reports it.
@@ -428,8 +451,9 @@ class Trainer:
         self._workers = [int(r.get("workers", self.n)) for r in rows]
         bar = _progress(cfg, self.step) if primary else None
         flights: collections.deque[Flight] = collections.deque()
-        dispatched = start = self.step
+        dispatched = self.step
         stopped = False
+        metrics_path = cfg.run_dir / "metrics.jsonl"
         with open(metrics_path if primary else os.devnull, "a") as out:
             while (dispatched < cfg.steps and not stopped) or flights:
                 if dispatched < cfg.steps and not stopped:
@@ -448,12 +472,16 @@ class Trainer:
                     or stopped
                     or self._needs_state(flights[0].step)
                 ):
-                    self._accept(flights.popleft(), out, manager, bar, metrics_cb)
-        last = self._last
+                    self._accept(flights.popleft(), out, store, bar, metrics_cb)
         if bar is not None:
             bar.close()
+        return stopped
+
+    def _save_last(self, store: Checkpoints, stopped: bool, start: int) -> None:
+        """Checkpoint the last step (unless it is saved already) and close the store; a
+        stopped run raises :class:`Interrupted` naming where to continue."""
         if stopped and self.step == start:  # a signal before the first step finished
-            manager.close()
+            store.close()
             name = signal.Signals(self._stop.signum).name
             raise Interrupted(
                 f"stopped by {name} before step {start + 1}; nothing new to save"
@@ -462,23 +490,27 @@ class Trainer:
             )
         # The step this store wrote or restored last, the same on every process (a listing
         # of the folder could differ between processes while one finishes a commit).
-        if manager.saved_step != self.step:
-            self.save(manager)
-        manager.close()
-        if stopped and self.step < cfg.steps:
+        if store.saved_step != self.step:
+            self.save(store)
+        store.close()
+        if stopped and self.step < self.cfg.steps:
             name = signal.Signals(self._stop.signum).name
             raise Interrupted(
-                f"stopped by {name} at step {self.step} of {cfg.steps}; checkpoint saved in "
-                f"{manager.folder / str(self.step)}; continue with {resume_command(run_dir)}",
+                f"stopped by {name} at step {self.step} of {self.cfg.steps}; checkpoint saved "
+                f"in {store.folder / str(self.step)}; continue with "
+                f"{resume_command(self.cfg.run_dir)}",
                 self._stop.signum,
             )
-        if primary:
-            print(f"{cfg.name}: final evaluation and summary...", file=sys.stderr, flush=True)
+
+    def _summary(self, resumed: bool, wall0: float) -> dict[str, Any]:
+        """The run's summary: the final evaluation, bytes, simulated and wall time."""
+        cfg, last = self.cfg, self._last
         valid = self.evaluate()
         # Where the dataset holds a test split apart from the validation split that settings
         # are chosen on, the summary reports it too.
         test = self.evaluate("test") if cfg.dataset in HELD_OUT_DATASETS else {}
-        summary = {
+        times = self._times
+        return {
             "name": cfg.name,
             "steps": self.step,
             "workers": self.n,
@@ -490,27 +522,28 @@ class Trainer:
             "params": self.num_params(),
             **self._bytes_summary(),
             "sim_time_s": self.clock.now,
-            "sim_compute_s_per_step": float(np.mean([c for c, _ in self._times]))
-            if self._times
-            else None,
-            "comm_s_per_step": float(np.mean([m for _, m in self._times])) if self._times else None,
+            "sim_compute_s_per_step": float(np.mean([c for c, _ in times])) if times else None,
+            "comm_s_per_step": float(np.mean([m for _, m in times])) if times else None,
             "network": cfg.network,
             "compute": cfg.compute,
             "wall_s": time.perf_counter() - wall0,
             **{k: v for part in self.parts for k, v in part.summary_extras().items()},
         }
+
+    def _write_outputs(self, summary: dict[str, Any]) -> None:
+        """The trained model, the loss plot and the summary, in the run folder."""
+        run_dir = self.cfg.run_dir
         model = self.model_params()  # on every process: a collective read when multi-process
-        if primary:
+        if is_primary():
             from .plot import plot_metrics
             from .summary import format_summary
 
             # summary.json last: its presence (with every other output) marks the run
             # complete, so a crash or a full disk before it leaves a run that --resume ends.
             save_model_params(run_dir / "params.msgpack", model)
-            plot_metrics(metrics_path, run_dir / "loss.png", title=cfg.name)
+            plot_metrics(run_dir / "metrics.jsonl", run_dir / "loss.png", title=self.cfg.name)
             write_atomically(run_dir / "summary.txt", format_summary(summary) + "\n")
             write_atomically(run_dir / "summary.json", json.dumps(summary, indent=2))
-        return summary
 
     def _bytes_summary(self) -> dict[str, Any]:
         """Bytes sent per worker over the run (the busiest worker of each step, as
