@@ -32,7 +32,6 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax  # noqa: E402
 import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
@@ -164,7 +163,7 @@ def run_one(v: dict, lr: float, steps: int, out: Path, seed: int) -> dict:
         progress=False,
     )
     trainer = Trainer(cfg)
-    params = sum(a.size // v["workers"] for a in jax.tree_util.tree_leaves(trainer.params))
+    params = trainer.num_params()
     try:
         summary = trainer.run()
         diverged_at = None

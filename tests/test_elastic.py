@@ -242,6 +242,26 @@ def test_the_earlier_pending_rule_warns_and_changes_nothing():
     assert "averaged" in out.notes[".residual"] and ".count" not in out.notes
 
 
+def test_the_earlier_rule_kinds_still_register_segments():
+    """``residual="pending", server_error="segments"`` (the earlier spelling) warns and
+    registers what ``server_error="residual"`` does."""
+    with pytest.warns(FutureWarning, match="earlier spelling"):
+        jaxcomm.elastic.register_resize_rule(
+            _Segmented, residual="pending", server_error="segments"
+        )
+    assert jaxcomm.elastic.RULES[_Segmented] == {"server_error": "residual"}
+    state = _Segmented(np.zeros((4, 10), np.float32), np.arange(12.0).reshape(4, 3))
+    out = jaxcomm.elastic.resize_workers(state, 2).state
+    np.testing.assert_array_equal(out.server_error.reshape(-1), np.arange(10.0))
+    with pytest.raises(ValueError, match="needs a 'pending' field"):
+        jaxcomm.elastic.register_resize_rule(_Segmented, server_error="segments")
+
+
+class _Segmented(NamedTuple):
+    residual: np.ndarray
+    server_error: np.ndarray
+
+
 class _Residual(NamedTuple):
     residual: np.ndarray
     count: np.ndarray

@@ -54,6 +54,7 @@ from .adaptive import AdaptiveRatio
 from .checkpoint import (
     Checkpoints,
     RunFolderBusy,
+    has_rows,
     load_model_params,
     lock_holder,
     restore_run,
@@ -640,8 +641,12 @@ class Trainer:
         return self.layout.num_params(self.ctx)
 
     def worker_params(self, worker: int = 0) -> Any:
-        """Parameters of one worker (data replica) as host numpy arrays."""
-        return jax.tree_util.tree_map(lambda a: a[worker], to_host(self.params))
+        """Parameters of one worker (data replica) as host numpy arrays (a worker's row of
+        those with a row per worker; those held once as they are)."""
+        rows = jax.tree_util.tree_map(has_rows, self.params)
+        return jax.tree_util.tree_map(
+            lambda a, r: a[worker] if r else a, to_host(self.params), rows
+        )
 
     def model_params(self) -> Any:
         """Replica 0's parameters (the averaged model for local SGD) in the model's own

@@ -61,31 +61,53 @@ def register_resize_rule(state_type: type, **segments: str) -> None:
     as segments of a vector as long as ``residual``'s last axis. Every other field
     (per-worker residuals included) follows ``replica``, which needs no rule.
 
-    ``"pending"``, an earlier rule for residuals, ran ``replica``'s code: it is accepted
-    with a ``FutureWarning`` and ignored."""
+    The earlier spelling, a rule kind per field (``residual="pending",
+    server_error="segments"``), still works for one release with a ``FutureWarning``:
+    ``"pending"`` and ``"replica"`` ran ``replica``'s code and are ignored, and a
+    ``"segments"`` field takes its length from the ``"pending"`` field beside it."""
     if not (isinstance(state_type, type) and hasattr(state_type, "_fields")):
         raise TypeError(f"state_type must be a NamedTuple class, got {state_type!r}")
+    fields = state_type._fields
+    for name in segments:
+        if name not in fields:
+            raise ValueError(
+                f"{state_type.__name__} has no field {name!r}; its fields are {list(fields)}"
+            )
+    kinds = {k: v for k, v in segments.items() if v in ("replica", "pending", "segments")}
+    if kinds:
+        warnings.warn(
+            f"register_resize_rule({state_type.__name__}, "
+            + ", ".join(f"{k}={v!r}" for k, v in kinds.items())
+            + "): rule kinds are the earlier spelling; 'replica' and 'pending' are ignored "
+            "(every field is resized so already) and will go; name a segments field's "
+            "length field instead (server_error='residual')",
+            FutureWarning,
+            stacklevel=2,
+        )
+    pending = [k for k, v in kinds.items() if v == "pending"]
     rules = {}
     for name, beside in segments.items():
-        for field in (name, beside):
-            if field not in state_type._fields and field != "pending":
-                raise ValueError(
-                    f"{state_type.__name__} has no field {field!r}; its fields are "
-                    f"{list(state_type._fields)}"
-                )
-        if beside == "pending":
-            warnings.warn(
-                f"register_resize_rule({state_type.__name__}, {name}='pending'): every field "
-                "is resized so already ('replica'); the rule is ignored and will go",
-                FutureWarning,
-                stacklevel=2,
-            )
+        if beside in ("replica", "pending"):
             continue
+        if beside == "segments":
+            if not pending:
+                raise ValueError(
+                    f"{name!r}='segments' needs a 'pending' field beside it for its length "
+                    f"(or name the length field: {name}='<field>')"
+                )
+            beside = pending[0]
+        if beside not in fields:
+            raise ValueError(
+                f"{state_type.__name__} has no field {beside!r} (the length of {name!r}); "
+                f"its fields are {list(fields)}"
+            )
         if beside == name:
             raise ValueError(f"{name!r} cannot be segments of its own length")
         rules[name] = beside
     if rules:
         RULES[state_type] = rules
+    else:
+        RULES.pop(state_type, None)
 
 
 def resize_rule_of(node: Any, field: str) -> str:
