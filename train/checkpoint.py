@@ -582,11 +582,26 @@ class Checkpoints:
             if has_rows(a)
         }
 
+        wants = {
+            jax.tree_util.keystr(path): tuple(a.shape)
+            for path, a in jax.tree_util.tree_flatten_with_path(template)[0]
+        }
+
         def rows(path: Any, a: Any) -> np.ndarray:
             a = np.asarray(a)
             name = jax.tree_util.keystr(path)
             if name in names and name in rowed:  # saved once: every worker's row
                 return np.broadcast_to(a[None], (old_n, *a.shape))
+            if name not in rowed and a.ndim and a.shape[1:] == wants.get(name):
+                # Held once now, saved one row per worker by an earlier version: the rows
+                # must agree.
+                flat = np.ascontiguousarray(a).reshape(a.shape[0], -1).view(np.uint8)
+                if not (flat == flat[:1]).all():
+                    raise ValueError(
+                        f"{name}: the checkpoint's workers hold different rows of state this "
+                        "run holds once; it cannot be resumed into this run"
+                    )
+                return a[0]
             return a
 
         state = jax.tree_util.tree_map_with_path(rows, state)
@@ -595,7 +610,9 @@ class Checkpoints:
             lambda path, a: a if jax.tree_util.keystr(path) in rowed else None,
             {k: state[k] for k in per_worker},
         )
-        resized = jaxcomm.elastic.resize_workers(mine, new_n)
+        resized = jaxcomm.elastic.resize_workers(mine, new_n) if new_n != old_n else None
+        if resized is None:  # the same workers: only the earlier layout's shapes change
+            resized = jaxcomm.elastic.Resized(mine, {})
         new = {
             jax.tree_util.keystr(path): a
             for path, a in jax.tree_util.tree_flatten_with_path(resized.state)[0]
@@ -603,6 +620,8 @@ class Checkpoints:
         state = jax.tree_util.tree_map_with_path(
             lambda path, a: new.get(jax.tree_util.keystr(path), a), state
         )
+        if new_n == old_n:
+            return self._place(state, template, new_n)
         print(
             f"resuming a run of {old_n} workers on {new_n} (checkpoint step {step}); state "
             "kept bit for bit unless named here:",
@@ -610,6 +629,12 @@ class Checkpoints:
         )
         for name, note in resized.notes.items():
             print(f"  {name}: {note}", flush=True)
+
+        return self._place(state, template, new_n)
+
+    @staticmethod
+    def _place(state: Any, template: Any, new_n: int) -> Any:
+        """Host arrays ``state`` on the devices in ``template``'s shapes and shardings."""
 
         def place(path: Any, a: np.ndarray, want: Any) -> Any:
             if np.shape(a) != tuple(want.shape):
@@ -624,6 +649,23 @@ class Checkpoints:
             return jax.make_array_from_callback(full.shape, sharding, lambda i: full[i])
 
         return jax.tree_util.tree_map_with_path(place, state, template)
+
+    def _earlier_layout(self, step: int, template: Any, once: list[str]) -> bool:
+        """Whether checkpoint ``step`` holds an array in another shape than ``template``
+        asks (one row per worker of state now held once, as earlier versions saved it)."""
+        reader = ocp.CheckpointManager(
+            self.folder.absolute(), item_handlers={"state": ocp.StandardCheckpointHandler()}
+        )
+        try:
+            saved = reader.item_metadata(step)["state"]
+        finally:
+            reader.close()
+        shapes = {
+            _path_names(p): tuple(m.shape)
+            for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]
+        }
+        targets = jax.tree_util.tree_flatten_with_path(_row_targets(template, once))[0]
+        return any(shapes.get(_path_names(p)) not in (None, tuple(t.shape)) for p, t in targets)
 
     def _problem(self, step: int, mine: dict | None) -> str | None:
         """Why checkpoint ``step`` cannot be resumed into this run folder, or None: the run
@@ -803,6 +845,9 @@ class Checkpoints:
         if "workers" in diff_world:
             old_n, new_n = diff_world["workers"]
             state = self._restore_resized(latest, template, once, old_n, new_n, per_worker)
+        elif self._earlier_layout(latest, template, once):
+            n = mine["workers"]
+            state = self._restore_resized(latest, template, once, n, n, per_worker)
         else:
             target = _row_targets(template, once)
             state = manager.restore(
