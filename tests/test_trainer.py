@@ -4,10 +4,11 @@ import json
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train.checkpoint import Checkpoints
+from train.checkpoint import Checkpoints, has_rows
 from train.cli import main
 from train.config import Config, load_config
 from train.trainer import Trainer
@@ -109,6 +110,44 @@ def test_resume_is_bit_exact(tmp_path, extra):
     assert resumed.loader.position == full.loader.position
     lines = (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_a_checkpoint_of_the_earlier_layout_resumes_bit_exactly(tmp_path, workers):
+    """Earlier versions held every array one row per worker and saved the equal rows of
+    several workers once (``rows.once``), every row of one worker: such a checkpoint (the
+    held-once state written back in that layout) resumes to what the uninterrupted run
+    reaches."""
+    kw = dict(task="mlp", model={"features": [16]}, dataset="digits", workers=workers)
+    full = Trainer(_cfg(tmp_path / "a", **kw))
+    full.run()
+    first = Trainer(_cfg(tmp_path / "b", steps=3, checkpoint_every=0, **kw))
+    stacked = first.layout.state_tree
+
+    def earlier(ctx):  # what the earlier layout held: a row per worker of everything
+        mesh = first.layout.mesh
+        rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+        lead = lambda a: (
+            a
+            if has_rows(a)
+            else jax.device_put(  # noqa: E731
+                jnp.broadcast_to(a, (workers, *a.shape)), rows
+            )
+        )
+        return jax.tree.map(lead, stacked(ctx))
+
+    first.layout.state_tree = earlier
+    first.run()
+    old, new = jax.tree.leaves(earlier(first.ctx)), jax.tree.leaves(stacked(first.ctx))
+    assert any(np.ndim(a) == np.ndim(b) + 1 for a, b in zip(old, new, strict=True))
+    resumed = Trainer(_cfg(tmp_path / "b", steps=6, **kw))
+    resumed.run(resume=True)
+    for a, b in zip(
+        jax.tree.leaves(jax.device_get((full.params, full.opt_state))),
+        jax.tree.leaves(jax.device_get((resumed.params, resumed.opt_state))),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_star_topk_in_the_trainer_logs_roots_gain_and_audited_bytes(tmp_path):
