@@ -41,7 +41,8 @@ class Context:
     ``stragglers``, ``sync`` and ``control`` (None without a controller). Set by
     :meth:`attach`: ``layout``, ``parts`` (the layout first), ``mesh``, ``n`` (data
     replicas), ``sharded`` and ``replicated`` (shardings of per-worker and shared state).
-    The state: ``params`` and ``opt_state`` (per-worker, leading axis ``[n]``), ``step``
+    The state: ``params`` and ``opt_state`` (each array either one row per worker,
+    leading axis ``[n]`` sharded over the workers, or one copy every worker holds), ``step``
     (steps done), ``store`` (the checkpoint store once one is opened)."""
 
     def __init__(

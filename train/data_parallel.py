@@ -4,11 +4,12 @@ State that differs between workers (aggregator state, and under local SGD or DiL
 parameters and inner optimizer state) has a leading worker axis ``[N, ...]`` sharded over
 ``data``; state every worker holds bit for bit (synchronous parameters and optimizer state,
 DiLoCo's anchor and outer state) is one copy (``P()``). Which is which is read from the
-types ``shard_map`` gives the values (``check_vma``), so the compiler proves that what is
-held once is the same on every worker. Dense data parallelism, compressed aggregators with
-per-worker residuals and local SGD all use the same step: each worker's gradient of its
-shard of the batch, then the per-worker transform (an aggregator and the optimizer, or a
-sync wrapper around the optimizer).
+types ``shard_map`` gives the values (``check_vma``): a value is held once where it comes
+from replicated inputs, XLA's all-reduce, or jaxcomm's collectives whose results every
+device holds bit for bit (typed so by :func:`jaxcomm.collectives.replicated`, a cast).
+Dense data parallelism, compressed aggregators with per-worker residuals and local SGD all
+use the same step: each worker's gradient of its shard of the batch, then the per-worker
+transform (an aggregator and the optimizer, or a sync wrapper around the optimizer).
 
 The host need not wait between steps (``async_steps``): step ``t + 1`` is dispatched
 before step ``t``'s outputs are read, the next batch is loaded and copied to the devices

@@ -83,7 +83,8 @@ class Layout(Part, abc.ABC):
 
     @abc.abstractmethod
     def init_state(self, ctx: Context) -> tuple[Any, Any]:
-        """The per-worker ``(params, opt_state)`` before step 1 (shapes if abstract)."""
+        """``(params, opt_state)`` before step 1 (shapes if abstract): each array one row per
+        worker (leading axis sharded over the workers) or one copy."""
 
     @abc.abstractmethod
     def build(self, ctx: Context) -> None:
@@ -172,7 +173,8 @@ class Layout(Part, abc.ABC):
 
     @abc.abstractmethod
     def model_params(self, ctx: Context, params: Any) -> Any:
-        """Replica 0 of per-worker host ``params`` in the model's own layout."""
+        """Replica 0 of host ``params`` (a worker's row of those with one) in the model's own
+        layout."""
 
     @abc.abstractmethod
     def synced_bytes(self, ctx: Context) -> int:

@@ -157,7 +157,8 @@ class Trainer:
 
     @property
     def params(self) -> Any:
-        """Per-worker parameters (leading axis ``[n]``)."""
+        """The parameters: one row per worker (leading axis ``[n]``) where they differ between
+        workers, one copy where every worker holds them (``checkpoint.has_rows`` tells)."""
         return self.ctx.params
 
     @params.setter
@@ -166,7 +167,8 @@ class Trainer:
 
     @property
     def opt_state(self) -> Any:
-        """Per-worker optimizer (and aggregator) state (leading axis ``[n]``)."""
+        """Optimizer (and aggregator) state, each array one row per worker or one copy (as
+        :attr:`params`)."""
         return self.ctx.opt_state
 
     @opt_state.setter

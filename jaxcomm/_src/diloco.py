@@ -33,9 +33,12 @@ Streaming DiLoCo (Douillard et al., arXiv 2501.18512) adds:
   Deviation: Streaming DiLoCo sends a 4-bit *float* format; jaxcomm's 4-bit codes are
   uniform on each bucket's max-abs grid, error-fed.
 
-**State and dtypes.** ``theta_sync`` starts as each worker's initial parameters: start
-every worker from the same ones (as DiLoCo does; workers started apart keep different
-``theta_sync`` forever, since each applies the same mean step to its own). It is kept in
+**State and dtypes.** ``theta_sync`` starts as the initial parameters, which must be the
+same on every worker (as DiLoCo starts them): ``theta_sync``, the outer optimizer's state
+and the step count are typed as replicated inside ``shard_map`` (held once, ``P()``), a
+cast that nothing checks. Workers started apart would keep different ``theta_sync``
+(each applies the same mean step to its own), and one copy of it held once would be
+device 0's. It is kept in
 float32 whatever the parameters' dtype (a master copy, as INTELLECT-1 keeps its outer
 parameters); the outer optimizer runs on it in float32 and the workers receive it in their
 own dtype, as an update added to their parameters (with ``bfloat16`` parameters the sum
