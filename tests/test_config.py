@@ -137,7 +137,7 @@ def test_every_registered_choice_loads_by_name_and_describes_its_fields():
     required = {"lw_topk": {"ratio": 0.1}, "ms_topk": {"ratio": 0.1}, "ar_topk": {"ratio": 0.1},
                 "marsit": {"local_lr": 0.1, "global_lr": 0.01, "full_sync_every": 2},
                 "signsgd_mv": {"lr": 0.1}, "ef_signsgd": {"lr": 0.1}, "ssdm": {"lr": 0.1},
-                "cascading_sign": {"lr": 0.1}, "quantize": {"bits": 4},
+                "cascading_sign": {"lr": 0.1}, "quantize": {"bits": 4}, "demo": {"lr": 1e-3},
                 "chunk_topk": {"chunk": 8, "k": 2}, "lowrank": {"rank": 2, "bits": 4},
                 "diloco": {"period": 2}, "local_sgd": {"period": 2}, "enp": {"period": 2},
                 "dreamddp": {"period": 2}, "topk": {"k": 2},
