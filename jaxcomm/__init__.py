@@ -5,9 +5,9 @@ gradients across a ``shard_map`` axis, compressed), the wrappers around an optim
 SGD, partial local SGD, DiLoCo), ``worker_grad`` and the wire audit. Everything else lives
 in a namespace: :mod:`jaxcomm.codecs`, :mod:`jaxcomm.collectives`, :mod:`jaxcomm.network`,
 :mod:`jaxcomm.audit`, :mod:`jaxcomm.pipeline`, :mod:`jaxcomm.compute`,
-:mod:`jaxcomm.schedules`, :mod:`jaxcomm.elastic`, :mod:`jaxcomm.adaptive` and
-:mod:`jaxcomm.rng`. Names of earlier releases that moved or were renamed still work, with a
-``DeprecationWarning`` naming the new place (:data:`MOVED`).
+:mod:`jaxcomm.schedules`, :mod:`jaxcomm.elastic`, :mod:`jaxcomm.adaptive`,
+:mod:`jaxcomm.groups` and :mod:`jaxcomm.rng`. Names of earlier releases that moved or were
+renamed still work, with a ``DeprecationWarning`` naming the new place (:data:`MOVED`).
 """
 
 import importlib as _importlib
@@ -20,6 +20,7 @@ from jaxcomm import (
     collectives,
     compute,
     elastic,
+    groups,
     network,
     pipeline,
     rng,
@@ -91,7 +92,7 @@ __all__ = [
     "UnloggedTrafficError",
     # namespaces
     "codecs", "collectives", "network", "audit", "pipeline", "compute", "schedules",
-    "elastic", "adaptive", "rng",
+    "elastic", "adaptive", "groups", "rng",
 ]  # fmt: skip
 
 #: Earlier top-level names: ``old -> (namespace, name)``; each still resolves, warning once
