@@ -148,3 +148,59 @@ def test_bad_input_names_the_argument():
         go.from_wire(np.zeros(3, np.uint8), 4)
     with pytest.raises(TypeError, match="codec must be"):
         jaxcomm.groups.GroupOuter(codec="int8")
+
+
+def test_left_out_rules_are_the_same_for_every_member():
+    """Every member decides from the gathered headers alone: another run, a repeated slot,
+    no tokens, a non-finite pseudo-gradient, another fragment or another theta_sync."""
+    from train.replica import FIELDS, left_out
+
+    def row(slot, tokens=8, fp=7, finite=1, fragment=0, anchor=11):
+        v = {"slot": slot, "tokens": tokens, "nbytes": 4, "fingerprint": fp, "finite": finite,
+             "step": 5, "healed": 0, "fragment": fragment, "anchor": anchor}  # fmt: skip
+        return [v[f] for f in FIELDS]
+
+    h = np.asarray([row(0), row(1, fp=9), row(0), row(2, tokens=0), row(3, finite=0),
+                    row(4, fragment=1), row(5, anchor=12), row(6)], np.int64)  # fmt: skip
+    out = left_out(h)
+    assert out == {
+        1: "another run's settings",
+        2: "slot 0 twice",
+        3: "no tokens",
+        4: "non-finite pseudo-gradient",
+        5: "fragment 1, not 0",
+        6: "another theta_sync",
+    }
+    # Member order does not change who is left out (without the repeated slot, whose
+    # first row is the one kept).
+    rows = np.delete(h, 2, axis=0)
+    slots = rows[:, FIELDS.index("slot")]
+    want = {int(slots[i]): why for i, why in left_out(rows).items()}
+    perm = [6, 2, 0, 4, 1, 5, 3]
+    got = {int(slots[perm][i]): why for i, why in left_out(rows[perm]).items()}
+    assert got == want and len(want) == 5
+    # Two groups that disagree on theta_sync: the smallest slot's wins, the other heals.
+    assert left_out(np.asarray([row(1, anchor=3), row(0, anchor=4)], np.int64)) == {
+        0: "another theta_sync"
+    }
+
+
+def test_group_config_errors_name_the_setting():
+    from train.config import load_config
+
+    base = ["groups.lighthouse=http://127.0.0.1:1", "groups.count=2", "workers=1",
+            "aggregator=ring"]  # fmt: skip
+    cfg = "configs/diloco_default.yaml"
+    with pytest.raises(ValueError, match="groups.slot must be in 0..count-1 = 0..1, got 2"):
+        load_config(cfg, [*base, "groups.slot=2"])
+    with pytest.raises(ValueError, match="groups needs sync.method=diloco"):
+        load_config("configs/dp_default.yaml", [*base, "groups.slot=0"])
+    with pytest.raises(ValueError, match="choose overlap < period / fragments"):
+        load_config(cfg, [*base, "groups.slot=0", "sync.fragments=2", "sync.overlap=15"])
+    with pytest.raises(ValueError, match="compress 'ar_topk'"):
+        load_config(cfg, [*base, "groups.slot=0", "sync.compress=ar_topk"])
+    with pytest.raises(ValueError, match="address http://host:port"):
+        load_config(cfg, [*base, "groups.slot=0", "groups.lighthouse=localhost:29510"])
+    ok = load_config(cfg, [*base, "groups.slot=1", "sync.compress=int8"])
+    codec, decay = ok.sync.compress.error_fed_codec()
+    assert codec.bits == 8 and not codec.stochastic and decay == 1.0

@@ -71,6 +71,11 @@ class Aggregator(Choice):
         """The factory's keyword arguments this config sets (every field)."""
         return {k: getattr(self, k) for k in type(self).model_fields}
 
+    def error_fed_codec(self) -> tuple[jaxcomm.codecs.Codec, float] | None:
+        """``(codec, decay)`` where this aggregator is a codec with error feedback whose
+        payloads can be all-gathered (what replica groups exchange), else None."""
+        return None
+
     @model_validator(mode="after")
     def _factory_accepts(self) -> Aggregator:
         self.build(BuildContext())  # the factory's own checks, at load time
@@ -133,6 +138,9 @@ class ECQuantized(Aggregator):
 
     def _build(self, ctx: BuildContext) -> optax.GradientTransformation:
         return jaxcomm.ec_quantized_all_reduce(ctx.axis, **self.arguments())
+
+    def error_fed_codec(self) -> tuple[jaxcomm.codecs.Codec, float]:
+        return jaxcomm.codecs.QuantizeCodec(self.bits, self.bucket_size, stochastic=False), 1.0
 
 
 @AGGREGATORS.register("ar_topk")
@@ -205,6 +213,11 @@ class ChunkTopk(Aggregator):
     def _build(self, ctx: BuildContext) -> optax.GradientTransformation:
         return jaxcomm.chunk_topk(ctx.axis, **self.arguments())
 
+    def error_fed_codec(self) -> tuple[jaxcomm.codecs.Codec, float] | None:
+        if self.average != "workers":
+            return None
+        return jaxcomm.codecs.ChunkTopKCodec(self.chunk, self.k, self.bits), self.decay
+
 
 @AGGREGATORS.register("statistical_quantized")
 class StatisticalQuantized(Aggregator):
@@ -220,6 +233,9 @@ class StatisticalQuantized(Aggregator):
 
     def _build(self, ctx: BuildContext) -> optax.GradientTransformation:
         return jaxcomm.statistical_quantized(ctx.axis, **self.arguments())
+
+    def error_fed_codec(self) -> tuple[jaxcomm.codecs.Codec, float]:
+        return jaxcomm.codecs.StatQuantizeCodec(self.bits, self.sigmas), self.decay
 
 
 class CodecChoice(Choice):
@@ -283,6 +299,12 @@ class ErrorFed(_Seeded):
         seed = ctx.seed if self.seed is None else self.seed
         args = {k: v for k, v in self.arguments().items() if k != "codec"}
         return jaxcomm.error_fed(self.codec.codec(), ctx.axis, seed=seed, **args)
+
+    def error_fed_codec(self) -> tuple[jaxcomm.codecs.Codec, float] | None:
+        codec = self.codec.codec()
+        if self.average != "workers" or codec.needs_matrix:
+            return None
+        return codec, self.decay
 
 
 @AGGREGATORS.register("powersgd")

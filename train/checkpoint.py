@@ -908,8 +908,11 @@ def run_fingerprint(ctx: Context) -> dict[str, Any]:
 def _state_tree(ctx: Context) -> dict[str, Any]:
     """Everything run ``ctx`` saves as arrays: the layout's parameters and optimizer
     state, the step, the loader position and the simulated clock."""
+    parts = {type(p).__name__: p.saved_arrays() for p in ctx.parts}
+    parts = {k: v for k, v in parts.items() if v}
     return {
         **ctx.layout.state_tree(ctx),
+        **({"parts": parts} if parts else {}),
         "step": np.asarray(ctx.step, np.int64),
         "loader_position": np.asarray(ctx.loader.position, np.int64),
         "clock": np.asarray(ctx.clock.now, np.float64),
@@ -952,6 +955,9 @@ def restore_run(ctx: Context, store: Checkpoints, *, allow_unverified: bool = Fa
     ctx.layout.set_state(ctx, state["params"], state["opt_state"])
     for part in ctx.parts:
         part.restore_extras(ctx, extras)
+        arrays = state.get("parts", {}).get(type(part).__name__)
+        if arrays:
+            part.load_arrays(ctx, arrays)
     ctx.step = step
     ctx.loader.restore({"position": int(state["loader_position"]), "seed": ctx.cfg.seed})
     ctx.clock.restore({"now": float(state["clock"]), "overlap": ctx.cfg.overlap})

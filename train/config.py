@@ -578,6 +578,39 @@ class DiLoCoSync(Sync):
         return self
 
 
+# ---------------------------------------------------------------------------------- groups
+
+
+class Groups(Section):
+    """This run is one replica group of several (separate programs joined by torchft):
+    the ``sync`` (DiLoCo) runs between the groups, the ``aggregator`` every step between
+    this group's own workers (see ``docs/groups.md``)."""
+
+    lighthouse: str = Field(description="the torchft lighthouse, ``http://host:port``")
+    slot: int = Field(ge=0, description="this group's slot, 0..count-1 (its share of the data)")
+    count: int = Field(ge=1, description="groups the run is made for (their data shares)")
+    host: str = Field("127.0.0.1", description="the address other groups reach this one on")
+    timeout_s: Number = Field(30.0, gt=0, description="a collective's, commit's and heal's limit")
+    quorum_timeout_s: Number = Field(120.0, gt=0, description="the longest wait for a quorum")
+    connect_timeout_s: Number = Field(60.0, gt=0, description="the longest wait to connect")
+    retries: int = Field(3, ge=0, description="an exchange tried again after a lost member")
+    start_timeout_s: Number = Field(
+        60.0, ge=0, description="at the start, how long to wait for all ``count`` groups"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Groups:
+        if self.slot >= self.count:
+            raise ValueError(
+                f"groups.slot must be in 0..count-1 = 0..{self.count - 1}, got {self.slot}"
+            )
+        if not self.lighthouse.startswith(("http://", "https://")):
+            raise ValueError(
+                f"groups.lighthouse must be an address http://host:port, got {self.lighthouse!r}"
+            )
+        return self
+
+
 # ---------------------------------------------------------------------------------- config
 
 # Keys of earlier versions: where each now lives (they still load, with a warning).
@@ -691,6 +724,11 @@ class Config(Section):
         None,
         description="a synchronisation around the optimizer (``method``: local_sgd, enp, "
         "dreamddp, diloco), with ``aggregator: none``",
+    )
+    groups: Groups | None = Field(
+        None,
+        description="run as one replica group of several (``sync: diloco`` between groups, "
+        "over torchft); unset: one program",
     )
 
     def __init__(self, **data: Any) -> None:
@@ -903,7 +941,51 @@ def check_config(cfg: Config) -> None:
         )
 
 
+def _check_groups(cfg: Config) -> None:
+    g, sync = cfg.groups, cfg.sync
+    if not isinstance(sync, DiLoCoSync):
+        raise ValueError(
+            "groups needs sync.method=diloco (the outer step between the groups), got "
+            f"sync={None if sync is None else sync.key!r}"
+        )
+    if cfg.aggregator.local and cfg.workers > 1:
+        raise ValueError(
+            f"groups with workers={cfg.workers}: the aggregator averages this group's own "
+            "workers every step, so it cannot be none; use e.g. aggregator: ring"
+        )
+    if cfg.stages != 1:
+        raise ValueError(
+            f"groups with stages={cfg.stages}: a replica group runs data parallel (stages=1)"
+        )
+    if sync.warmup_steps:
+        raise ValueError(
+            "groups with sync.warmup_steps: a data-parallel warm start spans every worker; "
+            "warm the model in one program and start the groups from it (init_params)"
+        )
+    if sync.fragments * sync.overlap >= sync.period:
+        raise ValueError(
+            f"groups: sync.overlap={sync.overlap} with fragments={sync.fragments} and "
+            f"period={sync.period}: a fragment's exchange must merge before the next "
+            f"fragment's starts; choose overlap < period / fragments"
+        )
+    if sync.compress is not None and sync.compress.error_fed_codec() is None:
+        raise ValueError(
+            f"groups with sync.compress {sync.compress.key!r}: between groups a compressor "
+            "is an error-fed codec whose payloads are all-gathered: int8, int4, sparseloco, "
+            "statistical, chunk_topk, ec_quantized, statistical_quantized or error_fed"
+        )
+    if cfg.global_batch % cfg.workers:
+        raise ValueError(
+            f"groups: global_batch={cfg.global_batch} (this group's batch) must be a "
+            f"multiple of workers={cfg.workers}"
+        )
+    del g
+
+
 def _check_sync(cfg: Config) -> None:
+    if cfg.groups is not None:
+        _check_groups(cfg)
+        return
     sync = cfg.sync
     if sync is None:
         if cfg.aggregator.local:
@@ -1140,6 +1222,8 @@ def key_docs() -> list[tuple[str, Any, str]]:
         elif name == "optimizer":
             fields("optimizer.", Optimizer)
             fields("optimizer.schedule.", Schedule)
+        elif name == "groups":
+            fields("groups.", Groups)
     for key, cls in ROW_CODECS:
         fields("boundary.<forward|backward|first>.", cls, key)
     for key, cls in CODEC_CHOICES:

@@ -68,6 +68,7 @@ class Context:
         self.params: Any = None
         self.opt_state: Any = None
         self.step = 0
+        self.last_compute_s = 0.0  # the measured device time of the last accepted step
         self.store: Any = None
         self._ready_pool: concurrent.futures.ThreadPoolExecutor | None = None
 

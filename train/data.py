@@ -417,9 +417,13 @@ class Loader:
       num_shards: number of data-parallel shards the batch will be split into (see :meth:`shard`).
       shuffle: permute each epoch (``True``) or serve ids in order.
       position: number of batches already served (to resume).
+      part: ``(i, c)``: serve part ``i`` of ``c`` of a batch of ``c * global_batch`` samples
+        (a replica group's share of the whole run's batch: group ``i`` of ``c`` sees the
+        samples that workers ``i * w .. (i + 1) * w - 1`` of one program of ``c * w``
+        workers would); default the whole batch.
 
     Attributes:
-      batches_per_epoch: ``len(dataset) // global_batch``.
+      batches_per_epoch: ``len(dataset) // (global_batch * c)``.
       position: batches served so far.
     """
 
@@ -432,26 +436,34 @@ class Loader:
         num_shards: int = 1,
         shuffle: bool = True,
         position: int = 0,
+        part: tuple[int, int] | None = None,
     ):
         self.dataset = dataset
         self.num_shards = _check_int("num_shards", num_shards, 1)
+        i, c = (0, 1) if part is None else part
+        self.parts = _check_int("part count", c, 1)
+        self.part = _check_int("part index", i, 0)
+        if self.part >= self.parts:
+            raise ValueError(f"part must be (i, c) with 0 <= i < c, got {part!r}")
         size = len(dataset)
         if (
             isinstance(global_batch, bool)
             or not isinstance(global_batch, numbers.Integral)
             or global_batch <= 0
             or global_batch % self.num_shards
-            or global_batch > size
+            or global_batch * self.parts > size
         ):
             raise ValueError(
                 f"global_batch must be a positive multiple of num_shards={self.num_shards} "
-                f"and at most len(dataset)={size}, got {global_batch!r}"
+                f"and at most len(dataset)={size}"
+                + (f" // parts={self.parts}" if self.parts > 1 else "")
+                + f", got {global_batch!r}"
             )
         self.global_batch = int(global_batch)
         self.seed = _check_int("seed", seed, 0)
         self.shuffle = bool(shuffle)
         self.position = _check_int("position", position, 0)
-        self.batches_per_epoch = size // self.global_batch
+        self.batches_per_epoch = size // (self.global_batch * self.parts)
         self._size = size
         self._epoch: int | None = None
         self._order: np.ndarray | None = None
@@ -475,7 +487,9 @@ class Loader:
         position = _check_int("position", position, 0)
         epoch, index = divmod(position, self.batches_per_epoch)
         order = self._epoch_order(epoch)
-        return order[index * self.global_batch : (index + 1) * self.global_batch]
+        whole = self.global_batch * self.parts
+        start = index * whole + self.part * self.global_batch
+        return order[start : start + self.global_batch]
 
     def next(self) -> dict[str, np.ndarray]:
         """The next global batch (every array has leading dim ``global_batch``); advances."""

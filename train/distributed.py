@@ -23,12 +23,14 @@ default there. Each process's gloo listens on one address, which its peers conne
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 __all__ = [
+    "free_port",
     "ENV_COORDINATOR",
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
@@ -266,3 +268,10 @@ def to_host(tree: Any) -> Any:
             first = np.argmax(have, axis=0)[None]
             out[i] = np.take_along_axis(data, first, 0)[0]
     return jax.tree.unflatten(treedef, out)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -36,7 +36,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -54,16 +53,10 @@ from .distributed import (
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     STOPPED_AT_ONCE,
+    free_port,
 )
 
 __all__ = ["main", "free_port", "launch", "elastic", "Ended", "smaller_world"]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nothing listens on now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _death_signal_setter():

@@ -157,6 +157,14 @@ class Part:
     def start(self, ctx: Context) -> None:
         """Called once the trainer has built its state, before any step."""
 
+    def begin(self, ctx: Context, resumed: bool) -> None:
+        """Called once the state to train from is in place (restored or fresh), before the
+        first step of this run; may move the state and the step (a replica group healed
+        from a live peer)."""
+
+    def end(self, ctx: Context) -> None:
+        """Called when the run loop ends, however it ends (close connections)."""
+
     def fingerprint(self) -> dict[str, Any]:
         """Entries a checkpoint must match to be resumed with this part."""
         return {}
@@ -177,6 +185,13 @@ class Part:
     def restore_extras(self, ctx: Context, extras: dict[str, Any]) -> None:
         """Take back what :meth:`checkpoint_extras` saved (the whole extras mapping)."""
 
+    def saved_arrays(self) -> dict[str, Any]:
+        """Host arrays saved with each checkpoint beside the state (empty: none)."""
+        return {}
+
+    def load_arrays(self, ctx: Context, arrays: dict[str, Any]) -> None:
+        """Take back what :meth:`saved_arrays` saved."""
+
     def summary_extras(self) -> dict[str, Any]:
         """Entries for ``summary.json``."""
         return {}
@@ -185,7 +200,8 @@ class Part:
         """Host work before each step (e.g. a search that changes the step)."""
 
     def after_step(self, ctx: Context) -> None:
-        """Host work once a step's state is accepted."""
+        """Host work once a step's state is accepted; may replace the state and move the
+        step (with :attr:`reads_state`)."""
 
 
 class Sync(Part):

@@ -123,7 +123,13 @@ class Trainer:
             abstract=abstract,
             task=task,
             train_data=train_data,
-            loader=Loader(train_data, cfg.global_batch, seed=cfg.seed, num_shards=cfg.workers),
+            loader=Loader(
+                train_data,
+                cfg.global_batch,
+                seed=cfg.seed,
+                num_shards=cfg.workers,
+                part=(cfg.groups.slot, cfg.groups.count) if cfg.groups else None,
+            ),
             schedule=cfg.network_schedule(),
             clock=SimClock(overlap=cfg.overlap),
             compute_model=cfg.roofline(),
@@ -385,17 +391,26 @@ class Trainer:
     def _run(
         self, *, resume: bool, metrics_cb: Callable | None, allow_unverified: bool = False
     ) -> dict[str, Any]:
-        cfg = self.cfg
         store = self._open_store(resume)
         resumed = self.restore(store, allow_unverified=allow_unverified) if resume else False
+        try:
+            return self._run_from(store, resumed, metrics_cb)
+        finally:
+            for part in self.parts:
+                part.end(self.ctx)
+
+    def _run_from(self, store: Checkpoints, resumed: bool, metrics_cb: Callable | None):
+        cfg = self.cfg
         if resumed and self.step >= cfg.steps:
             done = self._finished_summary(cfg.run_dir / "summary.json")
             if done is not None:
                 store.close()
                 return done
-        kept = self._start_files(resumed)
         self._say("compiling the training step (the first run on this machine takes the longest)")
         self.layout.compile(self.ctx)
+        for part in self.parts:
+            part.begin(self.ctx, resumed)
+        kept = self._start_files(resumed)
         wall0 = time.perf_counter()
         start = self.step
         stopped = self._train(kept, store, metrics_cb)
@@ -476,6 +491,8 @@ class Trainer:
                     or self._needs_state(flights[0].step)
                 ):
                     self._accept(flights.popleft(), out, store, bar, metrics_cb)
+                if not flights:
+                    dispatched = self.step  # a part may have moved the step (a heal)
         if bar is not None:
             bar.close()
         return stopped
@@ -597,6 +614,7 @@ class Trainer:
                 f"(loss={float(metrics['loss'])}); {self.ctx.checkpoint_note()}"
             )
         self.step = flight.step
+        self.ctx.last_compute_s = compute_s
         self._after_step()
         # Every collective of the step (e.g. pipeline p2p and data-parallel all-reduce),
         # per device; the busiest device's bytes and time are reported.
@@ -667,8 +685,12 @@ SYNC_PARTS: tuple[type[Sync], ...] = (LocalSGD, DiLoCo)
 
 
 def make_sync(cfg: Config) -> Sync:
-    """The synchronisation of ``cfg``: the part that runs its ``sync`` choice, else its
-    aggregator each step."""
+    """The synchronisation of ``cfg``: replica groups (``groups``), the part that runs its
+    ``sync`` choice, else its aggregator each step."""
+    if cfg.groups is not None:
+        from .replica_groups import ReplicaGroups
+
+        return ReplicaGroups(cfg)
     if cfg.sync is None:
         return EveryStep()
     for part in SYNC_PARTS:

@@ -1,0 +1,189 @@
+"""Replica groups as separate processes over torchft: the outer step equals one program's
+Streaming DiLoCo, a killed group leaves the others training, a restarted one is healed
+from a live peer, and a stopped run resumes bit-exactly."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import child_env
+from flax import serialization
+
+os.environ.setdefault("RUST_LOG", "error")  # before torchft starts its logger
+pytest.importorskip("torchft")
+
+ROOT = Path(__file__).resolve().parent.parent
+# A small GPT, 1 worker a group, Streaming DiLoCo with 2 fragments and an overlap of 1.
+SETS = ["model.num_layers=2", "model.width=32", "global_batch=8", "sync.period=10",
+        "sync.fragments=2", "sync.overlap=1", "compute=measured", "eval_every=0",
+        "eval_batches=1"]  # fmt: skip
+GROUP = ["groups.start_timeout_s=60"]
+CONFIG = str(ROOT / "configs" / "diloco_default.yaml")
+
+
+def _env():
+    return {**child_env(), "RUST_LOG": "error", "PYTHONPATH": str(ROOT)}
+
+
+def _sets(extra):
+    out = []
+    for s in [*SETS, *extra]:
+        out += ["--set", s]
+    return out
+
+
+def _launch(out, groups, extra, *flags):
+    cmd = [sys.executable, "-m", "train.groups", "--groups", str(groups), "--config", CONFIG,
+           "--out", str(out), *flags, *_sets([*GROUP, *extra])]  # fmt: skip
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+
+
+def _params(path):
+    tree = serialization.msgpack_restore(Path(path).read_bytes())
+    return jax.tree_util.tree_leaves_with_path(tree)
+
+
+def _rows(folder):
+    path = Path(folder) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _logs(out):
+    return "\n".join(p.read_text()[-3000:] for p in sorted(Path(out).glob("group_*.log")))
+
+
+def test_two_groups_equal_one_program_streaming_diloco(tmp_path):
+    """Two groups of one worker each (each its own process and JAX runtime) end with the
+    theta_sync that one program's Streaming DiLoCo gives two workers on the same samples:
+    bit for bit between the groups, within float rounding of the one program."""
+    common = ["steps=40", "optimizer.name=sgd", "optimizer.lr=0.05", "sync.outer_lr=1.0",
+              "sync.outer_momentum=0", "checkpoint_every=0"]  # fmt: skip
+    r = _launch(tmp_path / "g", 2, ["workers=1", "aggregator=ring", *common])
+    assert r.returncode == 0, r.stdout[-2000:] + _logs(tmp_path / "g")
+    one = tmp_path / "one"
+    cmd = [sys.executable, "-m", "train", "--no-progress", "--config", CONFIG,
+           *_sets([*common, "workers=2", "global_batch=16", f"out_dir={one}"])]  # fmt: skip
+    r1 = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert r1.returncode == 0, r1.stderr[-2000:]
+    a, b = (
+        _params(tmp_path / "g/group_0/params.msgpack"),
+        _params(tmp_path / "g/group_1/params.msgpack"),
+    )
+    c = _params(one / "params.msgpack")
+    moved = 0.0
+    for (k, x), (_, y), (_, z) in zip(a, b, c, strict=True):
+        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(k))
+        np.testing.assert_allclose(x, z, rtol=0, atol=2e-6, err_msg=jax.tree_util.keystr(k))
+        moved = max(moved, float(np.max(np.abs(z))))
+    assert moved > 0.1
+    for g in (0, 1):
+        s = json.loads((tmp_path / f"g/group_{g}/summary.json").read_text())["groups"]
+        # Fragment 0 at steps 5, 15, 25, 35; fragment 1 at 10, 20, 30, 40.
+        assert s["exchanges"] == 8 and s["failed"] == 0 and s["heals"] == 0
+        rows = _rows(tmp_path / f"g/group_{g}")
+        assert [r["sync_fragment"] for r in rows[:10]] == [-1] * 4 + [0] + [-1] * 4 + [1]
+        assert {r.get("group_members") for r in rows if "group_members" in r} == {2}
+
+
+def _start(slot, count, lighthouse, out, extra, resume=False):
+    from train.groups import start_group
+
+    sets = [*SETS, *GROUP, *extra]
+    return start_group(slot, count, lighthouse, out, CONFIG, sets, resume=resume, env=_env())
+
+
+def _wait_rows(folder, step, proc, limit=300):
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        rows = _rows(folder)
+        if rows and rows[-1]["step"] >= step:
+            return rows
+        assert proc.poll() is None, f"the group ended early ({proc.returncode})"
+        time.sleep(0.2)
+    raise AssertionError(f"{folder} did not reach step {step}")
+
+
+@pytest.fixture
+def lighthouse():
+    from train.launch import free_port
+    from train.replica import lighthouse as make
+
+    os.environ.setdefault("RUST_LOG", "error")
+    port = free_port()
+    lh = make(f"[::]:{port}", 1, grace_ms=300, heartbeat_ms=1500)
+    yield f"http://127.0.0.1:{port}"
+    lh.shutdown()
+
+
+def test_a_killed_group_leaves_the_other_training_and_a_restart_is_healed(tmp_path, lighthouse):
+    """kill -9 of group 1 mid-run: group 0 goes on alone (the same process, no restart).
+    Group 1 restarted with nothing on disk is healed from group 0's live state: it starts
+    at group 0's step, and both end with bit-identical theta_sync."""
+    extra = ["workers=1", "aggregator=ring", "steps=600", "checkpoint_every=0"]
+    p0 = _start(0, 2, lighthouse, tmp_path, extra)
+    p1 = _start(1, 2, lighthouse, tmp_path, extra)
+    try:
+        _wait_rows(tmp_path / "group_1", 25, p1)
+        p1.send_signal(signal.SIGKILL)
+        p1.wait()
+        killed_at = _rows(tmp_path / "group_0")[-1]["step"]
+        rows0 = _wait_rows(tmp_path / "group_0", killed_at + 30, p0)
+        alone = [r["group_members"] for r in rows0 if r["step"] > killed_at + 10
+                 and "group_members" in r]  # fmt: skip
+        assert alone and set(alone) == {1}, alone
+        import shutil
+
+        shutil.rmtree(tmp_path / "group_1")
+        p1 = _start(1, 2, lighthouse, tmp_path, extra)
+        assert p0.wait(timeout=600) == 0, _logs(tmp_path)
+        assert p1.wait(timeout=600) == 0, _logs(tmp_path)
+    finally:
+        for p in (p0, p1):
+            if p.poll() is None:
+                p.kill()
+    log0 = (tmp_path / "group_0.log").read_text()
+    assert log0.count("compiling the training step") == 1  # never restarted
+    s1 = json.loads((tmp_path / "group_1/summary.json").read_text())
+    assert s1["groups"]["heals"] == 1, s1["groups"]
+    first = _rows(tmp_path / "group_1")[0]["step"]
+    assert first > killed_at + 10  # it started where group 0 was, not at step 1
+    a = _params(tmp_path / "group_0/params.msgpack")
+    b = _params(tmp_path / "group_1/params.msgpack")
+    for (k, x), (_, y) in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(k))
+    rows0 = _rows(tmp_path / "group_0")
+    assert [r["step"] for r in rows0] == list(range(1, 601))
+    assert rows0[-1]["loss"] < rows0[0]["loss"]
+
+
+def test_a_stopped_run_of_int8_groups_resumes_bit_exactly(tmp_path):
+    """Two groups exchanging error-fed int8 pseudo-gradients, stopped at step 20 and
+    resumed to 30, end where an uninterrupted run to 30 ends, bit for bit (theta_sync,
+    the error feedback and the outer momentum are in each group's checkpoint)."""
+    extra = ["workers=1", "aggregator=ring", "checkpoint_every=10", "sync.compress=int8"]
+    r = _launch(tmp_path / "whole", 2, [*extra, "steps=30"])
+    assert r.returncode == 0, _logs(tmp_path / "whole")
+    r = _launch(tmp_path / "cut", 2, [*extra, "steps=20"])
+    assert r.returncode == 0, _logs(tmp_path / "cut")
+    r = _launch(tmp_path / "cut", 2, [*extra, "steps=30"], "--resume")
+    assert r.returncode == 0, _logs(tmp_path / "cut")
+    for g in (0, 1):
+        a = _params(tmp_path / f"whole/group_{g}/params.msgpack")
+        b = _params(tmp_path / f"cut/group_{g}/params.msgpack")
+        for (k, x), (_, y) in zip(a, b, strict=True):
+            np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(k))
+        s = json.loads((tmp_path / f"cut/group_{g}/summary.json").read_text())
+        assert s["resumed"] and s["groups"]["heals"] == 0
+        payload = s["groups"]["payload_bytes"]
+        # int8 codes and a float32 scale per 512 entries: about a quarter of float32.
+        sizes = [len(x.reshape(-1)) for _, x in a]
+        assert sum(payload) < 0.27 * 4 * sum(sizes)

@@ -1,0 +1,294 @@
+"""The transport between replica groups: torchft's lighthouse, ``Manager`` and Gloo.
+
+Each replica group (one JAX program) holds one :class:`Transport`: a ``TCPStore`` of its
+own (the ``Manager`` expects one per group, which ``torchrun`` would start), a torchft
+``Manager`` that asks the lighthouse for a quorum of the live groups at each exchange, and
+a reconfigurable ``ProcessGroupGloo`` over TCP between the groups of that quorum. One
+exchange is two all-gathers: a fixed 72-byte header per group (:data:`FIELDS`), then every
+group's packed payload, padded to the largest one named in the headers (groups at the same
+point of the schedule send the same size, so nothing is padded in a healthy run). What
+each group decides from the headers (:func:`left_out`) is a function of the gathered
+headers alone, so every group of a quorum leaves out the same members.
+
+A group whose committed exchange count is behind the quorum's (it restarted, or missed
+exchanges) is healed by torchft during the quorum: its ``Manager`` fetches the live state
+of a healthy peer over torchft's HTTP checkpoint transport (:meth:`Transport.exchange`
+calls ``on_heal`` with it), and takes part in the exchange with no tokens, so the others
+leave it out while it takes the same outer step they take.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+__all__ = ["FIELDS", "Transport", "Exchange", "fingerprint_id", "left_out", "lighthouse"]
+
+#: The header each group all-gathers before its payload (int64 each).
+FIELDS = (
+    "slot",  # the group's slot (its share of the data)
+    "tokens",  # samples processed since the fragment's last exchange (0: nothing to give)
+    "nbytes",  # the payload's bytes
+    "fingerprint",  # the run's settings (groups of another run are left out)
+    "finite",  # 1 when the pseudo-gradient is finite
+    "step",  # the group's training step
+    "healed",  # 1 when this group was healed in this exchange
+    "fragment",  # the fragment exchanged (-1: none, a handshake)
+    "anchor",  # a hash of the fragment's theta_sync before the exchange
+)
+
+
+def fingerprint_id(settings: dict[str, Any]) -> int:
+    """A 62-bit id of a run's settings (what every group must share)."""
+    text = json.dumps(settings, sort_keys=True, default=str)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
+
+
+def array_id(a: np.ndarray) -> int:
+    """A 62-bit hash of an array's bytes."""
+    return (
+        int.from_bytes(hashlib.sha256(np.ascontiguousarray(a).tobytes()).digest()[:8], "little")
+        >> 2
+    )
+
+
+def _majority(values: list[int], slots: list[int]) -> int:
+    """The value most members hold; ties go to the value of the smallest slot."""
+    counts: dict[int, int] = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    best = max(counts.values())
+    return min((s, v) for s, v in zip(slots, values, strict=True) if counts[v] == best)[1]
+
+
+def left_out(headers: np.ndarray) -> dict[int, str]:
+    """Members (row index of the gathered ``[G, len(FIELDS)]`` headers) left out of the
+    mean, each with the reason: another run's settings, the same slot twice, no tokens,
+    a non-finite pseudo-gradient, another fragment, or another ``theta_sync`` (a group
+    that diverged, e.g. one that stepped alone while cut off; it heals at its next
+    exchange). The majority decides among settings, fragments and ``theta_sync``."""
+    h = {name: [int(v) for v in headers[:, i]] for i, name in enumerate(FIELDS)}
+    slots = h["slot"]
+    out: dict[int, str] = {}
+    fp = _majority(h["fingerprint"], slots)
+    seen: set[int] = set()
+    for i, s in enumerate(slots):
+        if h["fingerprint"][i] != fp:
+            out[i] = "another run's settings"
+        elif s in seen:
+            out[i] = f"slot {s} twice"
+        seen.add(s)
+    live = [i for i in range(len(slots)) if i not in out and h["tokens"][i] > 0]
+    if live:
+        frag = _majority([h["fragment"][i] for i in live], [slots[i] for i in live])
+        anchor = _majority(
+            [h["anchor"][i] for i in live if h["fragment"][i] == frag],
+            [slots[i] for i in live if h["fragment"][i] == frag],
+        )
+    for i in range(len(slots)):
+        if i in out:
+            continue
+        if h["tokens"][i] <= 0:
+            out[i] = "no tokens"
+        elif not h["finite"][i]:
+            out[i] = "non-finite pseudo-gradient"
+        elif h["fragment"][i] != frag:
+            out[i] = f"fragment {h['fragment'][i]}, not {frag}"
+        elif h["anchor"][i] != anchor:
+            out[i] = "another theta_sync"
+    return out
+
+
+class Exchange:
+    """What one committed exchange gathered: ``headers`` (``int64[G, len(FIELDS)]``, in
+    the quorum's member order), ``payloads`` (``uint8`` arrays, each cut to its own
+    ``nbytes``), ``out`` (:func:`left_out`), ``healed`` (this group was healed in it),
+    ``committed`` (it counts: a handshake of groups with nothing to give does not),
+    ``members`` (groups in the quorum), ``sent_bytes`` (what this group sent over every try
+    of it) and ``tries``."""
+
+    def __init__(self, headers, payloads, out, *, healed, committed, sent_bytes, tries):
+        self.headers, self.payloads, self.out = headers, payloads, out
+        self.healed, self.committed = healed, committed
+        self.sent_bytes, self.tries = sent_bytes, tries
+
+    @property
+    def members(self) -> int:
+        return len(self.headers)
+
+    def field(self, name: str) -> list[int]:
+        """One header field of every member."""
+        return [int(v) for v in self.headers[:, FIELDS.index(name)]]
+
+    def kept(self) -> list[int]:
+        """Members in the mean, in member order."""
+        return [i for i in range(self.members) if i not in self.out]
+
+
+def lighthouse(bind: str, min_groups: int, *, grace_ms: int, heartbeat_ms: int) -> Any:
+    """A torchft lighthouse on ``bind`` (``host:port``): a quorum forms once every live
+    group asks, or ``grace_ms`` after the first asks with ``min_groups`` present; a group
+    silent for ``heartbeat_ms`` is dropped."""
+    from torchft._torchft import LighthouseServer
+
+    return LighthouseServer(
+        bind=bind,
+        min_replicas=min_groups,
+        join_timeout_ms=grace_ms,
+        quorum_tick_ms=10,
+        heartbeat_timeout_ms=heartbeat_ms,
+    )
+
+
+class Transport:
+    """One group's end of the torchft transport (see the module docstring).
+
+    Args:
+      lighthouse: the lighthouse's address (``http://host:port``).
+      slot: this group's slot.
+      state_dict: returns the live state a healing peer receives (host arrays).
+      on_heal: takes the live state received from a peer when this group is healed.
+      timeout_s: torchft's timeout of a collective, a commit and a heal.
+      quorum_timeout_s: the longest wait for a quorum.
+      connect_timeout_s: the longest wait to reach the lighthouse.
+      retries: exchanges tried again after a failure (a member lost mid-collective).
+      host: the address other groups reach this group's store and Gloo on.
+    """
+
+    def __init__(
+        self,
+        lighthouse: str,
+        slot: int,
+        *,
+        state_dict: Callable[[], dict[str, Any]],
+        on_heal: Callable[[dict[str, Any]], None],
+        timeout_s: float = 30.0,
+        quorum_timeout_s: float = 60.0,
+        connect_timeout_s: float = 60.0,
+        retries: int = 3,
+        host: str = "127.0.0.1",
+    ):
+        import torch
+        from torch.distributed import TCPStore
+        from torchft import Manager, ProcessGroupGloo
+
+        from .distributed import free_port
+
+        # torchft warns at every quorum that it cannot reset NCCL's flight recorder (there
+        # is none on Gloo) and logs every quorum and commit.
+        logging.getLogger("torchft").setLevel(logging.ERROR)
+        self.torch = torch
+        self.slot, self.retries = slot, retries
+        self._on_heal, self._state_dict = on_heal, state_dict
+        self._healed = threading.Event()
+        port = free_port(host)
+        self._store = TCPStore(host, port, is_master=True, wait_for_workers=False)
+        self.pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
+        self.manager = Manager(
+            pg=self.pg,
+            load_state_dict=self._load,
+            state_dict=self._state_dict,
+            min_replica_size=1,
+            use_async_quorum=False,
+            timeout=timedelta(seconds=timeout_s),
+            quorum_timeout=timedelta(seconds=quorum_timeout_s),
+            connect_timeout=timedelta(seconds=connect_timeout_s),
+            rank=0,
+            world_size=1,
+            store_addr=host,
+            store_port=port,
+            lighthouse_addr=lighthouse,
+            replica_id=f"group_{slot}",
+            hostname=host,
+            init_sync=False,
+        )
+        self.sent_bytes = 0
+        self.errors: list[str] = []  # why each failed try failed
+
+    def _load(self, state: dict[str, Any]) -> None:
+        self._on_heal(state)
+        self._healed.set()
+
+    @property
+    def committed(self) -> int:
+        """Exchanges this group has committed (torchft's step)."""
+        return self.manager.current_step()
+
+    def set_committed(self, count: int) -> None:
+        """Take back the committed count of a checkpoint."""
+        self.manager.load_state_dict({"step": int(count), "batches_committed": 0})
+
+    def _gather(self, data: np.ndarray) -> np.ndarray:
+        """All-gather one equal-size array from every member (``[G, ...]``)."""
+        torch = self.torch
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        mine = torch.from_numpy(np.ascontiguousarray(data))
+        size = self.pg.size()
+        outs = [torch.empty_like(mine) for _ in range(size)]
+        self.pg.allgather([outs], [mine], AllgatherOptions()).wait()
+        # Gloo's ring all-gather: each member passes on G - 1 blocks of this size.
+        self.sent_bytes += (size - 1) * mine.numel() * mine.element_size()
+        return np.stack([o.numpy() for o in outs])
+
+    def exchange(
+        self,
+        header: Callable[[bool], np.ndarray],
+        payload: Callable[[bool], np.ndarray],
+        *,
+        commit: Callable[[np.ndarray, bool], bool] | None = None,
+    ) -> Exchange | None:
+        """One exchange, tried up to ``1 + retries`` times with a new quorum each time.
+
+        ``header(healed)`` and ``payload(healed)`` make this group's header and packed
+        bytes once the quorum is known (``healed``: this group was just healed, so it has
+        nothing to give); ``commit(headers, healed)`` says whether this exchange should
+        count (default: yes). Returns the :class:`Exchange` (committed, or one ``commit``
+        declined), or None when every try failed (nothing was committed)."""
+        before = self.sent_bytes
+        for attempt in range(1 + self.retries):
+            self._healed.clear()
+            try:
+                self.manager.start_quorum(allow_heal=True)
+                healed = self._healed.is_set()
+                if self.manager.errored() is not None:
+                    raise RuntimeError(str(self.manager.errored().original_exception))
+                mine = np.asarray(header(healed), np.int64)
+                headers = self._gather(mine)
+                data = np.asarray(payload(healed), np.uint8)
+                width = int(headers[:, FIELDS.index("nbytes")].max())
+                padded = np.zeros(width, np.uint8)
+                padded[: data.size] = data
+                gathered = self._gather(padded)
+                if commit is not None and not commit(headers, healed):
+                    self.manager.report_error(RuntimeError("nothing to commit"))
+            except Exception as e:  # a member lost mid-collective: torchft reconfigures
+                self.errors.append(f"{type(e).__name__}: {e}")
+                self.manager.report_error(e)
+                headers = None
+            ok = self.manager.should_commit()
+            if headers is None:
+                continue
+            wanted = commit is None or commit(headers, healed)
+            if ok or not wanted:
+                sizes = headers[:, FIELDS.index("nbytes")]
+                payloads = [gathered[i, : int(sizes[i])] for i in range(len(headers))]
+                return Exchange(
+                    headers, payloads, left_out(headers), healed=healed, committed=ok,
+                    sent_bytes=self.sent_bytes - before, tries=attempt + 1,
+                )  # fmt: skip
+        return None
+
+    def shutdown(self) -> None:
+        """Stop the manager (its server and checkpoint transport)."""
+        try:
+            self.manager.shutdown(wait=False)
+        except Exception:
+            pass

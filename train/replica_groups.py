@@ -1,0 +1,508 @@
+"""Replica groups as a trainer's synchronisation (``groups:`` with ``sync: diloco``).
+
+The run is one replica group of several: separate programs (each its own JAX runtime,
+its own workers and mesh) that run DiLoCo's outer step between them over torchft
+(:mod:`train.replica`). Inside the group the configured aggregator averages the group's
+own workers every step (:class:`train.sync.EveryStep`); between groups
+:class:`jaxcomm.groups.GroupOuter` forms each fragment's pseudo-gradient, the codec's
+payload, the token-weighted mean and the outer step, on the host.
+
+**Overlap.** At a fragment's synchronising step the group reads the fragment's parameters,
+and a host thread encodes, exchanges and steps ``theta_sync`` while the next ``overlap``
+inner steps run on the devices; at the merge step the group waits for the thread (if it
+is not done) and mixes ``alpha * local + (1 - alpha) * theta_sync`` into its parameters,
+as Streaming DiLoCo does. ``overlap=0`` waits at once (DiLoCo's blocking exchange).
+
+**Membership.** Every exchange asks the lighthouse for a quorum of the live groups; a
+group that died, or missed the grace window, is not in it, and the mean is over the
+members present (weighted by the samples each processed since the fragment's last
+exchange). A member whose header shows another run, no samples, a non-finite
+pseudo-gradient, another fragment or another ``theta_sync`` is left out by every member
+alike (:func:`train.replica.left_out`). A group that starts behind the others (a restart
+with or without its own checkpoint) is healed by torchft from a live peer during its first
+exchange: the peer's parameters, optimizer state, every fragment's ``theta_sync`` and outer
+state, the step and the data position, as the peer held them when it launched that
+exchange; it then takes the exchange's outer step as the others do, so it holds what they
+hold. At the start a handshake waits up to ``groups.start_timeout_s`` for all groups.
+
+**Checkpoints.** Each group saves its own run folder: the trainer's state, each fragment's
+``theta_sync``, outer state and error feedback, and the count of exchanges committed. A
+whole-run stop resumes bit-exactly; a group resumed while the others train on is healed
+from them.
+
+Evaluation and the exported model use ``theta_sync``. Each metrics row records the
+fragment exchanged (-1: none), the groups in the last exchange and in its mean, and the
+seconds the step waited for an exchange; the summary's ``groups`` entry the exchanges,
+heals, bytes this group sent (what the transport sent over the wire: headers and payloads
+of every try) and the compute utilisation (the devices' measured step time over the wall
+time of the training loop).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+import optax
+
+import jaxcomm
+from jaxcomm.groups import GroupOuter, GroupState
+
+from .checkpoint import has_rows
+from .config import Config
+from .distributed import to_host
+from .models import layer_groups
+from .replica import FIELDS, Transport, array_id, fingerprint_id
+from .sync import EveryStep
+
+if TYPE_CHECKING:
+    from .context import Context
+
+__all__ = ["ReplicaGroups"]
+
+
+def _copy(tree: Any) -> Any:
+    """Device copies of ``tree`` (the next step donates the originals)."""
+    return jax.tree_util.tree_map(lambda a: a.copy(), tree)
+
+
+def _put_like(host: Any, like: Any) -> Any:
+    """Host arrays ``host`` on the devices and in the dtypes of ``like``."""
+    return jax.tree_util.tree_map(
+        lambda h, a: jax.device_put(np.asarray(h, a.dtype).reshape(a.shape), a.sharding),
+        host,
+        like,
+    )
+
+
+class ReplicaGroups(EveryStep):
+    """One replica group of several (see the module docstring)."""
+
+    reads_state = True
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.sync, self.groups = cfg, cfg.sync, cfg.groups
+        self.transport: Transport | None = None
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, "jaxcomm-groups")
+        self._pending: list[tuple[int, int, concurrent.futures.Future]] = []
+        self._heal: dict[str, Any] | None = None  # received from a peer (exchange thread)
+        self._healed_state: dict[str, Any] | None = None  # to apply on the main thread
+        self._snap: dict[str, Any] | None = None
+        self._last_sync: dict[int, int] = {}
+        self._committed = 0  # restored from a checkpoint
+        self._sent_before = 0
+        self._row: dict[str, Any] = {}
+        self.stats = {
+            "exchanges": 0, "failed": 0, "heals": 0, "left_out": 0, "sent_bytes": 0,
+            "wait_s": 0.0, "busy_s": 0.0, "wall_s": 0.0, "tries": 0,
+        }  # fmt: skip
+        self._wall0: float | None = None
+        s = cfg.sync
+        outer = optax.sgd(s.outer_lr)
+        if s.outer_momentum:
+            outer = optax.sgd(s.outer_lr, momentum=s.outer_momentum, nesterov=True)
+        self._outer_tx = outer
+        self._codec = None if s.compress is None else s.compress.error_fed_codec()
+        self.alpha = s.alpha if s.alpha is not None else (0.5 if s.overlap else 0.0)
+        self.fp = fingerprint_id(
+            {
+                "model": cfg.model.to_dict(),
+                "dataset": cfg.dataset,
+                "seed": cfg.seed,
+                "optimizer": cfg.optimizer.to_dict(),
+                "sync": s.to_dict(),
+                "global_batch": cfg.global_batch,
+                "count": cfg.groups.count,
+            }
+        )
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"sync": self.sync.to_dict(), "groups": [self.groups.slot, self.groups.count]}
+
+    # ------------------------------------------------------------------ the fragments
+
+    def start(self, ctx: Context) -> None:
+        s = self.sync
+        params = ctx.params
+        leaves, self._treedef = jax.tree_util.tree_flatten_with_path(params)
+        if any(has_rows(a) for _, a in leaves):
+            raise ValueError("replica groups need parameters held once (data parallel)")
+        names = layer_groups(params)
+        if s.fragments > len(names):
+            raise ValueError(
+                f"sync.fragments={s.fragments} exceeds the model's {len(names)} layers "
+                f"({', '.join(names)}); choose fragments in 1..{len(names)}"
+            )
+        schedule = jaxcomm.schedules.streaming_schedule(
+            len(names), s.period, s.fragments, pattern=s.pattern
+        )
+        self._steps = jaxcomm.schedules.diloco_steps(s.period, schedule=schedule, overlap=0)
+        frags = [sorted(g) for g in schedule.groups if g]
+        top = [getattr(path[0], "key", None) for path, _ in leaves]
+        self._index = [[i for i, t in enumerate(top) if t in {names[j] for j in f}] for f in frags]
+        codec, decay = self._codec if self._codec is not None else (None, 1.0)
+        self.outer = []
+        self.state: list[GroupState] = []
+        host = [np.asarray(a) for _, a in leaves] if not ctx.abstract else None
+        for idx in self._index:
+            sizes = [int(np.prod(leaves[i][1].shape)) for i in idx]
+            go = GroupOuter(
+                self._outer_tx, codec=codec, decay=decay, sizes=sizes, seed=ctx.cfg.seed
+            )
+            self.outer.append(go)
+            if host is not None:
+                flat = np.concatenate([host[i].astype(np.float32).reshape(-1) for i in idx])
+                self.state.append(go.init(flat, slot=self.groups.slot))
+
+    def _flat(self, params: Any, p: int) -> np.ndarray:
+        leaves = jax.tree_util.tree_leaves(params)
+        parts = [np.asarray(leaves[i], np.float32).reshape(-1) for i in self._index[p]]
+        return np.concatenate(parts)
+
+    def _with(self, params: Any, p: int, flat: np.ndarray) -> Any:
+        """``params`` with fragment ``p``'s leaves set from ``flat``."""
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        at = 0
+        for i in self._index[p]:
+            a = leaves[i]
+            size = int(np.prod(a.shape))
+            host = flat[at : at + size].astype(a.dtype).reshape(a.shape)
+            leaves[i] = jax.device_put(host, a.sharding)
+            at += size
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    # ------------------------------------------------------------------ the transport
+
+    def _connect(self) -> Transport:
+        g = self.groups
+        if self.transport is None:
+            self.transport = Transport(
+                g.lighthouse,
+                g.slot,
+                state_dict=self._state_dict,
+                on_heal=self._on_heal,
+                timeout_s=g.timeout_s,
+                quorum_timeout_s=g.quorum_timeout_s,
+                connect_timeout_s=g.connect_timeout_s,
+                retries=g.retries,
+                host=g.host,
+            )
+        return self.transport
+
+    def _snapshot(self, ctx: Context) -> None:
+        """What a peer healed from this group receives, as of now (device copies)."""
+        with self._lock:
+            self._snap = {
+                "params": _copy(ctx.params),
+                "opt_state": _copy(ctx.opt_state),
+                "step": ctx.step,
+                "position": ctx.loader.position,
+                "last_sync": dict(self._last_sync),
+            }
+
+    def _state_dict(self) -> dict[str, Any]:
+        """The live state a healing peer receives (called on the exchange thread)."""
+        with self._lock:
+            snap = dict(self._snap)
+            anchors = [s.anchor for s in self.state]
+            outers = [s.outer for s in self.state]
+        snap["params"] = to_host(snap["params"])
+        snap["opt_state"] = to_host(snap["opt_state"])
+        return {**snap, "anchors": anchors, "outers": outers}
+
+    def _on_heal(self, state: dict[str, Any]) -> None:
+        self._heal = state
+
+    def _take_heal(self) -> None:
+        """Install a peer's fragments' states (exchange thread): its ``theta_sync`` and
+        outer states, this group's own error feedback started afresh."""
+        state, self._heal = self._heal, None
+        with self._lock:
+            self.state = [
+                go.init(a, slot=self.groups.slot)._replace(outer=o)
+                for go, a, o in zip(self.outer, state["anchors"], state["outers"], strict=True)
+            ]
+            self._healed_state = state
+        self.stats["heals"] += 1
+
+    def _apply_heal(self, ctx: Context) -> None:
+        """Take a peer's parameters, optimizer state, step and data position (main thread)."""
+        with self._lock:
+            state, self._healed_state = self._healed_state, None
+        if state is None:
+            return
+        params = _put_like(state["params"], ctx.params)
+        ctx.layout.set_state(ctx, params, _put_like(state["opt_state"], ctx.opt_state))
+        ctx.step = int(state["step"])
+        ctx.loader.position = int(state["position"])
+        self._last_sync = {int(k): int(v) for k, v in state["last_sync"].items()}
+
+    def _header(self, p: int, tokens: int, nbytes: int, finite: bool, step: int, anchor: int):
+        def make(healed: bool) -> np.ndarray:
+            values = {
+                "slot": self.groups.slot, "tokens": 0 if healed else tokens, "nbytes": nbytes,
+                "fingerprint": self.fp, "finite": int(finite), "step": step,
+                "healed": int(healed), "fragment": p, "anchor": anchor,
+            }  # fmt: skip
+            return np.asarray([values[f] for f in FIELDS], np.int64)
+
+        return make
+
+    def _mine(self, headers: np.ndarray) -> int:
+        slots = headers[:, FIELDS.index("slot")]
+        return int(np.flatnonzero(slots == self.groups.slot)[0])
+
+    def _outer_step(self, ex: Any, p: int, base: GroupState) -> GroupState:
+        """``base`` stepped by the mean of the exchange's kept members (unchanged if none)."""
+        kept = ex.kept()
+        if not kept:
+            return base
+        go, d = self.outer[p], int(np.size(base.anchor))
+        tokens = ex.field("tokens")
+        mean = go.mean([go.from_wire(ex.payloads[i], d) for i in kept], [tokens[i] for i in kept])
+        return go.step(base, mean)
+
+    def _exchange(self, p: int, local: np.ndarray, tokens: int, step: int) -> dict[str, Any]:
+        """Fragment ``p``'s exchange (on the host thread); returns what the row reports."""
+        transport = self.transport
+        with self._lock:
+            st = self.state[p]
+        go = self.outer[p]
+        finite = bool(np.all(np.isfinite(local)))
+        payload, sent, unsent = go.send(st, local)
+        wire = go.to_wire(payload)
+        header = self._header(p, tokens, wire.size, finite, step, array_id(st.anchor))
+
+        def commit(headers: np.ndarray, healed: bool) -> bool:
+            from .replica import left_out
+
+            why = left_out(headers).get(self._mine(headers), "")
+            live = bool(np.any(headers[:, FIELDS.index("tokens")] > 0))
+            return live and why != "another theta_sync"
+
+        ex = transport.exchange(header, lambda healed: wire, commit=commit)
+        if ex is None:
+            with self._lock:
+                self.state[p] = unsent
+            self.stats["failed"] += 1
+            return {"members": 0, "kept": 0}
+        self.stats["tries"] += ex.tries
+        if ex.healed:
+            self._take_heal()
+            with self._lock:
+                base = self.state[p]
+        elif not ex.committed:  # this group's theta_sync diverged: healed at the next one
+            with self._lock:
+                self.state[p] = unsent
+            self.stats["left_out"] += 1
+            return {"members": ex.members, "kept": len(ex.kept())}
+        else:
+            base = sent if self._mine(ex.headers) in ex.kept() else unsent
+        new = self._outer_step(ex, p, base)
+        with self._lock:
+            self.state[p] = new
+        self.stats["exchanges"] += 1
+        self.stats["left_out"] += int(self._mine(ex.headers) in ex.out)
+        return {"members": ex.members, "kept": len(ex.kept())}
+
+    def _handshake(self, ctx: Context) -> None:
+        """Wait for the other groups at the start; a group behind them is healed here."""
+        transport = self._connect()
+        deadline = time.monotonic() + self.groups.start_timeout_s
+        header = self._header(-1, 0, 0, True, ctx.step, 0)
+        while True:
+            healed_now = {}
+
+            def commit(headers: np.ndarray, healed: bool, healed_now=healed_now) -> bool:
+                healed_now["yes"] = healed
+                # A group that joins a running exchange commits only once healed by it
+                # (else it would count an exchange whose state it does not hold).
+                return healed and bool(np.any(headers[:, FIELDS.index("tokens")] > 0))
+
+            ex = transport.exchange(header, lambda healed: np.zeros(0, np.uint8), commit=commit)
+            if ex is None:
+                if time.monotonic() > deadline + self.groups.quorum_timeout_s:
+                    raise RuntimeError(
+                        f"group {self.groups.slot}: no exchange with the other groups "
+                        f"succeeded ({'; '.join(transport.errors[-3:])})"
+                    )
+                continue
+            if ex.healed:
+                self._take_heal()
+                frags = [f for f in ex.field("fragment") if f >= 0]
+                if frags:  # the peers' exchange of fragment p: take its outer step too
+                    p = max(set(frags), key=frags.count)
+                    with self._lock:
+                        base = self.state[p]
+                    new = self._outer_step(ex, p, base)
+                    with self._lock:
+                        self.state[p] = new
+                    self._apply_heal(ctx)
+                    self._pending = [(p, ctx.step + self.sync.overlap, None)]
+                else:
+                    self._apply_heal(ctx)
+                    self._pending = []
+                self._snapshot(ctx)
+                return
+            if ex.members >= self.groups.count or time.monotonic() > deadline:
+                return
+
+    # ------------------------------------------------------------------ the hooks
+
+    def begin(self, ctx: Context, resumed: bool) -> None:
+        transport = self._connect()
+        if resumed:
+            transport.set_committed(self._committed)
+        self._snapshot(ctx)
+        self._handshake(ctx)
+        self._row = {}
+        self._merge_due(ctx)
+        self._wall0 = time.perf_counter()
+
+    def after_step(self, ctx: Context) -> None:
+        t0 = time.perf_counter()
+        self.stats["busy_s"] += float(ctx.last_compute_s)
+        s = ctx.step - 1
+        sync = self._steps[s % self.sync.period][0]
+        self._row = {"sync_fragment": sync}
+        if sync >= 0:
+            self._launch(ctx, sync)
+        self._merge_due(ctx)
+        if ctx.step >= self.cfg.steps:
+            self._settle()  # theta_sync complete for the evaluation and the export
+        self._row["group_wait_s"] = time.perf_counter() - t0
+        if self.transport is not None:
+            self._row["group_sent_bytes"] = self.transport.sent_bytes - self._sent_before
+            self._sent_before = self.transport.sent_bytes
+        if self._wall0 is not None:
+            self.stats["wall_s"] = time.perf_counter() - self._wall0
+
+    def _launch(self, ctx: Context, p: int) -> None:
+        for q, _, fut in self._pending:  # one exchange at a time on the transport
+            if fut is not None and q != p:
+                fut.result()
+        local = self._flat(ctx.params, p)
+        since = self._last_sync.get(p, 0)
+        tokens = max(ctx.step - since, 1) * self.cfg.global_batch
+        self._last_sync[p] = ctx.step
+        self._snapshot(ctx)
+        fut = self._pool.submit(self._exchange, p, local, tokens, ctx.step)
+        self._pending.append((p, ctx.step + self.sync.overlap, fut))
+
+    def _wait(self, fut: concurrent.futures.Future | None) -> None:
+        """Wait for an exchange; its row entries go into this step's row."""
+        if fut is None:
+            return
+        t0 = time.perf_counter()
+        info = fut.result()
+        self.stats["wait_s"] += time.perf_counter() - t0
+        self._row.update({f"group_{k}": v for k, v in info.items()})
+
+    def _settle(self) -> None:
+        """Wait for every exchange in flight (its outer step is then in ``theta_sync``);
+        the merges stay due at their steps."""
+        self._pending = [(p, due, self._wait(fut)) for p, due, fut in self._pending]
+
+    def _merge_due(self, ctx: Context) -> None:
+        """Merge every fragment whose exchange is due at this step."""
+        keep = []
+        for p, due, fut in self._pending:
+            if ctx.step < due:
+                keep.append((p, due, fut))
+                continue
+            self._wait(fut)
+            if self._healed_state is not None:  # healed in this exchange: take the state
+                self._apply_heal(ctx)
+                keep.append((p, ctx.step + self.sync.overlap, None))
+                continue
+            with self._lock:
+                anchor = self.state[p].anchor
+            local = self._flat(ctx.params, p)
+            ctx.params = self._with(ctx.params, p, GroupOuter.merge(local, anchor, self.alpha))
+        self._pending = keep
+        if any(due <= ctx.step for _, due, _ in keep):
+            self._merge_due(ctx)
+
+    def end(self, ctx: Context) -> None:
+        for _, _, fut in self._pending:
+            if fut is not None:
+                try:
+                    fut.result(timeout=self.groups.timeout_s)
+                except Exception:
+                    pass
+        if self.transport is not None:
+            self.transport.shutdown()
+        self._pool.shutdown(wait=False)
+
+    def step_extras(self, ctx: Context, report: dict[str, Any]) -> dict[str, Any]:
+        return dict(self._row)
+
+    def eval_params(self, ctx: Context, params: Any) -> Any:
+        """``theta_sync`` of every fragment, in the parameters' dtypes and placement."""
+        with self._lock:
+            anchors = [s.anchor for s in self.state]
+        for p, a in enumerate(anchors):
+            params = self._with(params, p, a)
+        return params
+
+    # ------------------------------------------------------------------ state
+
+    def checkpoint_extras(self) -> dict[str, Any]:
+        self._settle()
+        committed = self.transport.committed if self.transport is not None else self._committed
+        pending = [[p, due] for p, due, _ in self._pending]
+        return {
+            "groups": {"committed": committed, "last_sync": self._last_sync, "pending": pending}
+        }
+
+    def restore_extras(self, ctx: Context, extras: dict[str, Any]) -> None:
+        g = extras.get("groups", {})
+        self._committed = int(g.get("committed", 0))
+        self._last_sync = {int(k): int(v) for k, v in g.get("last_sync", {}).items()}
+        self._pending = [(int(p), int(due), None) for p, due in g.get("pending", [])]
+
+    def saved_arrays(self) -> dict[str, Any]:
+        self._settle()
+        out = {}
+        with self._lock:
+            for p, s in enumerate(self.state):
+                out[f"f{p}_anchor"] = np.asarray(s.anchor)
+                out[f"f{p}_residual"] = np.asarray(s.residual)
+                for i, leaf in enumerate(jax.tree_util.tree_leaves(s.outer)):
+                    out[f"f{p}_outer{i}"] = np.asarray(leaf)
+                if s.key is not None:
+                    out[f"f{p}_key"] = np.asarray(s.key)
+        return out
+
+    def load_arrays(self, ctx: Context, arrays: dict[str, Any]) -> None:
+        with self._lock:
+            for p, s in enumerate(self.state):
+                leaves, tree = jax.tree_util.tree_flatten(s.outer)
+                outer = [np.asarray(arrays[f"f{p}_outer{i}"]) for i in range(len(leaves))]
+                self.state[p] = GroupState(
+                    anchor=np.asarray(arrays[f"f{p}_anchor"]),
+                    outer=jax.tree_util.tree_unflatten(tree, outer),
+                    residual=np.asarray(arrays[f"f{p}_residual"]),
+                    key=None if s.key is None else np.asarray(arrays[f"f{p}_key"]),
+                )
+
+    def summary_extras(self) -> dict[str, Any]:
+        st = dict(self.stats)
+        st["sent_bytes"] = self.transport.sent_bytes if self.transport else 0
+        st["utilisation"] = st["busy_s"] / st["wall_s"] if st["wall_s"] else None
+        sizes = [int(np.size(s.anchor)) for s in self.state]
+        payload = [go.nbytes(d) for go, d in zip(self.outer, sizes, strict=True)]
+        return {
+            "groups": {
+                "slot": self.groups.slot,
+                "count": self.groups.count,
+                "committed": self.transport.committed if self.transport else self._committed,
+                "payload_bytes": payload,
+                **st,
+            }
+        }
