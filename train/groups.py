@@ -6,6 +6,11 @@ given config and ``groups.{lighthouse,slot,count}`` set, its run folder
 exit code, restarts and the run's wall time). Groups on other machines run the same
 ``python -m train`` command against this lighthouse (``--set groups.host=<their address>``).
 
+``--network MBIT`` runs each group in a network namespace of its own, joined to the others
+by a link shaped to ``MBIT`` Mbit/s each way (:class:`train.netns.NetnsCluster`; root,
+Linux), the lighthouse on one more host; ``groups.json`` then records the bytes each group's
+link carried (the kernel's counter), beside what each group's transport counted.
+
 ``--chaos-every S`` kills a random training group with SIGKILL every ``S`` seconds (never
 the last one alive) and starts it again ``--restart-after`` seconds later (from its own
 newest checkpoint if it has one; either way the live groups heal it), to measure what
@@ -37,11 +42,12 @@ def start_group(
     *,
     resume: bool = False,
     env: dict[str, str] | None = None,
+    prefix: list[str] | None = None,
 ) -> subprocess.Popen:
-    """Start group ``slot`` of ``count`` (``python -m train``), its output in
-    ``<run_dir>/group_<slot>.log``."""
+    """Start group ``slot`` of ``count`` (``python -m train``, after the command ``prefix``,
+    e.g. a network namespace's), its output in ``<run_dir>/group_<slot>.log``."""
     folder = run_dir / f"group_{slot}"
-    cmd = [sys.executable, "-m", __package__ or "train", "--no-progress"]
+    cmd = [*(prefix or []), sys.executable, "-m", __package__ or "train", "--no-progress"]
     cmd += ["--config", config] if config else []
     sets = [*overrides, f"groups.lighthouse={lighthouse}", f"groups.slot={slot}",
             f"groups.count={count}", f"out_dir={folder}", f"name=group_{slot}"]  # fmt: skip
@@ -67,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--restart-after", type=float, default=5.0, help="restart a killed group")
     p.add_argument("--chaos-seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="resume every group's run folder")
+    p.add_argument("--network", type=float, default=None, metavar="MBIT",
+                   help="each group in a network namespace, links of MBIT Mbit/s")  # fmt: skip
     args = p.parse_args(argv)
     if args.groups < 1:
         p.error(f"--groups must be at least 1, got {args.groups}")
@@ -90,18 +98,38 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run_dir = Path(args.out or f"runs/{cfg.name}_groups")
     run_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    lh = lighthouse(
-        f"[::]:{port}", args.min_groups, grace_ms=args.grace_ms, heartbeat_ms=args.heartbeat_ms
-    )
-    address = f"http://127.0.0.1:{port}"
     env = dict(os.environ)
+    cluster, lh, lh_proc = None, None, None
+    prefixes: dict[int, list[str]] = {}
+    sets = list(args.overrides)
+    if args.network is not None:
+        from .netns import NetnsCluster, address
+
+        cluster = NetnsCluster(args.groups + 1, args.network, prefix="jxg")
+        port = 29510
+        code = (f"import time; from {__package__ or 'train'}.replica import lighthouse; "
+                f"lh = lighthouse('[::]:{port}', {args.min_groups}, grace_ms={args.grace_ms}, "
+                f"heartbeat_ms={args.heartbeat_ms}); time.sleep(10**9)")  # fmt: skip
+        lh_proc = subprocess.Popen(
+            [*cluster.exec_prefix(args.groups), sys.executable, "-c", code], env=env
+        )
+        lh_address = f"http://{address(args.groups)}:{port}"
+        prefixes = {i: cluster.exec_prefix(i) for i in range(args.groups)}
+        time.sleep(1.0)
+    else:
+        port = free_port()
+        lh = lighthouse(
+            f"[::]:{port}", args.min_groups, grace_ms=args.grace_ms, heartbeat_ms=args.heartbeat_ms
+        )
+        lh_address = f"http://127.0.0.1:{port}"
+
+    def begin(i: int, resume: bool) -> subprocess.Popen:
+        own = [f"groups.host={address(i)}"] if cluster is not None else []
+        return start_group(i, args.groups, lh_address, run_dir, args.config, [*sets, *own],
+                           resume=resume, env=env, prefix=prefixes.get(i))  # fmt: skip
+
     start = time.monotonic()
-    procs = {
-        i: start_group(i, args.groups, address, run_dir, args.config, args.overrides,
-                       resume=args.resume, env=env)
-        for i in range(args.groups)
-    }  # fmt: skip
+    procs = {i: begin(i, args.resume) for i in range(args.groups)}
     restarts = {i: 0 for i in procs}
     down: dict[int, float] = {}  # slot -> when to restart it
     rng = random.Random(args.chaos_seed)
@@ -117,7 +145,16 @@ def main(argv: list[str] | None = None) -> int:
                 if rc is not None:
                     codes[i] = rc
             live = [i for i in procs if i not in codes and i not in down]
-            if next_kill is not None and now >= next_kill and len(live) > 1 and not down:
+            # Once a group has finished the run is ending: no more kills, and a killed group
+            # is not started again (it would train on alone).
+            ending = bool(codes)
+            if (
+                next_kill is not None
+                and now >= next_kill
+                and len(live) > 1
+                and not down
+                and not ending
+            ):
                 victim = rng.choice(live)
                 procs[victim].send_signal(signal.SIGKILL)
                 procs[victim].wait()
@@ -125,11 +162,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"chaos: killed group {victim} at {now - start:.1f} s", flush=True)
                 next_kill = now + args.chaos_every
             for i, when in list(down.items()):
-                if now >= when:
+                if ending:
+                    del down[i]
+                    codes[i] = -int(signal.SIGKILL)
+                    print(f"chaos: group {i} stays down (the run is ending)", flush=True)
+                elif now >= when:
                     del down[i]
                     restarts[i] += 1
-                    procs[i] = start_group(i, args.groups, address, run_dir, args.config,
-                                           args.overrides, resume=True, env=env)  # fmt: skip
+                    procs[i] = begin(i, True)
                     print(f"chaos: restarted group {i} at {now - start:.1f} s", flush=True)
             time.sleep(0.2)
     except KeyboardInterrupt:
@@ -140,12 +180,32 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait()
         return 130
     finally:
-        lh.shutdown()
+        link = {}
+        if cluster is not None:
+            link = {i: _tx_bytes(cluster, i) for i in range(args.groups)}
+            lh_proc.kill()
+            lh_proc.wait()
+            cluster.close()
+        if lh is not None:
+            lh.shutdown()
     wall = time.monotonic() - start
     report = {"groups": args.groups, "exit_codes": codes, "restarts": restarts, "wall_s": wall}
+    if link:
+        report["link_tx_bytes"] = link
+        report["network_mbit"] = args.network
     (run_dir / "groups.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report))
     return max(codes.values()) if codes else 1
+
+
+def _tx_bytes(cluster, i: int) -> int:
+    """Bytes host ``i`` sent on its link (the kernel's counter of its veth)."""
+    dev = f"{cluster.prefix}v{i}"
+    out = subprocess.run(
+        [*cluster.exec_prefix(i), "cat", f"/sys/class/net/{dev}/statistics/tx_bytes"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return int(out.stdout)
 
 
 if __name__ == "__main__":

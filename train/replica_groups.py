@@ -41,6 +41,7 @@ time of the training loop).
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -85,6 +86,11 @@ class ReplicaGroups(EveryStep):
     reads_state = True
 
     def __init__(self, cfg: Config):
+        if jax.process_count() > 1:
+            raise ValueError(
+                f"groups with {jax.process_count()} processes: a replica group is one process "
+                "(its workers are that process's devices); start one group per host instead"
+            )
         self.cfg, self.sync, self.groups = cfg, cfg.sync, cfg.groups
         self.transport: Transport | None = None
         self._lock = threading.Lock()
@@ -99,7 +105,7 @@ class ReplicaGroups(EveryStep):
         self._row: dict[str, Any] = {}
         self.stats = {
             "exchanges": 0, "failed": 0, "heals": 0, "left_out": 0, "sent_bytes": 0,
-            "wait_s": 0.0, "busy_s": 0.0, "wall_s": 0.0, "tries": 0,
+            "wait_s": 0.0, "busy_s": 0.0, "wall_s": 0.0, "tries": 0, "samples_in": 0,
         }  # fmt: skip
         self._wall0: float | None = None
         s = cfg.sync
@@ -302,13 +308,35 @@ class ReplicaGroups(EveryStep):
             self.stats["left_out"] += 1
             return {"members": ex.members, "kept": len(ex.kept())}
         else:
-            base = sent if self._mine(ex.headers) in ex.kept() else unsent
+            mine_kept = self._mine(ex.headers) in ex.kept()
+            base = sent if mine_kept else unsent
+            # Samples this group trained on that entered theta_sync (the goodput's count).
+            self.stats["samples_in"] += tokens if mine_kept else 0
         new = self._outer_step(ex, p, base)
         with self._lock:
             self.state[p] = new
+        self._log_exchange(ex, p, step)
         self.stats["exchanges"] += 1
         self.stats["left_out"] += int(self._mine(ex.headers) in ex.out)
         return {"members": ex.members, "kept": len(ex.kept())}
+
+    def _log_exchange(self, ex: Any, p: int, step: int) -> None:
+        """One line of ``exchanges.jsonl`` (appended, never rewritten: a restarted group's
+        earlier lines stay): the exchange's count, fragment, members and the samples that
+        entered theta_sync."""
+        tokens = ex.field("tokens")
+        line = {
+            "exchange": self.transport.committed,
+            "fragment": p,
+            "step": step,
+            "members": ex.members,
+            "kept": [ex.field("slot")[i] for i in ex.kept()],
+            "samples_in": int(sum(tokens[i] for i in ex.kept())),
+            "healed": ex.healed,
+            "time": time.time(),
+        }
+        with open(self.cfg.run_dir / "exchanges.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     def _handshake(self, ctx: Context) -> None:
         """Wait for the other groups at the start; a group behind them is healed here."""
