@@ -10,12 +10,17 @@ training group is killed with SIGKILL (never the last one), and started again
 ``--restart-after`` seconds later with nothing of its own on disk; the live groups never
 stop, and the restarted group is healed from them at its first exchange.
 
+Time lost per failure is the killed group's absence: from the kill to its first exchange
+after the restart (the one that heals it). The exchanges the others lost are those that
+failed on every try (a member lost mid-exchange is retried with a new quorum).
+
 Goodput is the samples that entered ``theta_sync`` (every committed exchange's kept
 members' samples, from the groups' ``exchanges.jsonl``, which a restarted group appends to)
 per second of the run's wall time, against the fault-free run's. The final model's
 validation loss of both runs is reported beside it.
 
-Writes ``benchmarks/results/groups/chaos.{md,json}``.
+Writes ``benchmarks/results/groups/chaos.{md,json,png}`` (the plot: every group's training
+loss against wall time, both runs).
 """
 
 from __future__ import annotations
@@ -53,6 +58,30 @@ def samples_in(folder: Path, groups: int) -> tuple[int, int]:
     return sum(seen.values()), len(seen)
 
 
+def lost_per_failure(folder: Path, kills: list[dict]) -> list[float]:
+    """Seconds from each kill to the killed group's next exchange (its heal)."""
+    out = []
+    for k in kills:
+        path = folder / f"group_{k['group']}" / "exchanges.jsonl"
+        lines = path.read_text().splitlines() if path.is_file() else []
+        times = [json.loads(x)["time"] for x in lines]
+        after = [t for t in times if t > k["time"]]
+        if after:
+            out.append(min(after) - k["time"])
+    return out
+
+
+def curves(folder: Path, groups: int, started: float) -> list[tuple[list[float], list[float]]]:
+    """Each group's (wall seconds since the start, training loss) of its metrics rows."""
+    out = []
+    for g in range(groups):
+        path = folder / f"group_{g}" / "metrics.jsonl"
+        rows = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+        rows = [r for r in rows if "group_time" in r]
+        out.append(([r["group_time"] - started for r in rows], [r["loss"] for r in rows]))
+    return out
+
+
 def run(folder: Path, groups: int, steps: int, chaos: list[str]) -> dict:
     cmd = [sys.executable, "-m", "train.groups", "--groups", str(groups), "--grace-ms", "500",
            "--heartbeat-ms", "2000", "--config", "configs/diloco_default.yaml",
@@ -64,24 +93,50 @@ def run(folder: Path, groups: int, steps: int, chaos: list[str]) -> dict:
     wall = time.time() - t0
     if proc.returncode:
         raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-3000:])
-    report = json.loads((folder / "groups.json").read_text())
+    report = json.loads((folder / "summary.json").read_text())
     total, exchanges = samples_in(folder, groups)
     losses = []
     for g in range(groups):
         path = folder / f"group_{g}" / "summary.json"
         if path.is_file():
             losses.append(json.loads(path.read_text())["valid_loss"])
-    kills = [x for x in proc.stdout.splitlines() if x.startswith("chaos: killed")]
+    failed = 0
+    for g in range(groups):
+        path = folder / f"group_{g}" / "summary.json"
+        if path.is_file():
+            failed += json.loads(path.read_text())["groups"]["failed"]
     return {
         "wall_s": wall,
+        "lost_per_failure_s": lost_per_failure(folder, report["kills"]),
+        "failed_exchanges": failed,
+        "curves": curves(folder, groups, report["started"]),
         "loop_wall_s": report["wall_s"],
         "samples_in": total,
         "exchanges": exchanges,
         "goodput_samples_per_s": total / report["wall_s"],
-        "kills": len(kills),
+        "kills": len(report["kills"]),
         "restarts": report["restarts"],
         "valid_loss": losses,
     }
+
+
+def plot(free: dict, faulty: dict, path: Path) -> None:
+    """Every group's training loss against wall time, fault-free and under failures."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, r, style in (("fault-free", free, "-"), ("chaos", faulty, ":")):
+        for g, (t, loss) in enumerate(r["curves"]):
+            ax.plot(t, loss, style, lw=1, label=f"{name}, group {g}")
+    ax.set_xlabel("wall time since the start (s)")
+    ax.set_ylabel("training loss")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -107,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     goodput = faulty["goodput_samples_per_s"] / free["goodput_samples_per_s"]
+    plot(free, faulty, OUT / "chaos.png")
     meta = run_meta(argv, t0, groups=groups, steps=steps)
     OUT.mkdir(parents=True, exist_ok=True)
     result = {"meta": meta, "fault_free": free, "chaos": faulty, "goodput": goodput}
@@ -119,17 +175,25 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.chaos_every:g} s and restarted {args.restart_after:g} s later with nothing on "
         "disk (healed from the live groups).",
         "",
-        "| run | wall (s) | kills | exchanges | samples into theta_sync | goodput (samples/s) "
-        "| validation loss |",
-        "|---|---|---|---|---|---|---|",
+        "| run | wall (s) | kills | exchanges (failed) | samples into theta_sync "
+        "| goodput (samples/s) | lost per failure (s) | validation loss |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in (("fault-free", free), ("chaos", faulty)):
+        lost = r["lost_per_failure_s"]
+        lost_text = f"{sum(lost) / len(lost):.1f} (mean of {len(lost)})" if lost else "-"
         lines.append(
             f"| {name} | {r['loop_wall_s']:.1f} | {r['kills']} | {r['exchanges']} "
-            f"| {r['samples_in']:,} | {r['goodput_samples_per_s']:.1f} "
+            f"({r['failed_exchanges']}) | {r['samples_in']:,} "
+            f"| {r['goodput_samples_per_s']:.1f} | {lost_text} "
             f"| {', '.join(f'{v:.3f}' for v in r['valid_loss'])} |"
         )
-    lines += ["", f"Goodput under failures: **{goodput:.2f}x** the fault-free run's."]
+    lines += [
+        "",
+        f"Goodput under failures: **{goodput:.2f}x** the fault-free run's.",
+        "",
+        "![loss against wall time](chaos.png)",
+    ]
     (OUT / "chaos.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

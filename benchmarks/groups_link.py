@@ -5,17 +5,19 @@
 Two replica groups, each its own process and JAX runtime in its own network namespace, its
 link shaped to ``--mbit`` Mbit/s each way by tbf (``python -m train.groups --network``;
 root, Linux), train the GPT of ``configs/diloco_default.yaml`` (1 worker a group, batch 8,
-Streaming DiLoCo with period 10 and 2 fragments). Settings: float32 pseudo-gradients with
-no overlap (DiLoCo's blocking exchange), float32 with ``overlap=2`` (the exchange on a host
-thread while 2 inner steps run), and error-fed int8 with ``overlap=2``.
+Streaming DiLoCo with H = 30 and 2 fragments). Settings: float32 pseudo-gradients with no
+overlap (DiLoCo's blocking exchange), float32 with ``overlap=5`` (the exchange on a host
+thread while 5 inner steps run), and error-fed int8 with ``overlap=5``.
 
 For each it reports, per group: the compute utilisation (the steps' measured device time
 over the training loop's wall time), the seconds the loop waited for exchanges, the bytes
 the transport counted and the bytes the kernel counted on the group's link (the wire
 audit: headers, payloads, TCP/IP framing and torchft's control traffic), and the
-utilisation the link model predicts (:func:`train.diloco.link_step` with the measured step
-time and each exchange's bytes over the link rate: what ``train.estimate`` lays out for
-Streaming DiLoCo) beside the measured one.
+utilisation the link model predicts (:func:`train.diloco.link_step`, the clock
+``train.estimate`` lays Streaming DiLoCo on, with the measured step time and each exchange's
+fixed cost, measured by the groups at the start with an exchange of headers alone, plus its
+bytes over the link rate) beside the measured one, and the utilisation the bytes alone would
+allow.
 
 Writes ``benchmarks/results/groups/link.{md,json}``.
 """
@@ -35,21 +37,23 @@ from _meta import run_meta
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "groups"
-SETS = ["workers=1", "global_batch=8", "aggregator=ring", "sync.period=10", "sync.fragments=2",
+SETS = ["workers=1", "global_batch=8", "aggregator=ring", "sync.period=30", "sync.fragments=2",
         "compute=measured", "eval_every=0", "checkpoint_every=0", "eval_batches=2"]  # fmt: skip
 SETTINGS = {
     "float32, overlap 0": ["sync.overlap=0"],
-    "float32, overlap 2": ["sync.overlap=2"],
-    "int8, overlap 2": ["sync.overlap=2", "sync.compress=int8"],
+    "float32, overlap 5": ["sync.overlap=5"],
+    "int8, overlap 5": ["sync.overlap=5", "sync.compress=int8"],
 }
 HEADER = 72  # bytes of one group's header (train.replica.FIELDS, int64 each)
 
 
 def predicted_utilisation(step_s: float, payload: list[int], groups: int, mbit: float,
-                          period: int, fragments: int, overlap: int) -> float:  # fmt: skip
+                          period: int, fragments: int, overlap: int,
+                          alpha: float = 0.0) -> float:  # fmt: skip
     """Compute over wall time of the steady state on the link model: each step computes
-    ``step_s``; fragment ``p``'s all-gather sends ``(groups - 1) * (payload[p] + header)``
-    bytes at ``mbit`` and its merge ``overlap`` steps later waits for it."""
+    ``step_s``; fragment ``p``'s exchange takes ``alpha`` (its fixed cost, measured by the
+    groups at the start) plus ``(groups - 1) * (payload[p] + header)`` bytes at ``mbit``,
+    and its merge ``overlap`` steps later waits for it."""
     import jaxcomm
     from train.diloco import link_step
 
@@ -59,7 +63,9 @@ def predicted_utilisation(step_s: float, payload: list[int], groups: int, mbit: 
     for s in range(3 * period):
         kind = steps[s % period]
         sync = kind[0]
-        comm = 0.0 if sync < 0 else (groups - 1) * (payload[sync] + HEADER) * 8 / (mbit * 1e6)
+        comm = 0.0
+        if sync >= 0:
+            comm = alpha + (groups - 1) * (payload[sync] + HEADER) * 8 / (mbit * 1e6)
         seconds.append(link_step(wire, step_s, comm, kind, s, overlap))
     last = seconds[2 * period :]
     return period * step_s / sum(last)
@@ -75,7 +81,7 @@ def run(name: str, sets: list[str], steps: int, mbit: float, folder: Path) -> di
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     if proc.returncode:
         raise RuntimeError(f"{name}: {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    report = json.loads((out / "groups.json").read_text())
+    report = json.loads((out / "summary.json").read_text())
     overlap = int(next(s for s in sets if s.startswith("sync.overlap=")).split("=")[1])
     rows = []
     for g in range(2):
@@ -86,8 +92,12 @@ def run(name: str, sets: list[str], steps: int, mbit: float, folder: Path) -> di
             "group": g,
             "utilisation": st["utilisation"],
             "predicted_utilisation": predicted_utilisation(
-                step_s, st["payload_bytes"], 2, mbit, 10, 2, overlap
+                step_s, st["payload_bytes"], 2, mbit, 30, 2, overlap, st["exchange_alpha_s"]
             ),
+            "bandwidth_only_utilisation": predicted_utilisation(
+                step_s, st["payload_bytes"], 2, mbit, 30, 2, overlap
+            ),
+            "exchange_alpha_s": st["exchange_alpha_s"],
             "step_s": step_s,
             "wait_s": st["wait_s"],
             "wall_s": st["wall_s"],
@@ -103,12 +113,12 @@ def run(name: str, sets: list[str], steps: int, mbit: float, folder: Path) -> di
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mbit", type=float, default=100.0)
-    p.add_argument("--steps", type=int, default=90)
-    p.add_argument("--quick", action="store_true", help="30 steps, one setting")
+    p.add_argument("--steps", type=int, default=180)
+    p.add_argument("--quick", action="store_true", help="60 steps, one setting")
     args = p.parse_args(argv)
     t0 = time.time()
     settings = dict(list(SETTINGS.items())[1:2]) if args.quick else SETTINGS
-    steps = 30 if args.quick else args.steps
+    steps = 60 if args.quick else args.steps
     folder = Path(tempfile.mkdtemp(prefix="groups_link_"))
     results = []
     try:
@@ -124,17 +134,22 @@ def main(argv: list[str] | None = None) -> None:
         f"# Replica groups over {args.mbit:g} Mbit/s links",
         "",
         f"`{meta['command']}` on {meta['date']}, {meta['machine']}, JAX {meta['jax']}: 2 groups "
-        f"(1 worker each, its own process and namespace), {steps} steps, period 10, 2 fragments.",
+        f"(1 worker each, its own process and namespace), {steps} steps, H = 30, 2 fragments; "
+        "no delay is added to the links (this kernel has no netem): their latency is the "
+        "veth's, tens of microseconds.",
         "",
-        "| setting | group | utilisation | predicted | step (ms) | waited (s) | loop (s) "
-        "| counted (MB) | on the link (MB) | link / counted |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| setting | group | utilisation | predicted | bytes alone | exchange alpha (ms) "
+        "| step (ms) | waited (s) | loop (s) | counted (MB) | on the link (MB) "
+        "| link / counted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         for row in r["rows"]:
             lines.append(
                 f"| {r['setting']} | {row['group']} | {row['utilisation']:.1%} "
-                f"| {row['predicted_utilisation']:.1%} | {1e3 * row['step_s']:.0f} "
+                f"| {row['predicted_utilisation']:.1%} "
+                f"| {row['bandwidth_only_utilisation']:.1%} "
+                f"| {1e3 * (row['exchange_alpha_s'] or 0):.0f} | {1e3 * row['step_s']:.0f} "
                 f"| {row['wait_s']:.2f} | {row['wall_s']:.1f} | {row['sent_bytes'] / 1e6:.2f} "
                 f"| {row['link_tx_bytes'] / 1e6:.2f} "
                 f"| {row['link_tx_bytes'] / row['sent_bytes']:.3f} |"

@@ -1,6 +1,8 @@
 """jaxcomm.groups.GroupOuter: DiLoCo's outer step between separate programs, against the
 one-program jaxcomm.diloco and against numpy."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -204,3 +206,54 @@ def test_group_config_errors_name_the_setting():
     ok = load_config(cfg, [*base, "groups.slot=1", "sync.compress=int8"])
     codec, decay = ok.sync.compress.error_fed_codec()
     assert codec.bits == 8 and not codec.stochastic and decay == 1.0
+
+
+class _FakeTransport:
+    """Two members: this group and a peer whose pseudo-gradient holds a NaN."""
+
+    committed = 1
+
+    def __init__(self, peer_payload, finite):
+        self.peer_payload, self.finite = peer_payload, finite
+
+    def exchange(self, header, payload, *, commit=None):
+        from train.replica import FIELDS, Exchange, left_out
+
+        mine = np.asarray(header(False), np.int64)
+        peer = mine.copy()
+        peer[FIELDS.index("slot")] = 1
+        peer[FIELDS.index("finite")] = self.finite
+        headers = np.stack([mine, peer])
+        data = [np.asarray(payload(False), np.uint8), self.peer_payload]
+        committed = commit is None or commit(headers, False)
+        return Exchange(headers, data, left_out(headers), healed=False, committed=committed,
+                        sent_bytes=0, tries=1)  # fmt: skip
+
+
+@pytest.mark.parametrize("finite", [0, 1])
+def test_a_nan_from_a_peer_is_refused(tmp_path, finite):
+    """A peer whose header says its pseudo-gradient is non-finite is left out: theta_sync
+    takes this group's step alone and stays finite. The same bytes with a header that
+    claims finite would poison the mean, so the header is what protects it."""
+    from train.config import load_config
+    from train.trainer import Trainer
+
+    sets = ["groups.lighthouse=http://127.0.0.1:1", "groups.slot=0", "groups.count=2",
+            "workers=1", "aggregator=ring", "global_batch=8", "model.num_layers=1",
+            "model.width=16", "sync.outer_lr=1.0", "sync.outer_momentum=0",
+            "compute=measured", f"out_dir={tmp_path}"]  # fmt: skip
+    trainer = Trainer(load_config("configs/diloco_default.yaml", sets))
+    part = trainer.sync
+    go, before = part.outer[0], part.state[0]
+    local = np.asarray(before.anchor) - 0.5
+    bad = np.full(np.size(local), np.nan, np.float32)
+    part.transport = _FakeTransport(go.to_wire(bad), finite)
+    info = part._exchange(0, local, tokens=8, step=1)
+    after = part.state[0].anchor
+    if finite:  # what a lying peer would do: the NaN reaches theta_sync
+        assert info["kept"] == 2 and not np.all(np.isfinite(after))
+    else:
+        assert info == {"members": 2, "kept": 1}
+        np.testing.assert_array_equal(after, local)  # outer SGD 1.0 on its own delta
+    lines = (tmp_path / "exchanges.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["kept"] == ([0, 1] if finite else [0])

@@ -2,14 +2,17 @@
 
 Starts a torchft lighthouse, then ``N`` group processes, each ``python -m train`` with the
 given config and ``groups.{lighthouse,slot,count}`` set, its run folder
-``<run_dir>/group_<i>``; waits for them and writes ``<run_dir>/groups.json`` (each group's
-exit code, restarts and the run's wall time). Groups on other machines run the same
+``<run_dir>/group_<i>``; waits for them and writes ``<run_dir>/summary.json`` (each group's
+exit code, restarts, steps, validation loss, exchanges, heals, bytes sent and compute
+utilisation, and the run's wall time). Groups on other machines run the same
 ``python -m train`` command against this lighthouse (``--set groups.host=<their address>``).
 
-``--network MBIT`` runs each group in a network namespace of its own, joined to the others
-by a link shaped to ``MBIT`` Mbit/s each way (:class:`train.netns.NetnsCluster`; root,
-Linux), the lighthouse on one more host; ``groups.json`` then records the bytes each group's
-link carried (the kernel's counter), beside what each group's transport counted.
+``--network 50ms,100Mbps`` (or a rate in Mbit/s alone) runs each group in a network
+namespace of its own, joined to the others by a link shaped to that rate each way
+(:class:`train.netns.NetnsCluster`; root, Linux; the kernel here has no ``netem``, so the
+delay is not added), the lighthouse on one more host;
+the summary then records the bytes each group's link carried (the kernel's counter),
+beside what each group's transport counted.
 
 ``--chaos-every S`` kills a random training group with SIGKILL every ``S`` seconds (never
 the last one alive) and starts it again ``--restart-after`` seconds later (from its own
@@ -73,13 +76,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--restart-after", type=float, default=5.0, help="restart a killed group")
     p.add_argument("--chaos-seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="resume every group's run folder")
-    p.add_argument("--network", type=float, default=None, metavar="MBIT",
-                   help="each group in a network namespace, links of MBIT Mbit/s")  # fmt: skip
+    p.add_argument("--network", default=None, metavar="LAT,BW",
+                   help="each group in a network namespace, its link shaped to BW "
+                   "(e.g. 50ms,100Mbps; without netem LAT is not added)")  # fmt: skip
     args = p.parse_args(argv)
     if args.groups < 1:
         p.error(f"--groups must be at least 1, got {args.groups}")
     if not 1 <= args.min_groups <= args.groups:
         p.error(f"--min-groups must be in 1..{args.groups}, got {args.min_groups}")
+    mbit = None
+    if args.network is not None:
+        from jaxcomm._src.network import Network
+
+        try:
+            text = args.network if "," in args.network else f"0ms,{args.network}Mbps"
+            net = Network.parse(text)
+        except ValueError as e:
+            p.error(f"--network {args.network!r}: {e}")
+        mbit = net.bandwidth_bps / 1e6
+        if net.latency_s:
+            ms = 1e3 * net.latency_s
+            print(f"--network: links shaped to {mbit:g} Mbit/s; the {ms:g} ms delay is not "
+                  "added (no netem qdisc on this kernel)", file=sys.stderr)  # fmt: skip
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse logs every quorum
     from .config import load_config
     from .distributed import free_port
@@ -102,10 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     cluster, lh, lh_proc = None, None, None
     prefixes: dict[int, list[str]] = {}
     sets = list(args.overrides)
-    if args.network is not None:
+    if mbit is not None:
         from .netns import NetnsCluster, address
 
-        cluster = NetnsCluster(args.groups + 1, args.network, prefix="jxg")
+        cluster = NetnsCluster(args.groups + 1, mbit, prefix="jxg")
         port = 29510
         code = (f"import time; from {__package__ or 'train'}.replica import lighthouse; "
                 f"lh = lighthouse('[::]:{port}', {args.min_groups}, grace_ms={args.grace_ms}, "
@@ -128,9 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         return start_group(i, args.groups, lh_address, run_dir, args.config, [*sets, *own],
                            resume=resume, env=env, prefix=prefixes.get(i))  # fmt: skip
 
-    start = time.monotonic()
+    start, started = time.monotonic(), time.time()
     procs = {i: begin(i, args.resume) for i in range(args.groups)}
     restarts = {i: 0 for i in procs}
+    kills: list[dict] = []
     down: dict[int, float] = {}  # slot -> when to restart it
     rng = random.Random(args.chaos_seed)
     next_kill = start + (args.chaos_start or args.chaos_every) if args.chaos_every else None
@@ -160,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                 procs[victim].wait()
                 down[victim] = now + args.restart_after
                 print(f"chaos: killed group {victim} at {now - start:.1f} s", flush=True)
+                kills.append({"group": victim, "time": time.time()})
                 next_kill = now + args.chaos_every
             for i, when in list(down.items()):
                 if ending:
@@ -189,13 +209,30 @@ def main(argv: list[str] | None = None) -> int:
         if lh is not None:
             lh.shutdown()
     wall = time.monotonic() - start
-    report = {"groups": args.groups, "exit_codes": codes, "restarts": restarts, "wall_s": wall}
+    report = {"groups": args.groups, "exit_codes": codes, "restarts": restarts, "wall_s": wall,
+              "started": started, "kills": kills}  # fmt: skip
     if link:
         report["link_tx_bytes"] = link
-        report["network_mbit"] = args.network
-    (run_dir / "groups.json").write_text(json.dumps(report, indent=2))
-    print(json.dumps(report))
+        report["network_mbit"] = mbit
+    report["per_group"] = {i: _group_summary(run_dir / f"group_{i}") for i in range(args.groups)}
+    (run_dir / "summary.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if k != "per_group"}))
+    for i, g in report["per_group"].items():
+        if g:
+            print(f"group {i}: " + ", ".join(f"{k} {v}" for k, v in g.items()))
     return max(codes.values()) if codes else 1
+
+
+def _group_summary(folder: Path) -> dict:
+    """A group's line in the run's summary: from its own ``summary.json``."""
+    try:
+        s = json.loads((folder / "summary.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+    g = s.get("groups", {})
+    keys = ("exchanges", "heals", "failed", "left_out", "sent_bytes", "utilisation", "wait_s")
+    return {"steps": s.get("steps"), "valid_loss": s.get("valid_loss"),
+            **{k: g.get(k) for k in keys}}  # fmt: skip
 
 
 def _tx_bytes(cluster, i: int) -> int:

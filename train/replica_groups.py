@@ -106,6 +106,7 @@ class ReplicaGroups(EveryStep):
         self.stats = {
             "exchanges": 0, "failed": 0, "heals": 0, "left_out": 0, "sent_bytes": 0,
             "wait_s": 0.0, "busy_s": 0.0, "wall_s": 0.0, "tries": 0, "samples_in": 0,
+            "exchange_alpha_s": None,
         }  # fmt: skip
         self._wall0: float | None = None
         s = cfg.sync
@@ -265,10 +266,12 @@ class ReplicaGroups(EveryStep):
 
     def _outer_step(self, ex: Any, p: int, base: GroupState) -> GroupState:
         """``base`` stepped by the mean of the exchange's kept members (unchanged if none)."""
-        kept = ex.kept()
+        go, d = self.outer[p], int(np.size(base.anchor))
+        # A payload of another size than this fragment's is another codec's (the run's
+        # settings match, so every member drops the same ones).
+        kept = [i for i in ex.kept() if ex.payloads[i].size == go.nbytes(d)]
         if not kept:
             return base
-        go, d = self.outer[p], int(np.size(base.anchor))
         tokens = ex.field("tokens")
         mean = go.mean([go.from_wire(ex.payloads[i], d) for i in kept], [tokens[i] for i in kept])
         return go.step(base, mean)
@@ -370,6 +373,7 @@ class ReplicaGroups(EveryStep):
                     new = self._outer_step(ex, p, base)
                     with self._lock:
                         self.state[p] = new
+                    self._log_exchange(ex, p, ctx.step)
                     self._apply_heal(ctx)
                     self._pending = [(p, ctx.step + self.sync.overlap, None)]
                 else:
@@ -377,7 +381,15 @@ class ReplicaGroups(EveryStep):
                     self._pending = []
                 self._snapshot(ctx)
                 return
-            if ex.members >= self.groups.count or time.monotonic() > deadline:
+            if ex.members >= self.groups.count:
+                # Every group is here and meets at once: one more exchange of headers alone
+                # times an exchange's fixed cost (quorum, two all-gathers, the commit), the
+                # alpha of the link model (train.estimate's and benchmarks/groups_link.py's).
+                t0 = time.perf_counter()
+                transport.exchange(header, lambda healed: np.zeros(0, np.uint8), commit=commit)
+                self.stats["exchange_alpha_s"] = time.perf_counter() - t0
+                return
+            if time.monotonic() > deadline:
                 return
 
     # ------------------------------------------------------------------ the hooks
@@ -397,7 +409,8 @@ class ReplicaGroups(EveryStep):
         self.stats["busy_s"] += float(ctx.last_compute_s)
         s = ctx.step - 1
         sync = self._steps[s % self.sync.period][0]
-        self._row = {"sync_fragment": sync}
+        # The wall clock of the step, to set a group's loss against time (a chaos run's).
+        self._row = {"sync_fragment": sync, "group_time": time.time()}
         if sync >= 0:
             self._launch(ctx, sync)
         self._merge_due(ctx)
