@@ -44,7 +44,7 @@ SETTINGS = {
     "float32, overlap 5": ["sync.overlap=5"],
     "int8, overlap 5": ["sync.overlap=5", "sync.compress=int8"],
 }
-HEADER = 72  # bytes of one group's header (train.replica.FIELDS, int64 each)
+HEADER = 80  # bytes of one group's header (train.replica.FIELDS, int64 each)
 
 
 def predicted_utilisation(step_s: float, payload: list[int], groups: int, mbit: float,

@@ -159,7 +159,8 @@ def test_left_out_rules_are_the_same_for_every_member():
 
     def row(slot, tokens=8, fp=7, finite=1, fragment=0, anchor=11):
         v = {"slot": slot, "tokens": tokens, "nbytes": 4, "fingerprint": fp, "finite": finite,
-             "step": 5, "healed": 0, "fragment": fragment, "anchor": anchor}  # fmt: skip
+             "step": 5, "healed": 0, "fragment": fragment, "anchor": anchor,
+             "id": 100 + slot}  # fmt: skip
         return [v[f] for f in FIELDS]
 
     h = np.asarray([row(0), row(1, fp=9), row(0), row(2, tokens=0), row(3, finite=0),
@@ -197,7 +198,7 @@ def test_group_config_errors_name_the_setting():
         load_config(cfg, [*base, "groups.slot=2"])
     with pytest.raises(ValueError, match="groups needs sync.method=diloco"):
         load_config("configs/dp_default.yaml", [*base, "groups.slot=0"])
-    with pytest.raises(ValueError, match="choose overlap < period / fragments"):
+    with pytest.raises(ValueError, match="closest; choose overlap < 15"):
         load_config(cfg, [*base, "groups.slot=0", "sync.fragments=2", "sync.overlap=15"])
     with pytest.raises(ValueError, match="compress 'ar_topk'"):
         load_config(cfg, [*base, "groups.slot=0", "sync.compress=ar_topk"])
@@ -223,6 +224,7 @@ class _FakeTransport:
         peer = mine.copy()
         peer[FIELDS.index("slot")] = 1
         peer[FIELDS.index("finite")] = self.finite
+        peer[FIELDS.index("id")] += 1
         headers = np.stack([mine, peer])
         data = [np.asarray(payload(False), np.uint8), self.peer_payload]
         committed = commit is None or commit(headers, False)
@@ -232,9 +234,9 @@ class _FakeTransport:
 
 @pytest.mark.parametrize("finite", [0, 1])
 def test_a_nan_from_a_peer_is_refused(tmp_path, finite):
-    """A peer whose header says its pseudo-gradient is non-finite is left out: theta_sync
-    takes this group's step alone and stays finite. The same bytes with a header that
-    claims finite would poison the mean, so the header is what protects it."""
+    """A peer whose pseudo-gradient holds a NaN is left out, whether its header says so or
+    claims it finite (every member checks the decoded values): theta_sync takes this
+    group's step alone and stays finite, and the reason is logged."""
     from train.config import load_config
     from train.trainer import Trainer
 
@@ -250,10 +252,24 @@ def test_a_nan_from_a_peer_is_refused(tmp_path, finite):
     part.transport = _FakeTransport(go.to_wire(bad), finite)
     info = part._exchange(0, local, tokens=8, step=1)
     after = part.state[0].anchor
-    if finite:  # what a lying peer would do: the NaN reaches theta_sync
-        assert info["kept"] == 2 and not np.all(np.isfinite(after))
-    else:
-        assert info == {"members": 2, "kept": 1}
-        np.testing.assert_array_equal(after, local)  # outer SGD 1.0 on its own delta
-    lines = (tmp_path / "exchanges.jsonl").read_text().splitlines()
-    assert json.loads(lines[-1])["kept"] == ([0, 1] if finite else [0])
+    assert info == {"members": 2, "kept": 1}
+    np.testing.assert_array_equal(after, local)  # outer SGD 1.0 on its own delta
+    line = json.loads((tmp_path / "exchanges.jsonl").read_text().splitlines()[-1])
+    assert line["kept"] == [0]
+    why = "non-finite values" if finite else "non-finite pseudo-gradient"
+    assert line["left_out"] == {"1": why}
+
+
+def test_an_unreachable_lighthouse_is_one_clear_error(tmp_path):
+    pytest.importorskip("torchft")
+    from train.config import load_config
+    from train.launch import free_port
+    from train.trainer import Trainer
+
+    address = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    sets = [f"groups.lighthouse={address}", "groups.slot=0", "groups.count=2",
+            "groups.connect_timeout_s=1", "workers=1", "aggregator=ring", "global_batch=8",
+            "model.num_layers=1", "model.width=16", f"out_dir={tmp_path}"]  # fmt: skip
+    trainer = Trainer(load_config("configs/diloco_default.yaml", sets))
+    with pytest.raises(ConnectionError, match=r"group 0: no lighthouse at groups.lighthouse="):
+        trainer.sync._connect()

@@ -65,8 +65,9 @@ def test_two_groups_equal_one_program_streaming_diloco(tmp_path):
     """Two groups of one worker each (each its own process and JAX runtime) end with the
     theta_sync that one program's Streaming DiLoCo gives two workers on the same samples:
     bit for bit between the groups, within float rounding of the one program."""
-    common = ["steps=40", "optimizer.name=sgd", "optimizer.lr=0.05", "sync.outer_lr=1.0",
-              "sync.outer_momentum=0", "checkpoint_every=0"]  # fmt: skip
+    # The paper's Nesterov outer step (lr 0.7, momentum 0.9): its momentum is per fragment.
+    common = ["steps=40", "optimizer.name=sgd", "optimizer.lr=0.05", "sync.outer_lr=0.7",
+              "sync.outer_momentum=0.9", "checkpoint_every=0"]  # fmt: skip
     r = _launch(tmp_path / "g", 2, ["workers=1", "aggregator=ring", *common])
     assert r.returncode == 0, r.stdout[-2000:] + _logs(tmp_path / "g")
     one = tmp_path / "one"

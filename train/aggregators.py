@@ -214,7 +214,7 @@ class ChunkTopk(Aggregator):
         return jaxcomm.chunk_topk(ctx.axis, **self.arguments())
 
     def error_fed_codec(self) -> tuple[jaxcomm.codecs.Codec, float] | None:
-        if self.average != "workers":
+        if self.average != "workers" or self.exchange != "gather":
             return None
         return jaxcomm.codecs.ChunkTopKCodec(self.chunk, self.k, self.bits), self.decay
 
@@ -234,7 +234,9 @@ class StatisticalQuantized(Aggregator):
     def _build(self, ctx: BuildContext) -> optax.GradientTransformation:
         return jaxcomm.statistical_quantized(ctx.axis, **self.arguments())
 
-    def error_fed_codec(self) -> tuple[jaxcomm.codecs.Codec, float]:
+    def error_fed_codec(self) -> tuple[jaxcomm.codecs.Codec, float] | None:
+        if self.exchange != "gather":
+            return None
         return jaxcomm.codecs.StatQuantizeCodec(self.bits, self.sigmas), self.decay
 
 
@@ -302,7 +304,7 @@ class ErrorFed(_Seeded):
 
     def error_fed_codec(self) -> tuple[jaxcomm.codecs.Codec, float] | None:
         codec = self.codec.codec()
-        if self.average != "workers" or codec.needs_matrix:
+        if self.average != "workers" or codec.needs_matrix or self.exchange != "gather":
             return None
         return codec, self.decay
 

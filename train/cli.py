@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:
         print(str(e), file=sys.stderr)
         return 128 + e.signum
-    except (ValueError, FloatingPointError, FileNotFoundError, RunFolderBusy) as e:
+    except (ValueError, FloatingPointError, FileNotFoundError, RunFolderBusy, ConnectionError) as e:
         return _failed(str(e))
     except OSError as e:  # a read-only or full disk, a folder that vanished
         return _failed(f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else ""))

@@ -597,6 +597,11 @@ class Groups(Section):
     start_timeout_s: Number = Field(
         60.0, ge=0, description="at the start, how long to wait for all ``count`` groups"
     )
+    rejoin: bool = Field(
+        False,
+        description="a restart into a running run: start only once a live group heals this "
+        "one (error after ``start_timeout_s``), never train alone",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Groups:
@@ -962,11 +967,19 @@ def _check_groups(cfg: Config) -> None:
             "groups with sync.warmup_steps: a data-parallel warm start spans every worker; "
             "warm the model in one program and start the groups from it (init_params)"
         )
-    if sync.fragments * sync.overlap >= sync.period:
+    starts = [(p + 1) * sync.period // sync.fragments - 1 for p in range(sync.fragments)]
+    gap = min([b - a for a, b in zip(starts, starts[1:], strict=False)]
+              + [sync.period - starts[-1] + starts[0]])  # fmt: skip
+    if sync.overlap >= gap:
         raise ValueError(
             f"groups: sync.overlap={sync.overlap} with fragments={sync.fragments} and "
             f"period={sync.period}: a fragment's exchange must merge before the next "
-            f"fragment's starts; choose overlap < period / fragments"
+            f"fragment's starts, {gap} steps later at the closest; choose overlap < {gap}"
+        )
+    if cfg.stragglers or cfg.overlap:
+        raise ValueError(
+            "groups with stragglers or overlap=true: a group measures its own steps and "
+            "overlaps its exchanges for real (sync.overlap); leave both unset"
         )
     if sync.compress is not None and sync.compress.error_fed_codec() is None:
         raise ValueError(

@@ -56,7 +56,8 @@ def start_group(
             f"groups.count={count}", f"out_dir={folder}", f"name=group_{slot}"]  # fmt: skip
     for s in sets:
         cmd += ["--set", s]
-    if resume and (folder / "checkpoints").is_dir():
+    saved = folder / "checkpoints"
+    if resume and saved.is_dir() and any(p.name.isdigit() for p in saved.iterdir()):
         cmd += ["--resume"]
     log = open(run_dir / f"group_{slot}.log", "a")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -117,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.out or f"runs/{cfg.name}_groups")
     run_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
+    # Every group compiles the same programs: JAX's persistent cache (one folder for the
+    # run) makes a restarted group's compilation a read.
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(run_dir.resolve() / ".jax_cache"))
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     cluster, lh, lh_proc = None, None, None
     prefixes: dict[int, list[str]] = {}
     sets = list(args.overrides)
@@ -141,15 +146,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         lh_address = f"http://127.0.0.1:{port}"
 
-    def begin(i: int, resume: bool) -> subprocess.Popen:
+    def begin(i: int, resume: bool, rejoin: bool = False) -> subprocess.Popen:
         own = [f"groups.host={address(i)}"] if cluster is not None else []
+        own += ["groups.rejoin=true"] if rejoin else []
         return start_group(i, args.groups, lh_address, run_dir, args.config, [*sets, *own],
                            resume=resume, env=env, prefix=prefixes.get(i))  # fmt: skip
 
     start, started = time.monotonic(), time.time()
     procs = {i: begin(i, args.resume) for i in range(args.groups)}
+    started_at = {i: time.time() for i in procs}
     restarts = {i: 0 for i in procs}
     kills: list[dict] = []
+    stopped: set[int] = set()  # restarted groups stopped because the run ended
     down: dict[int, float] = {}  # slot -> when to restart it
     rng = random.Random(args.chaos_seed)
     next_kill = start + (args.chaos_start or args.chaos_every) if args.chaos_every else None
@@ -164,17 +172,25 @@ def main(argv: list[str] | None = None) -> int:
                 if rc is not None:
                     codes[i] = rc
             live = [i for i in procs if i not in codes and i not in down]
+            # A group is killed only once it trains (a metrics row since its start).
+            training = [i for i in live if _trains(run_dir / f"group_{i}", started_at[i])]
             # Once a group has finished the run is ending: no more kills, and a killed group
             # is not started again (it would train on alone).
             ending = bool(codes)
+            if ending:  # a restarted group still waiting to be healed would wait in vain
+                for i in live:
+                    if restarts[i] and not _trains(run_dir / f"group_{i}", started_at[i]):
+                        procs[i].send_signal(signal.SIGKILL)  # nothing of its own to save
+                        stopped.add(i)
             if (
                 next_kill is not None
                 and now >= next_kill
                 and len(live) > 1
                 and not down
                 and not ending
+                and training
             ):
-                victim = rng.choice(live)
+                victim = rng.choice(training)
                 procs[victim].send_signal(signal.SIGKILL)
                 procs[victim].wait()
                 down[victim] = now + args.restart_after
@@ -189,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                 elif now >= when:
                     del down[i]
                     restarts[i] += 1
-                    procs[i] = begin(i, True)
+                    procs[i] = begin(i, True, rejoin=True)
+                    started_at[i] = time.time()
                     print(f"chaos: restarted group {i} at {now - start:.1f} s", flush=True)
             time.sleep(0.2)
     except KeyboardInterrupt:
@@ -210,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             lh.shutdown()
     wall = time.monotonic() - start
     report = {"groups": args.groups, "exit_codes": codes, "restarts": restarts, "wall_s": wall,
-              "started": started, "kills": kills}  # fmt: skip
+              "started": started, "kills": kills, "stopped": sorted(stopped)}  # fmt: skip
     if link:
         report["link_tx_bytes"] = link
         report["network_mbit"] = mbit
@@ -220,7 +237,20 @@ def main(argv: list[str] | None = None) -> int:
     for i, g in report["per_group"].items():
         if g:
             print(f"group {i}: " + ", ".join(f"{k} {v}" for k, v in g.items()))
-    return max(codes.values()) if codes else 1
+    if stopped:
+        print(f"groups {sorted(stopped)} were stopped before a live group could heal them "
+              "(the run ended)", flush=True)  # fmt: skip
+    counted = [c for i, c in codes.items() if i not in stopped and c >= 0]
+    return max(counted) if counted else 1
+
+
+def _trains(folder: Path, since: float) -> bool:
+    """Whether the group in ``folder`` has written a metrics row since ``since``."""
+    path = folder / "metrics.jsonl"
+    try:
+        return path.stat().st_mtime > since and path.stat().st_size > 0
+    except FileNotFoundError:
+        return False
 
 
 def _group_summary(folder: Path) -> dict:

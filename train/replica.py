@@ -4,7 +4,7 @@ Each replica group (one JAX program) holds one :class:`Transport`: a ``TCPStore`
 own (the ``Manager`` expects one per group, which ``torchrun`` would start), a torchft
 ``Manager`` that asks the lighthouse for a quorum of the live groups at each exchange, and
 a reconfigurable ``ProcessGroupGloo`` over TCP between the groups of that quorum. One
-exchange is two all-gathers: a fixed 72-byte header per group (:data:`FIELDS`), then every
+exchange is two all-gathers: a fixed 80-byte header per group (:data:`FIELDS`), then every
 group's packed payload, padded to the largest one named in the headers (groups at the same
 point of the schedule send the same size, so nothing is padded in a healthy run). What
 each group decides from the headers (:func:`left_out`) is a function of the gathered
@@ -41,7 +41,8 @@ FIELDS = (
     "step",  # the group's training step
     "healed",  # 1 when this group was healed in this exchange
     "fragment",  # the fragment exchanged (-1: none, a handshake)
-    "anchor",  # a hash of the fragment's theta_sync before the exchange
+    "anchor",  # a hash of every fragment's theta_sync before the exchange
+    "id",  # a random id of this group's process (two groups given one slot are told apart)
 )
 
 
@@ -253,8 +254,11 @@ class Transport:
         count (default: yes). Returns the :class:`Exchange` (committed, or one ``commit``
         declined), or None when every try failed (nothing was committed)."""
         before = self.sent_bytes
+        # A heal is sticky: torchft moves this group's count to the peers' when it heals
+        # it, so a later try of the same exchange still has nothing of its own to give.
+        self._healed.clear()
         for attempt in range(1 + self.retries):
-            self._healed.clear()
+            headers = None
             try:
                 self.manager.start_quorum(allow_heal=True)
                 healed = self._healed.is_set()
@@ -269,12 +273,10 @@ class Transport:
                 gathered = self._gather(padded)
                 if commit is not None and not commit(headers, healed):
                     self.manager.report_error(RuntimeError("nothing to commit"))
-            except Exception as e:  # a member lost mid-collective: torchft reconfigures
+                ok = self.manager.should_commit()
+            except Exception as e:  # a member lost mid-collective, a quorum timed out
                 self.errors.append(f"{type(e).__name__}: {e}")
-                self.manager.report_error(e)
-                headers = None
-            ok = self.manager.should_commit()
-            if headers is None:
+                self._recover(e)
                 continue
             wanted = commit is None or commit(headers, healed)
             if ok or not wanted:
@@ -285,6 +287,22 @@ class Transport:
                     sent_bytes=self.sent_bytes - before, tries=attempt + 1,
                 )  # fmt: skip
         return None
+
+    def _recover(self, error: Exception) -> None:
+        """Make the next try possible after a failed one: report the error (nothing of this
+        try commits) and drop a quorum that failed (torchft's ``start_quorum`` would raise
+        its error again at every later call)."""
+        self.manager.report_error(error)
+        future = getattr(self.manager, "_quorum_future", None)
+        if future is not None and future.done() and future.exception() is not None:
+            self.manager._quorum_future = None
+        try:
+            self.manager.should_commit()
+        except Exception as e:
+            self.errors.append(f"{type(e).__name__}: {e}")
+            future = getattr(self.manager, "_quorum_future", None)
+            if future is not None and future.done() and future.exception() is not None:
+                self.manager._quorum_future = None
 
     def shutdown(self) -> None:
         """Stop the manager (its server and checkpoint transport)."""

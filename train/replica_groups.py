@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -101,6 +102,11 @@ class ReplicaGroups(EveryStep):
         self._snap: dict[str, Any] | None = None
         self._last_sync: dict[int, int] = {}
         self._committed = 0  # restored from a checkpoint
+        self._healed_fragment = 0  # the fragment of the exchange that healed this group
+        self._clean: list[float] = []  # step times with no exchange in flight
+        self._inflight = False
+        self._steps_run = 0
+        self._id = int.from_bytes(os.urandom(8), "little") >> 2  # this process, in headers
         self._sent_before = 0
         self._row: dict[str, Any] = {}
         self.stats = {
@@ -188,17 +194,25 @@ class ReplicaGroups(EveryStep):
     def _connect(self) -> Transport:
         g = self.groups
         if self.transport is None:
-            self.transport = Transport(
-                g.lighthouse,
-                g.slot,
-                state_dict=self._state_dict,
-                on_heal=self._on_heal,
-                timeout_s=g.timeout_s,
-                quorum_timeout_s=g.quorum_timeout_s,
-                connect_timeout_s=g.connect_timeout_s,
-                retries=g.retries,
-                host=g.host,
-            )
+            try:
+                self.transport = Transport(
+                    g.lighthouse,
+                    g.slot,
+                    state_dict=self._state_dict,
+                    on_heal=self._on_heal,
+                    timeout_s=g.timeout_s,
+                    quorum_timeout_s=g.quorum_timeout_s,
+                    connect_timeout_s=g.connect_timeout_s,
+                    retries=g.retries,
+                    host=g.host,
+                )
+            except RuntimeError as e:  # torchft's: the lighthouse did not answer
+                first = str(e).split(";")[0]
+                raise ConnectionError(
+                    f"group {g.slot}: no lighthouse at groups.lighthouse={g.lighthouse!r} "
+                    f"within groups.connect_timeout_s={g.connect_timeout_s:g} ({first}); start "
+                    "it first (python -m train.groups starts one) or fix the address"
+                ) from None
         return self.transport
 
     def _snapshot(self, ctx: Context) -> None:
@@ -220,9 +234,15 @@ class ReplicaGroups(EveryStep):
             outers = [s.outer for s in self.state]
         snap["params"] = to_host(snap["params"])
         snap["opt_state"] = to_host(snap["opt_state"])
-        return {**snap, "anchors": anchors, "outers": outers}
+        return {**snap, "anchors": anchors, "outers": outers, "fingerprint": self.fp}
 
     def _on_heal(self, state: dict[str, Any]) -> None:
+        if state.get("fingerprint") != self.fp:
+            # Raised inside torchft's quorum: this try fails and nothing is installed.
+            raise ValueError(
+                f"group {self.groups.slot}: the live state offered by a peer is another run's "
+                "(its settings differ); nothing was taken"
+            )
         self._heal = state
 
     def _take_heal(self) -> None:
@@ -249,35 +269,58 @@ class ReplicaGroups(EveryStep):
         ctx.loader.position = int(state["position"])
         self._last_sync = {int(k): int(v) for k, v in state["last_sync"].items()}
 
-    def _header(self, p: int, tokens: int, nbytes: int, finite: bool, step: int, anchor: int):
+    def _header(self, p: int, tokens: int, nbytes: int, finite: bool, step: int):
+        with self._lock:
+            anchors = np.concatenate([np.asarray(s.anchor).reshape(-1) for s in self.state])
+        anchor = array_id(anchors)  # every fragment's: a split is seen at the next exchange
+
         def make(healed: bool) -> np.ndarray:
             values = {
                 "slot": self.groups.slot, "tokens": 0 if healed else tokens, "nbytes": nbytes,
                 "fingerprint": self.fp, "finite": int(finite), "step": step,
-                "healed": int(healed), "fragment": p, "anchor": anchor,
+                "healed": int(healed), "fragment": p, "anchor": anchor, "id": self._id,
             }  # fmt: skip
             return np.asarray([values[f] for f in FIELDS], np.int64)
 
         return make
 
     def _mine(self, headers: np.ndarray) -> int:
-        slots = headers[:, FIELDS.index("slot")]
-        return int(np.flatnonzero(slots == self.groups.slot)[0])
+        return int(np.flatnonzero(headers[:, FIELDS.index("id")] == self._id)[0])
+
+    def _kept(self, ex: Any, p: int) -> tuple[list[int], list[np.ndarray], dict[int, str]]:
+        """The members whose payloads enter fragment ``p``'s mean, their decoded payloads,
+        and why each other member is out. Beyond :func:`train.replica.left_out`, every
+        member drops alike a payload of another size than the fragment's, and one whose
+        decoded values are not finite (whatever its header claims)."""
+        go, d = self.outer[p], int(np.size(self.state[p].anchor))
+        out = dict(ex.out)
+        kept, values = [], []
+        for i in ex.kept():
+            if ex.payloads[i].size != go.nbytes(d):
+                out[i] = f"a payload of {ex.payloads[i].size} bytes, not {go.nbytes(d)}"
+                continue
+            payload = go.from_wire(ex.payloads[i], d)
+            x = payload if go.codec is None else np.asarray(go._decode(payload))
+            if not np.all(np.isfinite(x)):
+                out[i] = "non-finite values"
+                continue
+            kept.append(i)
+            values.append(payload)
+        return kept, values, out
 
     def _outer_step(self, ex: Any, p: int, base: GroupState) -> GroupState:
         """``base`` stepped by the mean of the exchange's kept members (unchanged if none)."""
-        go, d = self.outer[p], int(np.size(base.anchor))
-        # A payload of another size than this fragment's is another codec's (the run's
-        # settings match, so every member drops the same ones).
-        kept = [i for i in ex.kept() if ex.payloads[i].size == go.nbytes(d)]
+        kept, payloads, _ = self._kept(ex, p)
         if not kept:
             return base
         tokens = ex.field("tokens")
-        mean = go.mean([go.from_wire(ex.payloads[i], d) for i in kept], [tokens[i] for i in kept])
-        return go.step(base, mean)
+        return self.outer[p].step(base, self.outer[p].mean(payloads, [tokens[i] for i in kept]))
 
     def _exchange(self, p: int, local: np.ndarray, tokens: int, step: int) -> dict[str, Any]:
-        """Fragment ``p``'s exchange (on the host thread); returns what the row reports."""
+        """Fragment ``p``'s exchange (on the host thread); returns what the row reports
+        (``failed``: no exchange committed, so nothing is merged)."""
+        from .replica import left_out
+
         transport = self.transport
         with self._lock:
             st = self.state[p]
@@ -285,56 +328,75 @@ class ReplicaGroups(EveryStep):
         finite = bool(np.all(np.isfinite(local)))
         payload, sent, unsent = go.send(st, local)
         wire = go.to_wire(payload)
-        header = self._header(p, tokens, wire.size, finite, step, array_id(st.anchor))
+        finite = finite and bool(np.all(np.isfinite(unsent.residual)))
+        header = self._header(p, tokens, wire.size, finite, step)
 
         def commit(headers: np.ndarray, healed: bool) -> bool:
-            from .replica import left_out
-
-            why = left_out(headers).get(self._mine(headers), "")
+            why = left_out(headers).get(self._mine(headers))
             live = bool(np.any(headers[:, FIELDS.index("tokens")] > 0))
-            return live and why != "another theta_sync"
+            # Out for another fragment or theta_sync (this group diverged): commit nothing
+            # and fall behind by one exchange, to be healed at the next.
+            return live and (healed or why in (None, "no tokens", "non-finite pseudo-gradient"))
 
         ex = transport.exchange(header, lambda healed: wire, commit=commit)
         if ex is None:
             with self._lock:
                 self.state[p] = unsent
             self.stats["failed"] += 1
-            return {"members": 0, "kept": 0}
+            return {"members": 0, "kept": 0, "failed": True}
         self.stats["tries"] += ex.tries
+        why = ex.out.get(self._mine(ex.headers), "")
+        if why.startswith("slot") or why == "another run's settings":
+            raise ValueError(
+                f"group {self.groups.slot} is left out of every exchange: {why} (another "
+                "group was started with this slot, or the groups' configs differ); give each "
+                "group its own groups.slot and the same config"
+            )
         if ex.healed:
             self._take_heal()
+            # The exchange the peers made: its fragment (the majority's), not this group's.
+            frags = [f for i, f in enumerate(ex.field("fragment")) if i not in ex.out]
+            q = max(set(frags), key=frags.count) if frags else p
+            self._healed_fragment = q
             with self._lock:
-                base = self.state[p]
-        elif not ex.committed:  # this group's theta_sync diverged: healed at the next one
+                base = self.state[q]
+            new = self._outer_step(ex, q, base)
+            with self._lock:
+                self.state[q] = new
+            self._log_exchange(ex, q, step)
+            self.stats["exchanges"] += 1
+            return {"members": ex.members, "kept": len(ex.kept()), "healed": True}
+        if not ex.committed:  # another fragment or theta_sync: healed at the next one
             with self._lock:
                 self.state[p] = unsent
             self.stats["left_out"] += 1
-            return {"members": ex.members, "kept": len(ex.kept())}
-        else:
-            mine_kept = self._mine(ex.headers) in ex.kept()
-            base = sent if mine_kept else unsent
-            # Samples this group trained on that entered theta_sync (the goodput's count).
-            self.stats["samples_in"] += tokens if mine_kept else 0
-        new = self._outer_step(ex, p, base)
+            return {"members": ex.members, "kept": len(ex.kept()), "failed": True}
+        kept, _, _ = self._kept(ex, p)
+        mine_kept = self._mine(ex.headers) in kept
+        # Samples this group trained on that entered theta_sync (the goodput's count).
+        self.stats["samples_in"] += tokens if mine_kept else 0
+        new = self._outer_step(ex, p, sent if mine_kept else unsent)
         with self._lock:
             self.state[p] = new
         self._log_exchange(ex, p, step)
         self.stats["exchanges"] += 1
-        self.stats["left_out"] += int(self._mine(ex.headers) in ex.out)
-        return {"members": ex.members, "kept": len(ex.kept())}
+        self.stats["left_out"] += int(not mine_kept)
+        return {"members": ex.members, "kept": len(kept)}
 
     def _log_exchange(self, ex: Any, p: int, step: int) -> None:
         """One line of ``exchanges.jsonl`` (appended, never rewritten: a restarted group's
         earlier lines stay): the exchange's count, fragment, members and the samples that
         entered theta_sync."""
-        tokens = ex.field("tokens")
+        tokens, slots = ex.field("tokens"), ex.field("slot")
+        kept, _, out = self._kept(ex, p)
         line = {
             "exchange": self.transport.committed,
             "fragment": p,
             "step": step,
             "members": ex.members,
-            "kept": [ex.field("slot")[i] for i in ex.kept()],
-            "samples_in": int(sum(tokens[i] for i in ex.kept())),
+            "kept": [slots[i] for i in kept],
+            "left_out": {str(slots[i]): why for i, why in sorted(out.items())},
+            "samples_in": int(sum(tokens[i] for i in kept)),
             "healed": ex.healed,
             "time": time.time(),
         }
@@ -342,24 +404,33 @@ class ReplicaGroups(EveryStep):
             f.write(json.dumps(line) + "\n")
 
     def _handshake(self, ctx: Context) -> None:
-        """Wait for the other groups at the start; a group behind them is healed here."""
+        """Wait for the other groups at the start; a group behind them is healed here. With
+        ``groups.rejoin`` (a restart into a running run) only a heal ends the wait: if no
+        live group heals it within ``groups.start_timeout_s`` it stops with an error
+        instead of training alone from where it was."""
         transport = self._connect()
-        deadline = time.monotonic() + self.groups.start_timeout_s
-        header = self._header(-1, 0, 0, True, ctx.step, 0)
-        while True:
-            healed_now = {}
+        g = self.groups
+        deadline = time.monotonic() + g.start_timeout_s
+        header = self._header(-1, 0, 0, True, ctx.step)
 
-            def commit(headers: np.ndarray, healed: bool, healed_now=healed_now) -> bool:
-                healed_now["yes"] = healed
-                # A group that joins a running exchange commits only once healed by it
-                # (else it would count an exchange whose state it does not hold).
-                return healed and bool(np.any(headers[:, FIELDS.index("tokens")] > 0))
+        def commit(headers: np.ndarray, healed: bool) -> bool:
+            # A group that joins a running exchange commits only once healed by it (else it
+            # would count an exchange whose state it does not hold).
+            return healed and bool(np.any(headers[:, FIELDS.index("tokens")] > 0))
+
+        while True:
+            if g.rejoin and time.monotonic() > deadline:
+                raise ConnectionError(
+                    f"group {g.slot}: groups.rejoin is set, but no live group healed this one "
+                    f"within groups.start_timeout_s={g.start_timeout_s:g} (the run ended, or "
+                    "every group is down); resume the whole run without groups.rejoin"
+                )
 
             ex = transport.exchange(header, lambda healed: np.zeros(0, np.uint8), commit=commit)
             if ex is None:
-                if time.monotonic() > deadline + self.groups.quorum_timeout_s:
-                    raise RuntimeError(
-                        f"group {self.groups.slot}: no exchange with the other groups "
+                if time.monotonic() > deadline + g.quorum_timeout_s:
+                    raise ConnectionError(
+                        f"group {g.slot}: no exchange with the other groups "
                         f"succeeded ({'; '.join(transport.errors[-3:])})"
                     )
                 continue
@@ -381,7 +452,9 @@ class ReplicaGroups(EveryStep):
                     self._pending = []
                 self._snapshot(ctx)
                 return
-            if ex.members >= self.groups.count:
+            if g.rejoin:
+                continue
+            if ex.members >= g.count:
                 # Every group is here and meets at once: one more exchange of headers alone
                 # times an exchange's fixed cost (quorum, two all-gathers, the commit), the
                 # alpha of the link model (train.estimate's and benchmarks/groups_link.py's).
@@ -407,13 +480,21 @@ class ReplicaGroups(EveryStep):
     def after_step(self, ctx: Context) -> None:
         t0 = time.perf_counter()
         self.stats["busy_s"] += float(ctx.last_compute_s)
+        # A step run with no exchange in flight: its time is the devices' own, not slowed
+        # by the exchange thread (the utilisation's baseline).
+        if not self._inflight:
+            self._clean.append(float(ctx.last_compute_s))
+        self._steps_run += 1
         s = ctx.step - 1
         sync = self._steps[s % self.sync.period][0]
         # The wall clock of the step, to set a group's loss against time (a chaos run's).
         self._row = {"sync_fragment": sync, "group_time": time.time()}
-        if sync >= 0:
-            self._launch(ctx, sync)
+        # Merges due first (a heal they bring moves the state before anything is read),
+        # then this step's exchange, then its merge if it is due at once (overlap 0).
         self._merge_due(ctx)
+        if sync >= 0 and ctx.step - 1 == s:
+            self._launch(ctx, sync)
+            self._merge_due(ctx)
         if ctx.step >= self.cfg.steps:
             self._settle()  # theta_sync complete for the evaluation and the export
         self._row["group_wait_s"] = time.perf_counter() - t0
@@ -422,6 +503,7 @@ class ReplicaGroups(EveryStep):
             self._sent_before = self.transport.sent_bytes
         if self._wall0 is not None:
             self.stats["wall_s"] = time.perf_counter() - self._wall0
+        self._inflight = any(fut is not None and not fut.done() for _, _, fut in self._pending)
 
     def _launch(self, ctx: Context, p: int) -> None:
         for q, _, fut in self._pending:  # one exchange at a time on the transport
@@ -435,19 +517,25 @@ class ReplicaGroups(EveryStep):
         fut = self._pool.submit(self._exchange, p, local, tokens, ctx.step)
         self._pending.append((p, ctx.step + self.sync.overlap, fut))
 
-    def _wait(self, fut: concurrent.futures.Future | None) -> None:
-        """Wait for an exchange; its row entries go into this step's row."""
+    def _wait(self, fut: concurrent.futures.Future | None) -> bool:
+        """Wait for an exchange (its row entries go into this step's row); whether it
+        failed (nothing committed)."""
         if fut is None:
-            return
+            return False
         t0 = time.perf_counter()
         info = fut.result()
         self.stats["wait_s"] += time.perf_counter() - t0
         self._row.update({f"group_{k}": v for k, v in info.items()})
+        return bool(info.get("failed"))
 
     def _settle(self) -> None:
         """Wait for every exchange in flight (its outer step is then in ``theta_sync``);
         the merges stay due at their steps."""
-        self._pending = [(p, due, self._wait(fut)) for p, due, fut in self._pending]
+        settled = []
+        for p, due, fut in self._pending:
+            if not self._wait(fut):  # a failed exchange has nothing to merge
+                settled.append((p, due, None))
+        self._pending = settled
 
     def _merge_due(self, ctx: Context) -> None:
         """Merge every fragment whose exchange is due at this step."""
@@ -456,10 +544,12 @@ class ReplicaGroups(EveryStep):
             if ctx.step < due:
                 keep.append((p, due, fut))
                 continue
-            self._wait(fut)
+            failed = self._wait(fut)
             if self._healed_state is not None:  # healed in this exchange: take the state
                 self._apply_heal(ctx)
-                keep.append((p, ctx.step + self.sync.overlap, None))
+                keep.append((self._healed_fragment, ctx.step + self.sync.overlap, None))
+                continue
+            if failed:  # nothing committed: theta_sync did not move, keep the local model
                 continue
             with self._lock:
                 anchor = self.state[p].anchor
@@ -535,7 +625,14 @@ class ReplicaGroups(EveryStep):
     def summary_extras(self) -> dict[str, Any]:
         st = dict(self.stats)
         st["sent_bytes"] = self.transport.sent_bytes if self.transport else 0
-        st["utilisation"] = st["busy_s"] / st["wall_s"] if st["wall_s"] else None
+        # Compute utilisation: the steps at the devices' own pace (the median step with no
+        # exchange in flight) over the loop's wall time; ``busy_utilisation`` counts every
+        # step's measured time, also the slowdown the exchange thread causes.
+        clean = float(np.median(self._clean)) if self._clean else None
+        wall = st["wall_s"]
+        st["utilisation"] = self._steps_run * clean / wall if wall and clean else None
+        st["busy_utilisation"] = st["busy_s"] / wall if wall else None
+        st["clean_step_s"] = clean
         sizes = [int(np.size(s.anchor)) for s in self.state]
         payload = [go.nbytes(d) for go, d in zip(self.outer, sizes, strict=True)]
         return {
