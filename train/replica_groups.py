@@ -206,8 +206,13 @@ class ReplicaGroups(EveryStep):
                     retries=g.retries,
                     host=g.host,
                 )
-            except RuntimeError as e:  # torchft's: the lighthouse did not answer
+            except (RuntimeError, OSError) as e:  # torchft's and the socket's
                 first = str(e).split(";")[0]
+                if "failed to connect" not in first:  # e.g. the store's port is taken
+                    raise ConnectionError(
+                        f"group {g.slot}: its transport could not start on groups.host="
+                        f"{g.host!r} ({first})"
+                    ) from None
                 raise ConnectionError(
                     f"group {g.slot}: no lighthouse at groups.lighthouse={g.lighthouse!r} "
                     f"within groups.connect_timeout_s={g.connect_timeout_s:g} ({first}); start "

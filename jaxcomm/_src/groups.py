@@ -59,6 +59,16 @@ class GroupState(NamedTuple):
     key: Any
 
 
+def _on(device: Any, fn: Any) -> Any:
+    """``fn`` run with ``device`` as JAX's default device."""
+
+    def run(*args: Any) -> Any:
+        with jax.default_device(device):
+            return fn(*args)
+
+    return run
+
+
 class GroupOuter:
     """The outer step of DiLoCo across replica groups (see the module docstring).
 
@@ -93,9 +103,12 @@ class GroupOuter:
         self.codec = None
         if codec is not None:
             self.codec = codec.bind(self.sizes) if self.sizes is not None else codec
-        self._encode = jax.jit(self._encode_impl)
-        self._step = jax.jit(self._step_impl)
-        self._decode = jax.jit(decode)
+        # On the host's CPU whatever the default device: every group, on any accelerator,
+        # then rounds the outer step alike (theta_sync must stay bit-identical).
+        cpu = jax.devices("cpu")[0]
+        self._encode = _on(cpu, jax.jit(self._encode_impl))
+        self._step = _on(cpu, jax.jit(self._step_impl))
+        self._decode = _on(cpu, jax.jit(decode))
 
     # ------------------------------------------------------------------ state
 
@@ -110,9 +123,11 @@ class GroupOuter:
             slot = check_int("slot", slot, lo=0)
             key = jax.random.key_data(jax.random.fold_in(jax.random.key(self.seed), slot))
             key = np.asarray(key)
+        with jax.default_device(jax.devices("cpu")[0]):
+            outer = jax.tree_util.tree_map(np.asarray, self.outer.init(jnp.asarray(anchor)))
         return GroupState(
             anchor=anchor,
-            outer=jax.tree_util.tree_map(np.asarray, self.outer.init(jnp.asarray(anchor))),
+            outer=outer,
             residual=np.zeros_like(anchor),
             key=key,
         )
@@ -159,7 +174,8 @@ class GroupOuter:
         if self.codec is None:
             return jax.ShapeDtypeStruct((d,), jnp.float32)
         key = jax.random.key(0) if self.codec.keyed else None
-        return jax.eval_shape(lambda x: self.codec.encode(x, key), jnp.zeros((d,), jnp.float32))
+        x = jax.ShapeDtypeStruct((d,), jnp.float32)
+        return jax.eval_shape(lambda x: self.codec.encode(x, key), x)
 
     def nbytes(self, d: int) -> int:
         """Bytes of one payload of a fragment of ``d`` entries on the wire."""
