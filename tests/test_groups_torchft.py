@@ -127,8 +127,9 @@ def lighthouse():
 
 def test_a_killed_group_leaves_the_other_training_and_a_restart_is_healed(tmp_path, lighthouse):
     """kill -9 of group 1 mid-run: group 0 goes on alone (the same process, no restart).
-    Group 1 restarted with nothing on disk is healed from group 0's live state: it starts
-    at group 0's step, and both end with bit-identical theta_sync."""
+    Group 1 restarted with no checkpoint of its own is healed from group 0's live state: it
+    starts at group 0's step (its first life's metrics rows kept), and both end with
+    bit-identical theta_sync."""
     extra = ["workers=1", "aggregator=ring", "steps=600", "checkpoint_every=0"]
     p0 = _start(0, 2, lighthouse, tmp_path, extra)
     p1 = _start(1, 2, lighthouse, tmp_path, extra)
@@ -141,9 +142,10 @@ def test_a_killed_group_leaves_the_other_training_and_a_restart_is_healed(tmp_pa
         alone = [r["group_members"] for r in rows0 if r["step"] > killed_at + 10
                  and "group_members" in r]  # fmt: skip
         assert alone and set(alone) == {1}, alone
-        import shutil
-
-        shutil.rmtree(tmp_path / "group_1")
+        before = _rows(tmp_path / "group_1")
+        assert not (tmp_path / "group_1" / "checkpoints").is_dir() or not any(
+            p.name.isdigit() for p in (tmp_path / "group_1" / "checkpoints").iterdir()
+        )  # nothing of its own to resume: the restart must come from a live peer
         p1 = _start(1, 2, lighthouse, tmp_path, extra)
         assert p0.wait(timeout=600) == 0, _logs(tmp_path)
         assert p1.wait(timeout=600) == 0, _logs(tmp_path)
@@ -155,8 +157,11 @@ def test_a_killed_group_leaves_the_other_training_and_a_restart_is_healed(tmp_pa
     assert log0.count("compiling the training step") == 1  # never restarted
     s1 = json.loads((tmp_path / "group_1/summary.json").read_text())
     assert s1["groups"]["heals"] == 1, s1["groups"]
-    first = _rows(tmp_path / "group_1")[0]["step"]
-    assert first > killed_at + 10  # it started where group 0 was, not at step 1
+    rows1 = _rows(tmp_path / "group_1")
+    # Its first life's rows are kept; its second starts where group 0 was, not at step 1.
+    assert rows1[: len(before)] == before
+    first = rows1[len(before)]["step"]
+    assert first > killed_at + 10
     a = _params(tmp_path / "group_0/params.msgpack")
     b = _params(tmp_path / "group_1/params.msgpack")
     for (k, x), (_, y) in zip(a, b, strict=True):

@@ -444,10 +444,12 @@ class Trainer:
         return store
 
     def _start_files(self, resumed: bool) -> list[str]:
-        """Write ``config.json`` and ``metrics.jsonl`` (a resumed run's rows up to its step);
-        returns those rows."""
+        """Write ``config.json`` and ``metrics.jsonl`` (a resumed or healed run's rows up to
+        its step); returns those rows."""
         metrics_path = self.cfg.run_dir / "metrics.jsonl"
-        kept = _kept_rows(metrics_path, self.step) if resumed else []
+        # A run that starts past step 0 without a checkpoint of its own (a replica group
+        # healed from a live peer) keeps its folder's earlier rows up to that step too.
+        kept = _kept_rows(metrics_path, self.step) if resumed or self.step else []
         if is_primary():  # files are written once, by process 0
             write_atomically(metrics_path, "".join(line + "\n" for line in kept))
             config = json.dumps(self.cfg.to_dict(), indent=2)
