@@ -293,16 +293,17 @@ class Transport:
         try commits) and drop a quorum that failed (torchft's ``start_quorum`` would raise
         its error again at every later call)."""
         self.manager.report_error(error)
-        future = getattr(self.manager, "_quorum_future", None)
-        if future is not None and future.done() and future.exception() is not None:
-            self.manager._quorum_future = None
+        self._drop_failed_quorum()
         try:
             self.manager.should_commit()
         except Exception as e:
             self.errors.append(f"{type(e).__name__}: {e}")
-            future = getattr(self.manager, "_quorum_future", None)
-            if future is not None and future.done() and future.exception() is not None:
-                self.manager._quorum_future = None
+            self._drop_failed_quorum()
+
+    def _drop_failed_quorum(self) -> None:
+        future = getattr(self.manager, "_quorum_future", None)
+        if future is not None and future.done() and future.exception() is not None:
+            self.manager._quorum_future = None
 
     def shutdown(self) -> None:
         """Stop the manager (its server and checkpoint transport)."""
