@@ -1,5 +1,5 @@
 """Quality study: data parallelism against DiLoCo, Streaming DiLoCo, SparseLoCo, DiLoCo +
-AR-Topk and MuLoCo, each tuned on the same grid shape and schedule, across model sizes.
+AR-Topk, MuLoCo and DeMo, each tuned on the same grid shape and schedule, across model sizes.
 
 Protocol (one command per stage; every run's result is kept, an interrupted stage resumes):
 
@@ -20,7 +20,10 @@ Protocol (one command per stage; every run's result is kept, an interrupted stag
   method's inner lr on the same grid, crossed with the outer step (SGD 1.0, i.e. plain
   averaging, or Nesterov momentum 0.9 at lr {0.1, 0.3, 0.5, 0.7}); the ``_warm`` variants
   first run one period as data parallelism (the DiLoCo paper starts from a trained model);
-  MuLoCo's Muon lr {0.005, 0.01, 0.02, 0.04} with its AdamW lr at {2e-3, 6e-3}. Where the
+  MuLoCo's Muon lr {0.005, 0.01, 0.02, 0.04} with its AdamW lr at {2e-3, 6e-3}; DeMo's
+  sign step {5e-4, 1e-3, 2e-3, 4e-3} (64 x 64 blocks, 32 coefficients each, the paper's;
+  weight decay 0.1 times the step; the schedule multiplies its step; no clipping, which
+  would have to come before a whole optimizer). Where the
   chosen step size sits at an end of its axis, the ``tune`` stage extends that axis one
   step further (x2 or /2) and runs the new points, until the choice is inside. At each
   larger size, once the smaller size's grid is complete, it runs the grid points next to
@@ -91,11 +94,12 @@ ORDER = list(SIZES)
 
 LRS = (1e-3, 2e-3, 3e-3, 6e-3)
 MUON_LRS = (0.005, 0.01, 0.02, 0.04)
+DEMO_LRS = (5e-4, 1e-3, 2e-3, 4e-3)  # DeMo's sign step (the paper: 4e-4 at 300M-1B)
 # (outer_lr, outer_momentum): plain averaging, then Nesterov at 0.9, in that order.
 OUTERS = ((1.0, 0.0), (0.1, 0.9), (0.3, 0.9), (0.5, 0.9), (0.7, 0.9))
 STEP_AXES = ("lr", "muon_lr")  # step sizes: extended past an end when chosen there
 CAP = 3  # the extend stage runs the low-byte methods to this many times the budget
-LOW_BYTE = ("diloco_h30", "sparseloco_h30", "muloco_h30")
+LOW_BYTE = ("diloco_h30", "sparseloco_h30", "muloco_h30", "demo")
 
 
 def _diloco(period: int, **sync: Any) -> dict[str, Any]:
@@ -126,6 +130,15 @@ METHODS: dict[str, dict[str, Any]] = {
     "muloco_h30": {
         "fixed": {**_diloco(30, compress="statistical"), "optimizer": "muon"},
         "grid": {"muon_lr": MUON_LRS, "lr": (2e-3, 6e-3), "outer": OUTERS},
+    },
+    # DeMo: a sign step, so its own step-size grid; the same schedule multiplies its step
+    # and its decoupled weight decay (0.1, as AdamW's); no clipping (a whole optimizer).
+    "demo": {
+        "fixed": {
+            "aggregator": {"name": "demo", "chunk": 64, "k": 32, "weight_decay": 0.1},
+            "optimizer": "none",
+        },
+        "grid": {"lr": DEMO_LRS},
     },
     # One worker alone at the per-worker batch (8 of 64), for reference.
     "single": {
@@ -211,6 +224,10 @@ def config(size: str, method: str, setting: dict[str, Any], seed: int, steps: in
     }
     if "muon_lr" in setting:
         optimizer["muon_lr"] = setting["muon_lr"]
+    if optimizer["name"] == "none":  # a whole optimizer: its own lr, the schedule its factor
+        fixed["aggregator"]["lr"] = optimizer.pop("lr")
+        for key in ("weight_decay", "clip_norm"):
+            del optimizer[key]
     kw: dict[str, Any] = dict(
         name=f"{method}_{setting_key(setting)}_s{seed}",
         model={"name": "gpt", **SIZES[size]},

@@ -131,6 +131,9 @@ ALLOWED = {
     "named chain, identity after": lambda: optax.named_chain(
         ("marsit", _MARSIT()), ("none", optax.identity())
     ),
+    "a schedule after": lambda: optax.chain(
+        _MARSIT(), optax.scale_by_schedule(optax.cosine_decay_schedule(1.0, 10))
+    ),
 }
 REFUSED = {
     "sgd after": lambda: optax.chain(_MARSIT(), optax.sgd(0.1)),
@@ -138,6 +141,9 @@ REFUSED = {
     "identity then sgd after": lambda: optax.chain(_MARSIT(), optax.identity(), optax.sgd(0.1)),
     "sgd after a nested chain": lambda: optax.chain(
         optax.chain(optax.clip(1.0), _MARSIT()), optax.sgd(0.1)
+    ),
+    "a schedule then scale after": lambda: optax.chain(
+        _MARSIT(), optax.scale_by_schedule(lambda count: 1.0), optax.scale(-1.0)
     ),
     "named chain, sgd after": lambda: optax.named_chain(
         ("marsit", _MARSIT()), ("sgd", optax.sgd(0.1))

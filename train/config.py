@@ -170,7 +170,10 @@ class Optimizer(Section):
     )
     lr: Number = Field(3e-3, gt=0, description="learning rate (the schedule's peak)")
     schedule: Annotated[Schedule, BeforeValidator(_schedule)] = Field(
-        Schedule(), description="the learning-rate schedule (a name alone: its defaults)"
+        Schedule(),
+        description="the learning-rate schedule (a name alone: its defaults); with ``none`` "
+        "it multiplies the whole optimizer's update, its peak 1 (the aggregator's own step "
+        "sizes are the peak)",
     )
     weight_decay: Number | None = Field(
         None,
@@ -190,11 +193,12 @@ class Optimizer(Section):
     @model_validator(mode="after")
     def _consistent(self) -> Optimizer:
         if self.name == "none":
-            for key in ("schedule", "weight_decay", "clip_norm"):
+            for key in ("lr", "weight_decay", "clip_norm"):
                 if getattr(self, key) != type(self).model_fields[key].default:
                     raise ValueError(
                         f"optimizer.{key} with optimizer none: an aggregator that is the whole "
-                        "optimizer applies its own step sizes (its own fields); leave "
+                        "optimizer applies its own step sizes and decay (its own fields; "
+                        "optimizer.schedule scales its update, peaking at 1); leave "
                         f"optimizer.{key} unset"
                     )
         if self.weight_decay is not None and self.name == "adam":

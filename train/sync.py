@@ -50,7 +50,9 @@ def make_schedule(cfg: Config) -> float | optax.Schedule:
     settings = cfg.optimizer.schedule.resolved(cfg.steps)
     if settings is None:
         return cfg.lr
-    peak, warmup = cfg.lr, settings["warmup_steps"]
+    # With optimizer none the schedule is a multiplier of the whole optimizer's update.
+    peak = 1.0 if cfg.optimizer.name == "none" else cfg.lr
+    warmup = settings["warmup_steps"]
     kind = settings["kind"]
     if kind == "constant":
         after = optax.constant_schedule(peak)
@@ -68,14 +70,16 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     """The inner optimizer named by ``cfg.optimizer`` at the learning rate of
     :func:`make_schedule`, behind ``clip_norm``'s clipping and (``sgd``, ``momentum``)
     ``weight_decay``; ``adamw`` takes ``weight_decay`` as its decoupled decay. With the
-    defaults it is exactly ``optax.adam(lr)`` (etc.), as before these settings."""
+    defaults it is exactly ``optax.adam(lr)`` (etc.), as before these settings. ``none``
+    after a whole optimizer: the identity, or with a schedule its value (peak 1) times the
+    update, which scales the aggregator's step and its decoupled decay together."""
     lr = make_schedule(cfg)
     wd = cfg.optimizer.weight_decay
     if cfg.optimizer.name == "muon":
         return _chain_before(cfg, muon(cfg, lr))
     adamw = (lambda: optax.adamw(lr)) if wd is None else (lambda: optax.adamw(lr, weight_decay=wd))
     base = {
-        "none": lambda: optax.identity(),
+        "none": lambda: optax.identity() if not callable(lr) else optax.scale_by_schedule(lr),
         "sgd": lambda: optax.sgd(lr),
         "momentum": lambda: optax.sgd(lr, momentum=0.9),
         "adam": lambda: optax.adam(lr),

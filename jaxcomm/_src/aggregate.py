@@ -96,7 +96,8 @@ def whole_optimizer(
 
     Returns:
       A :class:`WholeOptimizer` whose ``update`` refuses, at trace time, to be followed in
-      an ``optax.chain`` by any transform other than ``optax.identity()``.
+      an ``optax.chain`` by any transform other than ``optax.identity()`` or
+      ``optax.scale_by_schedule`` (a schedule of its step, with values > 0).
     """
 
     def update(updates, state, params=None):
@@ -113,6 +114,9 @@ _WRAPPER_CODE = optax.with_extra_args_support(_PLAIN).update.__code__
 _CHAIN_CODE = optax.chain(_PLAIN).update.__code__
 _NAMED_CHAIN_CODE = optax.named_chain(("t", _PLAIN)).update.__code__
 _IDENTITY_CODE = optax.identity().update.__code__
+# A learning-rate schedule scales the step without changing its direction (its values are
+# the user's to keep positive, as with any optax schedule).
+_SCHEDULE_CODE = optax.scale_by_schedule(lambda count: 1.0).update.__code__
 
 
 def _closure(fn: Any) -> dict[str, Any]:
@@ -123,10 +127,11 @@ def _closure(fn: Any) -> dict[str, Any]:
 
 
 def _passes_through(fn: Any) -> bool:
-    """Whether a chained update function hands its updates on untouched: optax.identity's,
-    also wrapped for extra args or inside a chain of such."""
+    """Whether a chained update function hands its updates on in their direction:
+    optax.identity's or optax.scale_by_schedule's, also wrapped for extra args or inside a
+    chain of such."""
     code = getattr(fn, "__code__", None)
-    if code is _IDENTITY_CODE:
+    if code in (_IDENTITY_CODE, _SCHEDULE_CODE):
         return True
     if code is _WRAPPER_CODE:
         return _passes_through(getattr(_closure(fn).get("tx"), "update", None))
@@ -184,7 +189,8 @@ def _refuse_followers(name: str, step_sizes: str) -> None:
                     f"it reverses its sign, and training goes uphill). {name} is a whole "
                     f"optimizer: use it alone in place of optax.chain(aggregator, optimizer), "
                     f"or as optax.chain({name}(...), optax.identity()) to keep a two-part "
-                    "state; optax.identity() is the only transform allowed after it. "
+                    "state; optax.identity() and optax.scale_by_schedule (a learning-rate "
+                    "schedule, peak 1) are the only transforms allowed after it. "
                     "Gradient-side transforms (clipping, weight decay) go before it"
                 )
             frame = frame.f_back

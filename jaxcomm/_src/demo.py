@@ -34,7 +34,9 @@ Where this differs from the paper's text or the authors' code:
 * the momentum accumulates the gradient itself (Algorithm 1); the authors' code adds
   ``lr * g``. With a constant ``lr`` (the only kind here) and ``sign=True`` the steps are
   the same: every stage is linear in ``m`` or indifferent to its scale (top-k by
-  magnitude, the mean, the sign);
+  magnitude, the mean, the sign). A schedule chained after it (``optax.scale_by_schedule``,
+  as the trainer's ``optimizer.schedule`` does) scales the step and the decay and leaves
+  the momentum unweighted, where the authors' code weights each gradient by its rate;
 * tensors of more than two axes are blocked as the matrix above (the authors' code handles
   one and two axes only); kept values travel as float32 whatever the parameter dtype (the
   authors' code sends the parameter dtype) and indices in the narrowest unsigned type (it
