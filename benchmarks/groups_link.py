@@ -7,10 +7,15 @@ link shaped to ``--mbit`` Mbit/s each way by tbf (``python -m train.groups --net
 root, Linux), train the GPT of ``configs/diloco_default.yaml`` (1 worker a group, batch 8,
 Streaming DiLoCo with H = 30 and 2 fragments). Settings: float32 pseudo-gradients with no
 overlap (DiLoCo's blocking exchange), float32 with ``overlap=5`` (the exchange on a host
-thread while 5 inner steps run), and error-fed int8 with ``overlap=5``.
+thread while 5 inner steps run), and error-fed int8 and SparseLoCo with ``overlap=5``.
 
-For each it reports, per group: the compute utilisation (the steps' measured device time
-over the training loop's wall time), the seconds the loop waited for exchanges, the bytes
+Each group is pinned to one CPU core of its own (``--cpus-per-group 1``), as if each had a
+machine: its exchange thread shares that core with its steps (on a GPU machine it would
+run beside the device). For each setting it reports, per group: the compute utilisation
+(the steps at the devices' own pace, the median step with no exchange in flight, over the
+training loop's steady wall time, from the end of its first step to the end of its last),
+the same with the tail (the wait for the last exchange, which no step can overlap), the
+seconds the loop waited for exchanges, the bytes
 the transport counted and the bytes the kernel counted on the group's link (the wire
 audit: headers, payloads, TCP/IP framing and torchft's control traffic), and the
 utilisation the link model predicts (:func:`train.diloco.link_step`, the clock
@@ -43,6 +48,7 @@ SETTINGS = {
     "float32, overlap 0": ["sync.overlap=0"],
     "float32, overlap 5": ["sync.overlap=5"],
     "int8, overlap 5": ["sync.overlap=5", "sync.compress=int8"],
+    "sparseloco, overlap 5": ["sync.overlap=5", "sync.compress=sparseloco"],
 }
 HEADER = 80  # bytes of one group's header (train.replica.FIELDS, int64 each)
 
@@ -74,7 +80,8 @@ def predicted_utilisation(step_s: float, payload: list[int], groups: int, mbit: 
 def run(name: str, sets: list[str], steps: int, mbit: float, folder: Path) -> dict:
     out = folder / name.replace(", ", "_").replace(" ", "")
     cmd = [sys.executable, "-m", "train.groups", "--groups", "2", "--network", str(mbit),
-           "--config", "configs/diloco_default.yaml", "--out", str(out)]  # fmt: skip
+           "--cpus-per-group", "1", "--config", "configs/diloco_default.yaml",
+           "--out", str(out)]  # fmt: skip
     for s in [*SETS, *sets, f"steps={steps}"]:
         cmd += ["--set", s]
     t0 = time.time()
@@ -87,10 +94,12 @@ def run(name: str, sets: list[str], steps: int, mbit: float, folder: Path) -> di
     for g in range(2):
         summary = json.loads((out / f"group_{g}" / "summary.json").read_text())
         st = summary["groups"]
-        step_s = st["busy_s"] / steps
+        step_s = st["clean_step_s"]  # the devices' own pace, as the utilisation's
         rows.append({
             "group": g,
             "utilisation": st["utilisation"],
+            "utilisation_with_tail": st["utilisation_with_tail"],
+            "tail_s": st["tail_s"],
             "predicted_utilisation": predicted_utilisation(
                 step_s, st["payload_bytes"], 2, mbit, 30, 2, overlap, st["exchange_alpha_s"]
             ),
@@ -134,23 +143,25 @@ def main(argv: list[str] | None = None) -> None:
         f"# Replica groups over {args.mbit:g} Mbit/s links",
         "",
         f"`{meta['command']}` on {meta['date']}, {meta['machine']}, JAX {meta['jax']}: 2 groups "
-        f"(1 worker each, its own process and namespace), {steps} steps, H = 30, 2 fragments; "
-        "no delay is added to the links (this kernel has no netem): their latency is the "
-        "veth's, tens of microseconds.",
+        f"(1 worker each, its own process, namespace and CPU core), {steps} steps, H = 30, 2 "
+        "fragments; no delay is added to the links (this kernel has no netem): their "
+        "latency is the veth's, tens of microseconds.",
         "",
-        "| setting | group | utilisation | predicted | bytes alone | exchange alpha (ms) "
-        "| step (ms) | waited (s) | loop (s) | counted (MB) | on the link (MB) "
-        "| link / counted |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| setting | group | utilisation | with the tail | predicted | bytes alone "
+        "| exchange alpha (ms) | step (ms) | waited (s) | tail (s) | loop (s) "
+        "| counted (MB) | on the link (MB) | link / counted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         for row in r["rows"]:
             lines.append(
                 f"| {r['setting']} | {row['group']} | {row['utilisation']:.1%} "
+                f"| {row['utilisation_with_tail']:.1%} "
                 f"| {row['predicted_utilisation']:.1%} "
                 f"| {row['bandwidth_only_utilisation']:.1%} "
                 f"| {1e3 * (row['exchange_alpha_s'] or 0):.0f} | {1e3 * row['step_s']:.0f} "
-                f"| {row['wait_s']:.2f} | {row['wall_s']:.1f} | {row['sent_bytes'] / 1e6:.2f} "
+                f"| {row['wait_s']:.2f} | {row['tail_s']:.2f} | {row['wall_s']:.1f} "
+                f"| {row['sent_bytes'] / 1e6:.2f} "
                 f"| {row['link_tx_bytes'] / 1e6:.2f} "
                 f"| {row['link_tx_bytes'] / row['sent_bytes']:.3f} |"
             )

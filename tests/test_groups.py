@@ -252,7 +252,8 @@ def test_a_nan_from_a_peer_is_refused(tmp_path, finite):
     part.transport = _FakeTransport(go.to_wire(bad), finite)
     info = part._exchange(0, local, tokens=8, step=1)
     after = part.state[0].anchor
-    assert info == {"members": 2, "kept": 1}
+    assert {k: info[k] for k in ("members", "kept")} == {"members": 2, "kept": 1}
+    assert "failed" not in info and info["encode_s"] >= 0 and info["outer_s"] >= 0
     np.testing.assert_array_equal(after, local)  # outer SGD 1.0 on its own delta
     line = json.loads((tmp_path / "exchanges.jsonl").read_text().splitlines()[-1])
     assert line["kept"] == [0]

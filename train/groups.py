@@ -46,9 +46,11 @@ def start_group(
     resume: bool = False,
     env: dict[str, str] | None = None,
     prefix: list[str] | None = None,
+    cpus: set[int] | None = None,
 ) -> subprocess.Popen:
     """Start group ``slot`` of ``count`` (``python -m train``, after the command ``prefix``,
-    e.g. a network namespace's), its output in ``<run_dir>/group_<slot>.log``."""
+    e.g. a network namespace's), its output in ``<run_dir>/group_<slot>.log``; ``cpus``:
+    the CPU cores it may run on (all: None)."""
     folder = run_dir / f"group_{slot}"
     cmd = [*(prefix or []), sys.executable, "-m", __package__ or "train", "--no-progress"]
     cmd += ["--config", config] if config else []
@@ -60,7 +62,8 @@ def start_group(
     if resume and saved.is_dir() and any(p.name.isdigit() for p in saved.iterdir()):
         cmd += ["--resume"]
     log = open(run_dir / f"group_{slot}.log", "a")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=pin)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,9 +83,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--network", default=None, metavar="LAT,BW",
                    help="each group in a network namespace, its link shaped to BW "
                    "(e.g. 50ms,100Mbps; without netem LAT is not added)")  # fmt: skip
+    p.add_argument("--cpus-per-group", type=int, default=0, metavar="K",
+                   help="pin group i to K cores of its own (i*K onwards), as if each group "
+                   "had a machine; 0: no pinning")  # fmt: skip
     args = p.parse_args(argv)
     if args.groups < 1:
         p.error(f"--groups must be at least 1, got {args.groups}")
+    cores = sorted(os.sched_getaffinity(0))
+    if args.cpus_per_group < 0 or args.cpus_per_group * args.groups > len(cores):
+        p.error(f"--cpus-per-group {args.cpus_per_group} x --groups {args.groups} needs "
+                f"0..{len(cores)} cores; this process may use {len(cores)}")  # fmt: skip
     if not 1 <= args.min_groups <= args.groups:
         p.error(f"--min-groups must be in 1..{args.groups}, got {args.min_groups}")
     mbit = None
@@ -149,8 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     def begin(i: int, resume: bool, rejoin: bool = False) -> subprocess.Popen:
         own = [f"groups.host={address(i)}"] if cluster is not None else []
         own += ["groups.rejoin=true"] if rejoin else []
+        k = args.cpus_per_group
+        cpus = set(cores[i * k : (i + 1) * k]) if k else None
         return start_group(i, args.groups, lh_address, run_dir, args.config, [*sets, *own],
-                           resume=resume, env=env, prefix=prefixes.get(i))  # fmt: skip
+                           resume=resume, env=env, prefix=prefixes.get(i),
+                           cpus=cpus)  # fmt: skip
 
     start, started = time.monotonic(), time.time()
     procs = {i: begin(i, args.resume) for i in range(args.groups)}

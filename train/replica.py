@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -113,12 +114,15 @@ class Exchange:
     ``nbytes``), ``out`` (:func:`left_out`), ``healed`` (this group was healed in it),
     ``committed`` (it counts: a handshake of groups with nothing to give does not),
     ``members`` (groups in the quorum), ``sent_bytes`` (what this group sent over every try
-    of it) and ``tries``."""
+    of it), ``tries`` and ``seconds`` (wall seconds of the last try's quorum, header and
+    payload all-gathers and commit vote)."""
 
-    def __init__(self, headers, payloads, out, *, healed, committed, sent_bytes, tries):
+    def __init__(self, headers, payloads, out, *, healed, committed, sent_bytes, tries,
+                 seconds=None):  # fmt: skip
         self.headers, self.payloads, self.out = headers, payloads, out
         self.healed, self.committed = healed, committed
         self.sent_bytes, self.tries = sent_bytes, tries
+        self.seconds: dict[str, float] = seconds or {}
 
     @property
     def members(self) -> int:
@@ -259,21 +263,26 @@ class Transport:
         self._healed.clear()
         for attempt in range(1 + self.retries):
             headers = None
+            marks = [time.perf_counter()]
             try:
                 self.manager.start_quorum(allow_heal=True)
                 healed = self._healed.is_set()
                 if self.manager.errored() is not None:
                     raise RuntimeError(str(self.manager.errored().original_exception))
                 mine = np.asarray(header(healed), np.int64)
+                marks.append(time.perf_counter())
                 headers = self._gather(mine)
                 data = np.asarray(payload(healed), np.uint8)
                 width = int(headers[:, FIELDS.index("nbytes")].max())
                 padded = np.zeros(width, np.uint8)
                 padded[: data.size] = data
+                marks.append(time.perf_counter())
                 gathered = self._gather(padded)
+                marks.append(time.perf_counter())
                 if commit is not None and not commit(headers, healed):
                     self.manager.report_error(RuntimeError("nothing to commit"))
                 ok = self.manager.should_commit()
+                marks.append(time.perf_counter())
             except Exception as e:  # a member lost mid-collective, a quorum timed out
                 self.errors.append(f"{type(e).__name__}: {e}")
                 self._recover(e)
@@ -282,9 +291,11 @@ class Transport:
             if ok or not wanted:
                 sizes = headers[:, FIELDS.index("nbytes")]
                 payloads = [gathered[i, : int(sizes[i])] for i in range(len(headers))]
+                names = ("quorum_s", "headers_s", "payloads_s", "commit_s")
+                seconds = {n: b - a for n, a, b in zip(names, marks[:-1], marks[1:], strict=True)}
                 return Exchange(
                     headers, payloads, left_out(headers), healed=healed, committed=ok,
-                    sent_bytes=self.sent_bytes - before, tries=attempt + 1,
+                    sent_bytes=self.sent_bytes - before, tries=attempt + 1, seconds=seconds,
                 )  # fmt: skip
         return None
 

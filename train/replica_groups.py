@@ -35,7 +35,8 @@ fragment exchanged (-1: none), the groups in the last exchange and in its mean, 
 seconds the step waited for an exchange; the summary's ``groups`` entry the exchanges,
 heals, bytes this group sent (what the transport sent over the wire: headers and payloads
 of every try) and the compute utilisation (the devices' measured step time over the wall
-time of the training loop).
+time of the training loop's steady state: from the end of its first step to the end of its
+last, before the wait for the last exchange, reported apart).
 """
 
 from __future__ import annotations
@@ -304,22 +305,23 @@ class ReplicaGroups(EveryStep):
             if ex.payloads[i].size != go.nbytes(d):
                 out[i] = f"a payload of {ex.payloads[i].size} bytes, not {go.nbytes(d)}"
                 continue
-            payload = go.from_wire(ex.payloads[i], d)
-            x = payload if go.codec is None else np.asarray(go._decode(payload))
+            x = go.decode(go.from_wire(ex.payloads[i], d))
             if not np.all(np.isfinite(x)):
                 out[i] = "non-finite values"
                 continue
             kept.append(i)
-            values.append(payload)
+            values.append(x)
         return kept, values, out
 
-    def _outer_step(self, ex: Any, p: int, base: GroupState) -> GroupState:
-        """``base`` stepped by the mean of the exchange's kept members (unchanged if none)."""
-        kept, payloads, _ = self._kept(ex, p)
+    def _outer_step(self, ex: Any, chosen: tuple, p: int, base: GroupState) -> GroupState:
+        """``base`` stepped by the mean of the exchange's kept members (``chosen``: what
+        :meth:`_kept` returned for it; unchanged if none)."""
+        kept, payloads, _ = chosen
         if not kept:
             return base
         tokens = ex.field("tokens")
-        return self.outer[p].step(base, self.outer[p].mean(payloads, [tokens[i] for i in kept]))
+        mean = self.outer[p].mean(payloads, [tokens[i] for i in kept], decoded=True)
+        return self.outer[p].step(base, mean)
 
     def _exchange(self, p: int, local: np.ndarray, tokens: int, step: int) -> dict[str, Any]:
         """Fragment ``p``'s exchange (on the host thread); returns what the row reports
@@ -330,11 +332,13 @@ class ReplicaGroups(EveryStep):
         with self._lock:
             st = self.state[p]
         go = self.outer[p]
+        t0 = time.perf_counter()
         finite = bool(np.all(np.isfinite(local)))
         payload, sent, unsent = go.send(st, local)
         wire = go.to_wire(payload)
         finite = finite and bool(np.all(np.isfinite(unsent.residual)))
         header = self._header(p, tokens, wire.size, finite, step)
+        encode_s = time.perf_counter() - t0
 
         def commit(headers: np.ndarray, healed: bool) -> bool:
             why = left_out(headers).get(self._mine(headers))
@@ -350,6 +354,8 @@ class ReplicaGroups(EveryStep):
             self.stats["failed"] += 1
             return {"members": 0, "kept": 0, "failed": True}
         self.stats["tries"] += ex.tries
+        t1 = time.perf_counter()
+        timing = {"encode_s": encode_s, **ex.seconds}
         why = ex.out.get(self._mine(ex.headers), "")
         if why.startswith("slot") or why == "another run's settings":
             raise ValueError(
@@ -365,35 +371,39 @@ class ReplicaGroups(EveryStep):
             self._healed_fragment = q
             with self._lock:
                 base = self.state[q]
-            new = self._outer_step(ex, q, base)
+            chosen = self._kept(ex, q)
+            new = self._outer_step(ex, chosen, q, base)
             with self._lock:
                 self.state[q] = new
-            self._log_exchange(ex, q, step)
+            self._log_exchange(ex, chosen, q, step)
             self.stats["exchanges"] += 1
-            return {"members": ex.members, "kept": len(ex.kept()), "healed": True}
+            timing["outer_s"] = time.perf_counter() - t1
+            return {"members": ex.members, "kept": len(ex.kept()), "healed": True, **timing}
         if not ex.committed:  # another fragment or theta_sync: healed at the next one
             with self._lock:
                 self.state[p] = unsent
             self.stats["left_out"] += 1
             return {"members": ex.members, "kept": len(ex.kept()), "failed": True}
-        kept, _, _ = self._kept(ex, p)
+        chosen = self._kept(ex, p)  # decoded once: the mean, the log and the counts
+        kept = chosen[0]
         mine_kept = self._mine(ex.headers) in kept
         # Samples this group trained on that entered theta_sync (the goodput's count).
         self.stats["samples_in"] += tokens if mine_kept else 0
-        new = self._outer_step(ex, p, sent if mine_kept else unsent)
+        new = self._outer_step(ex, chosen, p, sent if mine_kept else unsent)
         with self._lock:
             self.state[p] = new
-        self._log_exchange(ex, p, step)
+        self._log_exchange(ex, chosen, p, step)
         self.stats["exchanges"] += 1
         self.stats["left_out"] += int(not mine_kept)
-        return {"members": ex.members, "kept": len(kept)}
+        timing["outer_s"] = time.perf_counter() - t1
+        return {"members": ex.members, "kept": len(kept), **timing}
 
-    def _log_exchange(self, ex: Any, p: int, step: int) -> None:
+    def _log_exchange(self, ex: Any, chosen: tuple, p: int, step: int) -> None:
         """One line of ``exchanges.jsonl`` (appended, never rewritten: a restarted group's
         earlier lines stay): the exchange's count, fragment, members and the samples that
         entered theta_sync."""
         tokens, slots = ex.field("tokens"), ex.field("slot")
-        kept, _, out = self._kept(ex, p)
+        kept, _, out = chosen
         line = {
             "exchange": self.transport.committed,
             "fragment": p,
@@ -446,10 +456,11 @@ class ReplicaGroups(EveryStep):
                     p = max(set(frags), key=frags.count)
                     with self._lock:
                         base = self.state[p]
-                    new = self._outer_step(ex, p, base)
+                    chosen = self._kept(ex, p)
+                    new = self._outer_step(ex, chosen, p, base)
                     with self._lock:
                         self.state[p] = new
-                    self._log_exchange(ex, p, ctx.step)
+                    self._log_exchange(ex, chosen, p, ctx.step)
                     self._apply_heal(ctx)
                     self._pending = [(p, ctx.step + self.sync.overlap, None)]
                 else:
@@ -477,19 +488,35 @@ class ReplicaGroups(EveryStep):
         if resumed:
             transport.set_committed(self._committed)
         self._snapshot(ctx)
+        self._warm_up()
         self._handshake(ctx)
         self._row = {}
         self._merge_due(ctx)
-        self._wall0 = time.perf_counter()
+        self._wall0 = None
+
+    def _warm_up(self) -> None:
+        """Compile each fragment's encode, decode and outer step before the loop, on a
+        copy of its state (what they return is dropped): the first exchanges would
+        otherwise compile on the exchange thread, against the steps' compute."""
+        if len(self.state) != len(self.outer):  # nothing to compile with (abstract)
+            return
+        for go, st in zip(self.outer, list(self.state), strict=True):
+            payload, _, _ = go.send(st, np.asarray(st.anchor, np.float32))
+            go.step(st, go.mean([go.decode(payload)], [1], decoded=True))
 
     def after_step(self, ctx: Context) -> None:
         t0 = time.perf_counter()
-        self.stats["busy_s"] += float(ctx.last_compute_s)
-        # A step run with no exchange in flight: its time is the devices' own, not slowed
-        # by the exchange thread (the utilisation's baseline).
-        if not self._inflight:
-            self._clean.append(float(ctx.last_compute_s))
-        self._steps_run += 1
+        if self._wall0 is None:
+            # The loop's clock starts at the end of its first step: that step's first
+            # execution (buffers, thread pools) is start-up, not the steady state.
+            self._wall0 = t0
+        else:
+            self.stats["busy_s"] += float(ctx.last_compute_s)
+            # A step run with no exchange in flight: its time is the devices' own, not
+            # slowed by the exchange thread (the utilisation's baseline).
+            if not self._inflight:
+                self._clean.append(float(ctx.last_compute_s))
+            self._steps_run += 1
         s = ctx.step - 1
         sync = self._steps[s % self.sync.period][0]
         # The wall clock of the step, to set a group's loss against time (a chaos run's).
@@ -501,6 +528,9 @@ class ReplicaGroups(EveryStep):
             self._launch(ctx, sync)
             self._merge_due(ctx)
         if ctx.step >= self.cfg.steps:
+            # The loop's steady state ends here; the last exchange, which no step can
+            # overlap, is its tail (reported apart).
+            self.stats["steady_s"] = time.perf_counter() - self._wall0
             self._settle()  # theta_sync complete for the evaluation and the export
         self._row["group_wait_s"] = time.perf_counter() - t0
         if self.transport is not None:
@@ -631,12 +661,16 @@ class ReplicaGroups(EveryStep):
         st = dict(self.stats)
         st["sent_bytes"] = self.transport.sent_bytes if self.transport else 0
         # Compute utilisation: the steps at the devices' own pace (the median step with no
-        # exchange in flight) over the loop's wall time; ``busy_utilisation`` counts every
-        # step's measured time, also the slowdown the exchange thread causes.
+        # exchange in flight) over the loop's steady wall time, from the end of its first
+        # step to the end of its last (``utilisation_with_tail`` adds the wait for the last
+        # exchange, ``tail_s``); ``busy_utilisation`` counts every step's measured time,
+        # also the slowdown the exchange thread causes.
         clean = float(np.median(self._clean)) if self._clean else None
-        wall = st["wall_s"]
-        st["utilisation"] = self._steps_run * clean / wall if wall and clean else None
-        st["busy_utilisation"] = st["busy_s"] / wall if wall else None
+        wall, steady = st["wall_s"], st.get("steady_s") or st["wall_s"]
+        st["utilisation"] = self._steps_run * clean / steady if steady and clean else None
+        st["utilisation_with_tail"] = self._steps_run * clean / wall if wall and clean else None
+        st["tail_s"] = wall - steady if wall else None
+        st["busy_utilisation"] = st["busy_s"] / steady if steady else None
         st["clean_step_s"] = clean
         sizes = [int(np.size(s.anchor)) for s in self.state]
         payload = [go.nbytes(d) for go, d in zip(self.outer, sizes, strict=True)]

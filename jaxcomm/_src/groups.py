@@ -203,9 +203,12 @@ class GroupOuter:
 
     # ------------------------------------------------------------------ receiving
 
-    def mean(self, payloads: Sequence[Any], tokens: Sequence[float]) -> np.ndarray:
+    def mean(
+        self, payloads: Sequence[Any], tokens: Sequence[float], *, decoded: bool = False
+    ) -> np.ndarray:
         """``sum_i tokens_i decode(payload_i) / sum_i tokens_i`` in member order (``f32[d]``);
-        equal tokens give the plain mean ``sum_i decode(payload_i) / n``."""
+        equal tokens give the plain mean ``sum_i decode(payload_i) / n``. ``decoded``: the
+        payloads are :meth:`decode`'s vectors already."""
         if len(payloads) != len(tokens) or not payloads:
             raise ValueError(
                 f"need one token count per payload and at least one, got {len(payloads)} "
@@ -217,10 +220,14 @@ class GroupOuter:
         equal = bool(np.all(w == w[0]))
         total = None
         for p, wi in zip(payloads, w, strict=True):
-            x = np.asarray(p if self.codec is None else self._decode(p), np.float32)
+            x = np.asarray(p if decoded else self.decode(p), np.float32)
             x = x if equal else np.float32(wi / w.sum()) * x
             total = x.copy() if total is None else total + x
         return total / np.float32(len(w)) if equal else total
+
+    def decode(self, payload: Any) -> np.ndarray:
+        """A payload's pseudo-gradient (``f32[d]``; float32 payloads are their own)."""
+        return np.asarray(payload if self.codec is None else self._decode(payload), np.float32)
 
     def _step_impl(self, anchor, outer, mean):
         updates, outer = self.outer.update(mean, outer, anchor)
