@@ -274,3 +274,35 @@ def test_an_unreachable_lighthouse_is_one_clear_error(tmp_path):
     trainer = Trainer(load_config("configs/diloco_default.yaml", sets))
     with pytest.raises(ConnectionError, match=r"group 0: no lighthouse at groups.lighthouse="):
         trainer.sync._connect()
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--groups", "0"], "--groups must be at least 1"),
+        (["--groups", "2", "--min-groups", "3"], "--min-groups must be in 1..2"),
+        (["--groups", "2", "--cpus-per-group", "4096"], "--cpus-per-group 4096 x --groups 2"),
+        (["--groups", "2", "--cpus-per-group", "-1"], "--cpus-per-group -1"),
+    ],
+)
+def test_the_launchers_bad_arguments_are_refused_naming_them(args, match, capsys):
+    from train.groups import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    assert stop.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_a_pinned_group_runs_on_its_own_cores(tmp_path):
+    """``start_group(cpus=...)``: the process it starts may run on those cores only."""
+    import os
+
+    from train.groups import start_group
+
+    core = sorted(os.sched_getaffinity(0))[-1]
+    proc = start_group(0, 1, "http://127.0.0.1:1", tmp_path, None, [], cpus={core},
+                       prefix=["python", "-c", "import os; print(sorted(os.sched_getaffinity(0)))",
+                               "--"])  # fmt: skip
+    assert proc.wait(timeout=60) == 0
+    assert (tmp_path / "group_0.log").read_text().splitlines()[0] == str([core])
