@@ -18,11 +18,12 @@ the same with the tail (the wait for the last exchange, which no step can overla
 seconds the loop waited for exchanges, the bytes
 the transport counted and the bytes the kernel counted on the group's link (the wire
 audit: headers, payloads, TCP/IP framing and torchft's control traffic), and the
-utilisation the link model predicts (:func:`train.diloco.link_step`, the clock
-``train.estimate`` lays Streaming DiLoCo on, with the measured step time and each exchange's
-fixed cost, measured by the groups at the start with an exchange of headers alone, plus its
-bytes over the link rate) beside the measured one, and the utilisation the bytes alone would
-allow.
+utilisation ``train.estimate``'s clock of replica groups predicts
+(:func:`train.replica_groups.link_utilisation` with the measured step time, each exchange
+:func:`train.replica_groups.exchange_seconds` on the link plus its fixed software cost,
+measured by the groups at the start with an exchange of headers alone) beside the measured
+one, the measured wall time against that prediction's, and the utilisation the bytes alone
+would allow.
 
 Writes ``benchmarks/results/groups/link.{md,json}``.
 """
@@ -50,31 +51,24 @@ SETTINGS = {
     "int8, overlap 5": ["sync.overlap=5", "sync.compress=int8"],
     "sparseloco, overlap 5": ["sync.overlap=5", "sync.compress=sparseloco"],
 }
-HEADER = 80  # bytes of one group's header (train.replica.FIELDS, int64 each)
 
 
 def predicted_utilisation(step_s: float, payload: list[int], groups: int, mbit: float,
                           period: int, fragments: int, overlap: int,
                           alpha: float = 0.0) -> float:  # fmt: skip
-    """Compute over wall time of the steady state on the link model: each step computes
-    ``step_s``; fragment ``p``'s exchange takes ``alpha`` (its fixed cost, measured by the
-    groups at the start) plus ``(groups - 1) * (payload[p] + header)`` bytes at ``mbit``,
-    and its merge ``overlap`` steps later waits for it."""
+    """Compute over wall time of the steady state on ``train.estimate``'s clock of replica
+    groups (:func:`train.replica_groups.link_utilisation`): each step computes ``step_s``;
+    fragment ``p``'s exchange takes ``alpha`` (its fixed software cost, measured by the
+    groups at the start) plus :func:`train.replica_groups.exchange_seconds` of its
+    payload at ``mbit``, and its merge ``overlap`` steps later waits for it."""
     import jaxcomm
-    from train.diloco import link_step
+    from jaxcomm.network import Network
+    from train.replica_groups import exchange_seconds, link_utilisation
 
-    steps = jaxcomm.schedules.diloco_steps(period, fragments=fragments, overlap=overlap)
-    wire = {"t": 0.0, "free": 0.0, "arrive": {}}
-    seconds = []
-    for s in range(3 * period):
-        kind = steps[s % period]
-        sync = kind[0]
-        comm = 0.0
-        if sync >= 0:
-            comm = alpha + (groups - 1) * (payload[sync] + HEADER) * 8 / (mbit * 1e6)
-        seconds.append(link_step(wire, step_s, comm, kind, s, overlap))
-    last = seconds[2 * period :]
-    return period * step_s / sum(last)
+    net = Network(latency_s=0.0, bandwidth_bps=mbit * 1e6)
+    schedule = jaxcomm.schedules.streaming_schedule(fragments, period, fragments)
+    comm = [alpha + exchange_seconds(b, groups, net) for b in payload]
+    return link_utilisation(step_s, comm, period, schedule, overlap)[0]
 
 
 def run(name: str, sets: list[str], steps: int, mbit: float, folder: Path) -> dict:
@@ -147,10 +141,11 @@ def main(argv: list[str] | None = None) -> None:
         "fragments; no delay is added to the links (this kernel has no netem): their "
         "latency is the veth's, tens of microseconds.",
         "",
-        "| setting | group | utilisation | with the tail | predicted | bytes alone "
+        "| setting | group | utilisation | with the tail | predicted | wall vs predicted "
+        "| bytes alone "
         "| exchange alpha (ms) | step (ms) | waited (s) | tail (s) | loop (s) "
         "| counted (MB) | on the link (MB) | link / counted |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         for row in r["rows"]:
@@ -158,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"| {r['setting']} | {row['group']} | {row['utilisation']:.1%} "
                 f"| {row['utilisation_with_tail']:.1%} "
                 f"| {row['predicted_utilisation']:.1%} "
+                f"| {row['predicted_utilisation'] / row['utilisation'] - 1:+.1%} "
                 f"| {row['bandwidth_only_utilisation']:.1%} "
                 f"| {1e3 * (row['exchange_alpha_s'] or 0):.0f} | {1e3 * row['step_s']:.0f} "
                 f"| {row['wait_s']:.2f} | {row['tail_s']:.2f} | {row['wall_s']:.1f} "

@@ -306,3 +306,42 @@ def test_a_pinned_group_runs_on_its_own_cores(tmp_path):
                                "--"])  # fmt: skip
     assert proc.wait(timeout=60) == 0
     assert (tmp_path / "group_0.log").read_text().splitlines()[0] == str([core])
+
+
+def test_the_link_clock_hides_an_exchange_shorter_than_its_overlap():
+    """``link_utilisation``: with 2 fragments of a 30-step period, an exchange of 0.3 s
+    behind 5 steps of 0.1 s costs nothing; with no overlap each one adds its 0.3 s."""
+    import jaxcomm
+    from train.replica_groups import link_utilisation
+
+    schedule = jaxcomm.schedules.streaming_schedule(4, 30, 2)
+    util, round_s = link_utilisation(0.1, [0.3, 0.3], 30, schedule, 5)
+    assert util == pytest.approx(1.0) and round_s == pytest.approx(3.0)
+    util, round_s = link_utilisation(0.1, [0.3, 0.3], 30, schedule, 0)
+    assert round_s == pytest.approx(3.6) and util == pytest.approx(3.0 / 3.6)
+    # An exchange longer than its overlap: the merge waits for the rest of it.
+    util, round_s = link_utilisation(0.1, [0.8, 0.8], 30, schedule, 5)
+    assert round_s == pytest.approx(3.0 + 2 * (0.8 - 0.5))
+
+
+def test_the_estimate_of_replica_groups_lays_their_exchanges_on_the_link():
+    """``train.estimate`` of a group: each fragment's exchange between 3 groups on 50 ms /
+    100 Mbit/s is a quorum round trip and two ring all-gathers of 2 blocks (headers of 80
+    bytes, then the payload), and the bytes a group sends are 2 blocks of each."""
+    from train.config import load_config
+    from train.estimate import estimate
+
+    sets = ["workers=1", "global_batch=8", "aggregator=ring", "sync.period=30",
+            "sync.fragments=2", "sync.overlap=5", "sync.compress=int8", "compute=v100",
+            "network=50ms,100Mbps", "model.num_layers=2", "model.width=32",
+            "groups.lighthouse=http://127.0.0.1:1", "groups.slot=0",
+            "groups.count=3"]  # fmt: skip
+    est = estimate(load_config("configs/diloco_default.yaml", sets))
+    g = est["groups"]
+    assert g["count"] == 3 and len(g["payload_bytes"]) == 2
+    for payload, seconds in zip(g["payload_bytes"], g["exchange_s"], strict=True):
+        assert seconds == pytest.approx(6 * 0.05 + 2 * (payload + 160) * 8 / 1e8)
+    assert g["sent_bytes_per_period"] == sum(2 * (b + 160) for b in g["payload_bytes"])
+    # The exchanges (0.3 s and more) outlast 5 steps of a V100 (well under a ms each).
+    assert g["compute_utilisation"] < 0.1
+    assert est["step_s"] == pytest.approx(g["round_s"] / 30)

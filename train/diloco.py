@@ -264,7 +264,7 @@ class DiLoCo(Sync):
         )
         return seconds, compute, comm
 
-    def estimate(self, ctx, mode, branches):
+    def estimate(self, ctx, mode, branches, network=None):
         """Each kind of step (inner only, synchronising a fragment, merging one) estimated
         apart by ``mode``, then laid on the link clock (:func:`link_step`, as the trainer's
         clock lays them) for three periods; the last period is the steady state. Top-level

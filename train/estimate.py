@@ -13,7 +13,10 @@ bubbles, then the data-parallel collectives; exactly ``compute + comm`` without 
 For AQ-SGD the steady state (every sample seen, deltas cross) and the first epoch (float32)
 are reported apart. For DiLoCo each kind of step (inner, synchronising, merging) is
 estimated apart and laid on DiLoCo's link clock over a period, giving the compute
-utilisation and the peak and per-period bytes.
+utilisation and the peak and per-period bytes. For replica groups (``groups`` set) the
+group's own step is compiled and each fragment's exchange between the groups (torchft's
+quorum round trip and two ring all-gathers of ``groups.count - 1`` blocks) is laid on the
+same clock (``groups``: payloads, each exchange's seconds, the compute utilisation).
 
     python -m train.estimate --config configs/aqsgd_gpt2xl.yaml --set compute=v100 \\
         --set network=1ms,10Gbps [--json out.json]
@@ -148,7 +151,7 @@ def estimates(
 
         # A synchronisation with its own timeline (DiLoCo's link) lays its kinds of step
         # on it, as its part does for the trainer's clock.
-        own = ctx.sync.estimate(ctx, mode, branches)
+        own = ctx.sync.estimate(ctx, mode, branches, network)
         out.update(own if own is not None else mode(steady, branches))
         if branches:
             out["branches"] = dict(branches)
@@ -165,6 +168,12 @@ def _step_time(est: dict[str, Any], cfg: Any, overlap: bool) -> str:
     layout lays them on)."""
     if cfg.sync is not None and cfg.sync.key == "diloco":
         tau = cfg.sync.overlap
+        if cfg.groups is not None:
+            return (
+                f"the mean step of a period on the link clock of {cfg.groups.count} replica "
+                f"groups: a fragment's exchange runs while the next {tau} inner steps "
+                "compute, and only a merge waits for it"
+            )
         return (
             f"the mean step of a period on DiLoCo's link clock: a synchronisation's transfer "
             f"runs while the next {tau} inner steps compute, and only a merge waits for it"
@@ -206,7 +215,7 @@ def _step_note(est: dict[str, Any]) -> str:
 def _format(est: dict[str, Any]) -> str:
     lines = ["", "== estimate =="]
     flat = {k: v for k, v in est.items() if not isinstance(v, dict) and k != "step_time"}
-    for part in ("first_epoch", "diloco"):
+    for part in ("first_epoch", "diloco", "groups"):
         for k, v in est.get(part, {}).items():
             flat[f"{part}.{k}"] = v
     width = max(len(k) for k in flat)
@@ -215,6 +224,8 @@ def _format(est: dict[str, Any]) -> str:
             value = f"{value:.4g}"
         elif isinstance(value, int) and not isinstance(value, bool):
             value = f"{value:,}"
+        elif isinstance(value, list):
+            value = ", ".join(f"{x:.4g}" if isinstance(x, float) else f"{x:,}" for x in value)
         lines.append(f"{key:>{width}}: {value}")
     lines.append(f"note: {_step_note(est)}")
     if "first_epoch" in est:

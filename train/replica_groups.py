@@ -65,7 +65,7 @@ from .sync import EveryStep
 if TYPE_CHECKING:
     from .context import Context
 
-__all__ = ["ReplicaGroups"]
+__all__ = ["ReplicaGroups", "exchange_seconds", "link_utilisation"]
 
 
 def _copy(tree: Any) -> Any:
@@ -80,6 +80,39 @@ def _put_like(host: Any, like: Any) -> Any:
         host,
         like,
     )
+
+
+HEADER_BYTES = 8 * len(FIELDS)  # a group's header: one int64 per field
+
+
+def exchange_seconds(payload: int, groups: int, network: Any) -> float:
+    """Seconds of one exchange of a ``payload``-byte fragment between ``groups`` groups on
+    ``network`` (the link each group has): torchft's quorum (a round trip to the
+    lighthouse) and two ring all-gathers (headers, then payloads: ``groups - 1`` rounds of
+    one block each way). The software's own fixed cost per exchange (tens of ms with
+    torchft on a CPU, ``exchange_alpha_s`` in a run's summary) is not in it."""
+    lat, rate = network.latency_s, network.bandwidth_bps
+    rounds = 2 + 2 * (groups - 1)
+    return rounds * lat + (groups - 1) * (payload + 2 * HEADER_BYTES) * 8 / rate
+
+
+def link_utilisation(step_s: float, comm: list[float], period: int, schedule: Any,
+                     overlap: int) -> tuple[float, float]:  # fmt: skip
+    """Compute utilisation and the seconds of a period in the steady state (the third of
+    three) when each step computes ``step_s`` and fragment ``p``'s exchange takes
+    ``comm[p]`` on the link, merged ``overlap`` steps after it starts
+    (:func:`train.diloco.link_step`, the clock of a one-program Streaming DiLoCo)."""
+    from .diloco import link_step
+
+    steps = jaxcomm.schedules.diloco_steps(period, schedule=schedule, overlap=overlap)
+    wire: dict[str, Any] = {"t": 0.0, "free": 0.0, "arrive": {}}
+    seconds = []
+    for s in range(3 * period):
+        kind = steps[s % period]
+        seconds.append(link_step(wire, step_s, comm[kind[0]] if kind[0] >= 0 else 0.0, kind,
+                                 s, overlap))  # fmt: skip
+    round_s = float(sum(seconds[2 * period :]))
+    return period * step_s / round_s, round_s
 
 
 class ReplicaGroups(EveryStep):
@@ -155,6 +188,7 @@ class ReplicaGroups(EveryStep):
         schedule = jaxcomm.schedules.streaming_schedule(
             len(names), s.period, s.fragments, pattern=s.pattern
         )
+        self._schedule = schedule
         self._steps = jaxcomm.schedules.diloco_steps(s.period, schedule=schedule, overlap=0)
         frags = [sorted(g) for g in schedule.groups if g]
         top = [getattr(path[0], "key", None) for path, _ in leaves]
@@ -163,6 +197,7 @@ class ReplicaGroups(EveryStep):
         self.outer = []
         self.state: list[GroupState] = []
         host = [np.asarray(a) for _, a in leaves] if not ctx.abstract else None
+        self._sizes = [sum(int(np.prod(leaves[i][1].shape)) for i in idx) for idx in self._index]
         for idx in self._index:
             sizes = [int(np.prod(leaves[i][1].shape)) for i in idx]
             go = GroupOuter(
@@ -493,6 +528,45 @@ class ReplicaGroups(EveryStep):
         self._row = {}
         self._merge_due(ctx)
         self._wall0 = None
+
+    # ------------------------------------------------------------------ the estimate
+
+    def estimate(self, ctx, mode, branches, network=None):
+        """``train.estimate`` of a group: its inner step (``mode``: the group's own program,
+        its in-group collectives included) and each fragment's exchange between the
+        ``groups.count`` groups laid on the link clock (:func:`exchange_seconds`,
+        :func:`link_utilisation`). Top-level figures are a period's per-step means;
+        ``groups`` has the payloads, each exchange's seconds and the compute utilisation."""
+        m = mode(None, branches)
+        network = network if network is not None else ctx.schedule.at(0)
+        sizes = [int(np.size(s.anchor)) for s in self.state] or self._sizes
+        payload = [go.nbytes(d) for go, d in zip(self.outer, sizes, strict=True)]
+        g, period = self.groups.count, self.sync.period
+        comm = [exchange_seconds(b, g, network) for b in payload]
+        util, round_s = link_utilisation(
+            m["compute_s"], comm, period, self._schedule, self.sync.overlap
+        )
+        ring = (g - 1) * (max(payload) + 2 * HEADER_BYTES)
+        return {
+            **m,
+            "step_s": round_s / period,
+            "comm_s": m["comm_s"] + sum(comm) / period,  # each fragment once a period
+            "samples_per_s": ctx.cfg.global_batch * period / round_s,
+            "sent_bytes_per_device": m["sent_bytes_per_device"] + ring,
+            "groups": {
+                "count": g,
+                "period": period,
+                "overlap": self.sync.overlap,
+                "payload_bytes": payload,
+                "exchange_s": comm,
+                "round_s": round_s,
+                "compute_utilisation": util,
+                # Each fragment once a period, G - 1 blocks of its headers and payload.
+                "sent_bytes_per_period": int(
+                    sum((g - 1) * (b + 2 * HEADER_BYTES) for b in payload)
+                ),
+            },
+        }
 
     def _warm_up(self) -> None:
         """Compile each fragment's encode, decode and outer step before the loop, on a

@@ -234,12 +234,16 @@ class Sync(Part):
         return None
 
     def estimate(
-        self, ctx: Context, mode: Callable[[Any, Any], dict[str, Any]], branches: Any
+        self,
+        ctx: Context,
+        mode: Callable[[Any, Any], dict[str, Any]],
+        branches: Any,
+        network: Any = None,
     ) -> dict[str, Any] | None:
         """``train.estimate``'s figures of a step on this part's own timeline, from
         ``mode(program key, branches)`` (one compiled step's figures: ``step_s``,
-        ``compute_s``, ``comm_s``, ``sent_bytes_per_device``, ...); None for the layout's
-        (one step of the current program)."""
+        ``compute_s``, ``comm_s``, ``sent_bytes_per_device``, ...) on ``network`` (the one
+        ``mode`` prices); None for the layout's (one step of the current program)."""
         return None
 
     def eval_params(self, ctx: Context, params: Any) -> Any:
