@@ -28,8 +28,10 @@ from jaxcomm import (
 )
 from jaxcomm._src.aggregate import (
     DenseState,
+    ScheduledStepState,
     WholeOptimizer,
     dense_all_reduce,
+    scheduled_step,
     whole_optimizer,
     worker_state,
 )
@@ -83,6 +85,7 @@ __all__ = [
     "DeMoState", "DenseState", "ECQuantizedState",
     "TopKState", "ChunkTopKState", "StatQuantizedState", "MarsitState", "SignMVState",
     "EFSignState", "SSDMState", "CascadingState", "whole_optimizer", "WholeOptimizer",
+    "scheduled_step", "ScheduledStepState",
     # wrappers around an optimizer
     "local_sgd", "partial_local_sgd", "diloco", "LocalSGDState", "DiLoCoState",
     # a worker's own gradient and state inside shard_map

@@ -169,6 +169,30 @@ def test_demo_under_a_schedule_is_still_at_its_warm_ups_start(tmp_path):
     assert any(not np.array_equal(x, y) for x, y in zip(start, _host(whole.params), strict=True))
 
 
+def test_clipping_before_a_whole_optimizer_scales_each_workers_gradient(tmp_path):
+    """``optimizer: none`` with ``clip_norm``: DeMo without its sign (a step linear in the
+    gradient) on one worker moves the parameters by ``clip / |g|`` times its unclipped
+    step at the first step, ``g`` the worker's own gradient."""
+    clip = 1e-3
+    demo = {"name": "demo", "lr": 0.5, "chunk": 8, "k": 4, "sign": False}
+    kw = dict(workers=1, steps=1, optimizer="none", aggregator=demo)
+    plain = Trainer(_cfg(tmp_path / "a", **kw))
+    p0, per = _worker_grads(plain)
+    plain.run()
+    clipped = Trainer(_cfg(tmp_path / "b", **{**kw, "optimizer": {"name": "none",
+                                                               "clip_norm": clip}}))  # fmt: skip
+    clipped.run()
+    scale = clip / _norm(jax.tree_util.tree_map(lambda g: g[0], per))
+    assert scale < 0.2  # the clipping acts
+    moved = [jax.tree_util.tree_leaves(t) for t in (p0, plain.worker_params(0),
+                                                    clipped.worker_params(0))]  # fmt: skip
+    # float32 parameters round their moves by about 1e-8; the moves are about 1e-6.
+    for a, b, c in zip(*moved, strict=True):
+        got, want = np.asarray(c) - a, scale * (np.asarray(b) - a)
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=5e-8)
+        assert np.linalg.norm(got - want) < 0.02 * np.linalg.norm(want)
+
+
 # --------------------------------------------------------------------------- the gradient
 
 
@@ -378,11 +402,15 @@ MARSIT = {"name": "marsit", "local_lr": 0.1, "global_lr": 0.01, "full_sync_every
     [
         (dict(optimizer={"name": "none", "lr": 0.1}, aggregator=MARSIT), "optimizer.lr"),
         (
+            dict(optimizer={"name": "none", "schedule": "cosine"}, aggregator=MARSIT),
+            "only demo take a schedule",
+        ),
+        (
             dict(
-                optimizer={"name": "none", "clip_norm": 1.0},
+                optimizer={"name": "none", "schedule": {"warmup_steps": 5}},
                 aggregator={"name": "ef_signsgd", "lr": 0.1},
             ),
-            "clip_norm",
+            "error feedback of the step",
         ),  # fmt: skip
         (dict(optimizer={"name": "none", "weight_decay": 0.1}, aggregator=MARSIT), "weight_decay"),
         (dict(optimizer={"name": "adam", "weight_decay": 0.1}), "use optimizer adamw"),

@@ -131,8 +131,8 @@ ALLOWED = {
     "named chain, identity after": lambda: optax.named_chain(
         ("marsit", _MARSIT()), ("none", optax.identity())
     ),
-    "a schedule after": lambda: optax.chain(
-        _MARSIT(), optax.scale_by_schedule(optax.cosine_decay_schedule(1.0, 10))
+    "a schedule's shape after": lambda: optax.chain(
+        _MARSIT(), jaxcomm.scheduled_step(optax.cosine_decay_schedule(1.0, 10))
     ),
 }
 REFUSED = {
@@ -143,7 +143,13 @@ REFUSED = {
         optax.chain(optax.clip(1.0), _MARSIT()), optax.sgd(0.1)
     ),
     "a schedule then scale after": lambda: optax.chain(
-        _MARSIT(), optax.scale_by_schedule(lambda count: 1.0), optax.scale(-1.0)
+        _MARSIT(), jaxcomm.scheduled_step(lambda count: 1.0), optax.scale(-1.0)
+    ),
+    "sgd with a schedule after": lambda: optax.chain(
+        _MARSIT(), optax.sgd(optax.cosine_decay_schedule(0.1, 10))
+    ),
+    "optax's scale by schedule after": lambda: optax.chain(
+        _MARSIT(), optax.scale_by_schedule(lambda count: 1.0)
     ),
     "named chain, sgd after": lambda: optax.named_chain(
         ("marsit", _MARSIT()), ("sgd", optax.sgd(0.1))

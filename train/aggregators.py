@@ -51,6 +51,9 @@ class Aggregator(Choice):
     #: True for an aggregator that is the whole optimizer (it applies its own step sizes,
     #: so the trainer's ``optimizer`` must be ``none``).
     whole_optimizer: ClassVar[bool] = False
+    # A whole optimizer whose state does not hold the step it applied (no error feedback
+    # of the step), so a learning-rate schedule may scale its output afterwards.
+    schedulable: ClassVar[bool] = False
     #: True where each worker keeps its own gradient (``none``: a sync wrapper averages).
     local: ClassVar[bool] = False
     #: Fields that are step sizes: they shape no state, so a resumed run may change them
@@ -328,6 +331,7 @@ class DeMo(Aggregator):
     all-gathered, a sign step; a whole optimizer (:func:`jaxcomm.demo`)."""
 
     whole_optimizer: ClassVar[bool] = True
+    schedulable: ClassVar[bool] = True  # its momentum holds gradients, not applied steps
     step_sizes: ClassVar[tuple[str, ...]] = ("lr", "beta", "weight_decay")
     lr: Number = Field(gt=0, description="step size")
     beta: Number = Field(0.999, ge=0, lt=1, description="momentum decay each step")

@@ -186,19 +186,21 @@ class Optimizer(Section):
         0.0,
         ge=0,
         description="clip the gradient to this global L2 norm before the optimizer (0: off): "
-        "the averaged gradient, or each worker's own under a ``sync`` wrapper",
+        "the averaged gradient, or each worker's own under a ``sync`` wrapper or before an "
+        "aggregator that is the whole optimizer (``none``)",
     )
     muon_lr: Number = Field(0.02, gt=0, description="Muon's learning rate (``name: muon``)")
 
     @model_validator(mode="after")
     def _consistent(self) -> Optimizer:
         if self.name == "none":
-            for key in ("lr", "weight_decay", "clip_norm"):
+            for key in ("lr", "weight_decay"):
                 if getattr(self, key) != type(self).model_fields[key].default:
                     raise ValueError(
                         f"optimizer.{key} with optimizer none: an aggregator that is the whole "
                         "optimizer applies its own step sizes and decay (its own fields; "
-                        "optimizer.schedule scales its update, peaking at 1); leave "
+                        "optimizer.schedule scales its update, peaking at 1, and "
+                        "optimizer.clip_norm clips each worker's gradient before it); leave "
                         f"optimizer.{key} unset"
                     )
         if self.weight_decay is not None and self.name == "adam":
@@ -889,6 +891,17 @@ def check_config(cfg: Config) -> None:
             f"aggregator {agg.key!r} with optimizer {opt.name!r}: "
             f"{', '.join(n for n, c in AGGREGATORS if c.whole_optimizer)} apply their own step "
             "sizes and need optimizer none; the others need an optimizer"
+        )
+    if (
+        opt.name == "none"
+        and opt.schedule.resolved(cfg.steps) is not None
+        and not getattr(agg, "schedulable", False)
+    ):
+        raise ValueError(
+            f"optimizer.schedule with aggregator {agg.key!r}: its state keeps the step it "
+            "applied (error feedback of the step), so a schedule scaling its output after it "
+            "would be neither applied nor remembered; only "
+            f"{', '.join(n for n, c in AGGREGATORS if c.schedulable)} take a schedule"
         )
     if cfg.compute != "measured":
         cfg.roofline()  # a clear error for an unknown device, dtype or share

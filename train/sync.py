@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import jax
 import optax
 
+import jaxcomm
+
 from .aggregators import BuildContext
 from .config import Config
 from .models import layer_groups
@@ -72,19 +74,23 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     ``weight_decay``; ``adamw`` takes ``weight_decay`` as its decoupled decay. With the
     defaults it is exactly ``optax.adam(lr)`` (etc.), as before these settings. ``none``
     after a whole optimizer: the identity, or with a schedule its value (peak 1) times the
-    update, which scales the aggregator's step and its decoupled decay together."""
+    update (:func:`jaxcomm.scheduled_step`), which scales the aggregator's step and its
+    decoupled decay together (only for aggregators whose state does not hold the applied
+    step: ``schedulable``)."""
     lr = make_schedule(cfg)
     wd = cfg.optimizer.weight_decay
     if cfg.optimizer.name == "muon":
         return _chain_before(cfg, muon(cfg, lr))
     adamw = (lambda: optax.adamw(lr)) if wd is None else (lambda: optax.adamw(lr, weight_decay=wd))
     base = {
-        "none": lambda: optax.identity() if not callable(lr) else optax.scale_by_schedule(lr),
+        "none": lambda: optax.identity() if not callable(lr) else jaxcomm.scheduled_step(lr),
         "sgd": lambda: optax.sgd(lr),
         "momentum": lambda: optax.sgd(lr, momentum=0.9),
         "adam": lambda: optax.adam(lr),
         "adamw": adamw,
     }[cfg.optimizer.name]()
+    if cfg.optimizer.name == "none":  # clipping goes before the aggregator (make_aggregator)
+        return base
     return _chain_before(cfg, base)
 
 
@@ -137,8 +143,13 @@ def muon(cfg: Config, lr: float | optax.Schedule) -> optax.GradientTransformatio
 
 
 def make_aggregator(cfg: Config) -> optax.GradientTransformation:
-    """The aggregator of ``cfg`` over the ``data`` axis (its registered class's build)."""
-    return cfg.aggregator.build(build_context(cfg))
+    """The aggregator of ``cfg`` over the ``data`` axis (its registered class's build);
+    an aggregator that is the whole optimizer behind ``optimizer.clip_norm``'s clipping of
+    each worker's own gradient."""
+    agg = cfg.aggregator.build(build_context(cfg))
+    if cfg.optimizer.name == "none" and cfg.optimizer.clip_norm:
+        return optax.chain(optax.clip_by_global_norm(cfg.optimizer.clip_norm), agg)
+    return agg
 
 
 def build_context(cfg: Config) -> BuildContext:

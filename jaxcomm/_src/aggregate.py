@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax import lax
 
@@ -48,6 +49,8 @@ __all__ = [
     "all_reduce_wire",
     "dense_all_reduce",
     "whole_optimizer",
+    "scheduled_step",
+    "ScheduledStepState",
     "worker_state",
 ]
 
@@ -97,7 +100,7 @@ def whole_optimizer(
     Returns:
       A :class:`WholeOptimizer` whose ``update`` refuses, at trace time, to be followed in
       an ``optax.chain`` by any transform other than ``optax.identity()`` or
-      ``optax.scale_by_schedule`` (a schedule of its step, with values > 0).
+      :func:`scheduled_step`.
     """
 
     def update(updates, state, params=None):
@@ -114,9 +117,34 @@ _WRAPPER_CODE = optax.with_extra_args_support(_PLAIN).update.__code__
 _CHAIN_CODE = optax.chain(_PLAIN).update.__code__
 _NAMED_CHAIN_CODE = optax.named_chain(("t", _PLAIN)).update.__code__
 _IDENTITY_CODE = optax.identity().update.__code__
-# A learning-rate schedule scales the step without changing its direction (its values are
-# the user's to keep positive, as with any optax schedule).
-_SCHEDULE_CODE = optax.scale_by_schedule(lambda count: 1.0).update.__code__
+
+
+class ScheduledStepState(NamedTuple):
+    """State of :func:`scheduled_step`: ``count``, the updates scaled so far (int32[])."""
+
+    count: Any
+
+
+def scheduled_step(schedule: Callable[[Any], Any]) -> optax.GradientTransformation:
+    """The updates times ``schedule(count)`` (a learning-rate schedule's shape, peak 1:
+    values in ``[0, 1]``, clipped there), ``count`` the calls so far: the one transform
+    besides ``optax.identity()`` that may follow a whole optimizer (it scales the step
+    without turning it; optax's own scalings may negate)."""
+
+    def init(params):
+        del params
+        return ScheduledStepState(jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params=None):
+        del params
+        factor = jnp.clip(schedule(state.count), 0.0, 1.0)
+        updates = jax.tree_util.tree_map(lambda u: (factor * u).astype(u.dtype), updates)
+        return updates, ScheduledStepState(optax.safe_int32_increment(state.count))
+
+    return optax.GradientTransformation(init, update)
+
+
+_SCHEDULE_CODE = scheduled_step(lambda count: 1.0).update.__code__
 
 
 def _closure(fn: Any) -> dict[str, Any]:
@@ -128,7 +156,7 @@ def _closure(fn: Any) -> dict[str, Any]:
 
 def _passes_through(fn: Any) -> bool:
     """Whether a chained update function hands its updates on in their direction:
-    optax.identity's or optax.scale_by_schedule's, also wrapped for extra args or inside a
+    optax.identity's or :func:`scheduled_step`'s, also wrapped for extra args or inside a
     chain of such."""
     code = getattr(fn, "__code__", None)
     if code in (_IDENTITY_CODE, _SCHEDULE_CODE):
@@ -189,8 +217,8 @@ def _refuse_followers(name: str, step_sizes: str) -> None:
                     f"it reverses its sign, and training goes uphill). {name} is a whole "
                     f"optimizer: use it alone in place of optax.chain(aggregator, optimizer), "
                     f"or as optax.chain({name}(...), optax.identity()) to keep a two-part "
-                    "state; optax.identity() and optax.scale_by_schedule (a learning-rate "
-                    "schedule, peak 1) are the only transforms allowed after it. "
+                    "state; optax.identity() is the only transform allowed after it (and "
+                    "jaxcomm's scheduled_step, a schedule's shape in [0, 1]). "
                     "Gradient-side transforms (clipping, weight decay) go before it"
                 )
             frame = frame.f_back
