@@ -107,14 +107,15 @@ def pytest_collection_modifyitems(config, items):
         if hits:
             item.add_marker(pytest.mark.quick)
             matched.update(hits)
-    if any("::" in str(arg) for arg in config.args):
-        return  # tests chosen by node id: the others of their files were never collected
+    # A file whose tests were chosen by node id: its other tests were never collected.
+    chosen = {Path(str(a).split("::")[0]).name for a in config.args if "::" in str(a)}
     files = {item.nodeid.split("tests/", 1)[-1].split("::")[0] for item in items}
     here = Path(__file__).parent
     stale = [
         q
         for q in QUICK
         if q not in matched
+        and Path(q.split("::")[0]).name not in chosen
         and (q.split("::")[0] in files or not (here / q.split("::")[0]).exists())
     ]
     if stale:

@@ -294,18 +294,21 @@ def test_the_launchers_bad_arguments_are_refused_naming_them(args, match, capsys
     assert match in capsys.readouterr().err
 
 
-def test_a_pinned_group_runs_on_its_own_cores(tmp_path):
-    """``start_group(cpus=...)``: the process it starts may run on those cores only."""
+def test_a_pinned_group_runs_on_its_own_cores():
+    """``pinned(cmd, cpus)`` (what ``start_group(cpus=...)`` runs): the interpreter it
+    starts may run on those cores only, with the command's own arguments."""
     import os
+    import subprocess
+    import sys
 
-    from train.groups import start_group
+    from train.groups import pinned
 
     core = sorted(os.sched_getaffinity(0))[-1]
-    proc = start_group(0, 1, "http://127.0.0.1:1", tmp_path, None, [], cpus={core},
-                       prefix=["python", "-c", "import os; print(sorted(os.sched_getaffinity(0)))",
-                               "--"])  # fmt: skip
-    assert proc.wait(timeout=60) == 0
-    assert (tmp_path / "group_0.log").read_text().splitlines()[0] == str([core])
+    probe = "import os, sys; print(sorted(os.sched_getaffinity(0)), sys.argv[1:])"
+    cmd = pinned(["nice", "-n", "0", sys.executable, "-c", probe, "a", "-m"], {core})
+    assert cmd[:3] == ["nice", "-n", "0"]  # a prefix (a namespace's) stays in front
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.strip() == f"{[core]} ['a', '-m']"
 
 
 def test_the_link_clock_hides_an_exchange_shorter_than_its_overlap():
@@ -340,8 +343,26 @@ def test_the_estimate_of_replica_groups_lays_their_exchanges_on_the_link():
     g = est["groups"]
     assert g["count"] == 3 and len(g["payload_bytes"]) == 2
     for payload, seconds in zip(g["payload_bytes"], g["exchange_s"], strict=True):
-        assert seconds == pytest.approx(6 * 0.05 + 2 * (payload + 160) * 8 / 1e8)
-    assert g["sent_bytes_per_period"] == sum(2 * (b + 160) for b in g["payload_bytes"])
+        assert seconds == pytest.approx(6 * 0.05 + 2 * (payload + 80) * 8 / 1e8)
+    # (The bytes against what the transport sends: tests/test_groups_torchft.py.)
     # The exchanges (0.3 s and more) outlast 5 steps of a V100 (well under a ms each).
     assert g["compute_utilisation"] < 0.1
     assert est["step_s"] == pytest.approx(g["round_s"] / 30)
+    assert est["samples_per_s"] == pytest.approx(3 * 8 * 30 / g["round_s"])
+
+
+def test_the_estimate_of_a_group_of_two_workers_counts_its_own_all_reduce(tmp_path):
+    """A group of 2 workers all-reduces its gradients every step on its own link: the
+    estimate's step is at least that step's compute and collectives, whatever the
+    exchanges add."""
+    from train.config import load_config
+    from train.estimate import estimate
+
+    sets = ["workers=2", "global_batch=8", "aggregator=ring", "sync.period=30",
+            "sync.fragments=2", "sync.overlap=5", "compute=v100", "network=50ms,100Mbps",
+            "model.num_layers=2", "model.width=32", "groups.lighthouse=http://127.0.0.1:1",
+            "groups.slot=0", "groups.count=2"]  # fmt: skip
+    est = estimate(load_config("configs/diloco_default.yaml", sets))
+    inner = est["compute_s"] + 0.9 * (est["comm_s"] - sum(est["groups"]["exchange_s"]) / 30)
+    assert est["step_s"] >= inner > est["compute_s"]
+    assert est["groups"]["compute_utilisation"] < est["compute_s"] / inner

@@ -93,6 +93,19 @@ def test_two_groups_equal_one_program_streaming_diloco(tmp_path):
         rows = _rows(tmp_path / f"g/group_{g}")
         assert [r["sync_fragment"] for r in rows[:10]] == [-1] * 4 + [0] + [-1] * 4 + [1]
         assert {r.get("group_members") for r in rows if "group_members" in r} == {2}
+    # The bytes the transport sent (what Gloo's all-gathers were handed, every try) against
+    # train.estimate's model of a period: 4 periods, plus the start's handshake (headers).
+    from train.config import load_config
+    from train.estimate import estimate
+
+    cfg = load_config(CONFIG, [*SETS, *common, "workers=1", "aggregator=ring", "compute=v100",
+                               "groups.lighthouse=http://127.0.0.1:1", "groups.slot=0",
+                               "groups.count=2"])  # fmt: skip
+    per_period = estimate(cfg)["groups"]["sent_bytes_per_period"]
+    for g in (0, 1):
+        s = json.loads((tmp_path / f"g/group_{g}/summary.json").read_text())["groups"]
+        handshake = s["sent_bytes"] - 4 * per_period
+        assert 0 <= handshake <= 4 * 80, (s["sent_bytes"], per_period)
 
 
 def _start(slot, count, lighthouse, out, extra, resume=False):

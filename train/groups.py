@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["main", "start_group"]
+__all__ = ["main", "pinned", "start_group"]
 
 
 def start_group(
@@ -62,8 +62,20 @@ def start_group(
     if resume and saved.is_dir() and any(p.name.isdigit() for p in saved.iterdir()):
         cmd += ["--resume"]
     log = open(run_dir / f"group_{slot}.log", "a")
-    pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=pin)
+    if cpus is not None:
+        cmd = pinned(cmd, cpus)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def pinned(cmd: list[str], cpus: set[int]) -> list[str]:
+    """``cmd`` (its first ``sys.executable`` on) run on the CPU cores ``cpus`` only: a
+    Python that sets its affinity and execs the rest (inherited across exec; no fork-time
+    hook in this threaded launcher)."""
+    at = cmd.index(sys.executable)
+    code = "import os, sys; os.sched_setaffinity(0, {%s}); os.execv(sys.executable, sys.argv)"
+    wrap = [sys.executable, "-c", code % ", ".join(str(c) for c in sorted(cpus))]
+    # sys.argv of ``-c`` is ["-c", *rest]: exec'd as the interpreter's argv.
+    return [*cmd[:at], *wrap, *cmd[at + 1 :]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,15 +96,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="each group in a network namespace, its link shaped to BW "
                    "(e.g. 50ms,100Mbps; without netem LAT is not added)")  # fmt: skip
     p.add_argument("--cpus-per-group", type=int, default=0, metavar="K",
-                   help="pin group i to K cores of its own (i*K onwards), as if each group "
-                   "had a machine; 0: no pinning")  # fmt: skip
+                   help="pin group i to K cores of its own (the i-th K of the cores this "
+                   "launcher may use), as if each group had a machine; 0: no pinning")  # fmt: skip
     args = p.parse_args(argv)
     if args.groups < 1:
         p.error(f"--groups must be at least 1, got {args.groups}")
     cores = sorted(os.sched_getaffinity(0))
     if args.cpus_per_group < 0 or args.cpus_per_group * args.groups > len(cores):
         p.error(f"--cpus-per-group {args.cpus_per_group} x --groups {args.groups} needs "
-                f"0..{len(cores)} cores; this process may use {len(cores)}")  # fmt: skip
+                f"{args.cpus_per_group * args.groups} cores and K >= 0; this process may "
+                f"use {len(cores)}")  # fmt: skip
     if not 1 <= args.min_groups <= args.groups:
         p.error(f"--min-groups must be in 1..{args.groups}, got {args.min_groups}")
     mbit = None

@@ -88,12 +88,12 @@ HEADER_BYTES = 8 * len(FIELDS)  # a group's header: one int64 per field
 def exchange_seconds(payload: int, groups: int, network: Any) -> float:
     """Seconds of one exchange of a ``payload``-byte fragment between ``groups`` groups on
     ``network`` (the link each group has): torchft's quorum (a round trip to the
-    lighthouse) and two ring all-gathers (headers, then payloads: ``groups - 1`` rounds of
-    one block each way). The software's own fixed cost per exchange (tens of ms with
+    lighthouse) and two ring all-gathers (the 80-byte headers, then the payloads: ``groups
+    - 1`` rounds of one block each). The software's own fixed cost per exchange (tens of ms with
     torchft on a CPU, ``exchange_alpha_s`` in a run's summary) is not in it."""
     lat, rate = network.latency_s, network.bandwidth_bps
     rounds = 2 + 2 * (groups - 1)
-    return rounds * lat + (groups - 1) * (payload + 2 * HEADER_BYTES) * 8 / rate
+    return rounds * lat + (groups - 1) * (payload + HEADER_BYTES) * 8 / rate
 
 
 def link_utilisation(step_s: float, comm: list[float], period: int, schedule: Any,
@@ -535,23 +535,28 @@ class ReplicaGroups(EveryStep):
         """``train.estimate`` of a group: its inner step (``mode``: the group's own program,
         its in-group collectives included) and each fragment's exchange between the
         ``groups.count`` groups laid on the link clock (:func:`exchange_seconds`,
-        :func:`link_utilisation`). Top-level figures are a period's per-step means;
-        ``groups`` has the payloads, each exchange's seconds and the compute utilisation."""
+        :func:`link_utilisation`). Top-level figures are a period's per-step means
+        (``sent_bytes_per_device``: the busiest step's, ``samples_per_s``: every group's);
+        ``groups`` has the payloads, each exchange's seconds, the bytes a group sends a
+        period and the compute utilisation (compute over the period's wall time)."""
         m = mode(None, branches)
         network = network if network is not None else ctx.schedule.at(0)
         sizes = [int(np.size(s.anchor)) for s in self.state] or self._sizes
         payload = [go.nbytes(d) for go, d in zip(self.outer, sizes, strict=True)]
         g, period = self.groups.count, self.sync.period
         comm = [exchange_seconds(b, g, network) for b in payload]
-        util, round_s = link_utilisation(
-            m["compute_s"], comm, period, self._schedule, self.sync.overlap
-        )
-        ring = (g - 1) * (max(payload) + 2 * HEADER_BYTES)
+        # The group's own step (its in-group collectives included) on the clock; the
+        # utilisation counts its compute alone.
+        _, round_s = link_utilisation(m["step_s"], comm, period, self._schedule, self.sync.overlap)
+        util = period * m["compute_s"] / round_s
+        ring = (g - 1) * (max(payload) + HEADER_BYTES)
         return {
             **m,
             "step_s": round_s / period,
             "comm_s": m["comm_s"] + sum(comm) / period,  # each fragment once a period
-            "samples_per_s": ctx.cfg.global_batch * period / round_s,
+            # Every group's samples: the run's rate.
+            "samples_per_s": g * ctx.cfg.global_batch * period / round_s,
+            # The busiest step's: an exchange of the largest fragment on top of the step's.
             "sent_bytes_per_device": m["sent_bytes_per_device"] + ring,
             "groups": {
                 "count": g,
@@ -561,10 +566,8 @@ class ReplicaGroups(EveryStep):
                 "exchange_s": comm,
                 "round_s": round_s,
                 "compute_utilisation": util,
-                # Each fragment once a period, G - 1 blocks of its headers and payload.
-                "sent_bytes_per_period": int(
-                    sum((g - 1) * (b + 2 * HEADER_BYTES) for b in payload)
-                ),
+                # Each fragment once a period: G - 1 blocks of its header and payload.
+                "sent_bytes_per_period": int(sum((g - 1) * (b + HEADER_BYTES) for b in payload)),
             },
         }
 
