@@ -14,8 +14,10 @@ machine: its exchange thread shares that core with its steps (on a GPU machine i
 run beside the device). For each setting it reports, per group: the compute utilisation
 (the steps at the devices' own pace, the median step with no exchange in flight, over the
 training loop's steady wall time, from the end of its first step to the end of its last),
-the same with the tail (the wait for the last exchange, which no step can overlap), the
-seconds the loop waited for exchanges, the bytes
+the same with the tail (the wait for the last exchange, which no step can overlap), where
+the steady window's other seconds went (``slowed``: the steps' measured time beyond the
+median pace, the exchange thread's work on the same core among it; ``waited``: merges
+waiting for their exchange; ``host``: the loop's own work, launches and merges), the bytes
 the transport counted and the bytes the kernel counted on the group's link (the wire
 audit: headers, payloads, TCP/IP framing and torchft's control traffic), and the
 utilisation ``train.estimate``'s clock of replica groups predicts
@@ -103,6 +105,8 @@ def run(name: str, sets: list[str], steps: int, mbit: float, folder: Path) -> di
             "exchange_alpha_s": st["exchange_alpha_s"],
             "step_s": step_s,
             "wait_s": st["wait_s"],
+            "lost_s": st["lost_s"],
+            "busy_utilisation": st["busy_utilisation"],
             "wall_s": st["wall_s"],
             "sent_bytes": st["sent_bytes"],
             "link_tx_bytes": report["link_tx_bytes"][str(g)],
@@ -143,9 +147,9 @@ def main(argv: list[str] | None = None) -> None:
         "",
         "| setting | group | utilisation | with the tail | predicted | wall vs predicted "
         "| bytes alone "
-        "| exchange alpha (ms) | step (ms) | waited (s) | tail (s) | loop (s) "
-        "| counted (MB) | on the link (MB) | link / counted |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| exchange alpha (ms) | step (ms) | slowed (s) | waited (s) | host (s) | tail (s) "
+        "| loop (s) | counted (MB) | on the link (MB) | link / counted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         for row in r["rows"]:
@@ -156,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"| {row['predicted_utilisation'] / row['utilisation'] - 1:+.1%} "
                 f"| {row['bandwidth_only_utilisation']:.1%} "
                 f"| {1e3 * (row['exchange_alpha_s'] or 0):.0f} | {1e3 * row['step_s']:.0f} "
-                f"| {row['wait_s']:.2f} | {row['tail_s']:.2f} | {row['wall_s']:.1f} "
+                f"| {row['lost_s']['slowed']:.2f} | {row['lost_s']['waited']:.2f} "
+                f"| {row['lost_s']['host']:.2f} | {row['tail_s']:.2f} | {row['wall_s']:.1f} "
                 f"| {row['sent_bytes'] / 1e6:.2f} "
                 f"| {row['link_tx_bytes'] / 1e6:.2f} "
                 f"| {row['link_tx_bytes'] / row['sent_bytes']:.3f} |"

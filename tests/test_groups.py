@@ -296,7 +296,8 @@ def test_the_launchers_bad_arguments_are_refused_naming_them(args, match, capsys
 
 def test_a_pinned_group_runs_on_its_own_cores():
     """``pinned(cmd, cpus)`` (what ``start_group(cpus=...)`` runs): the interpreter it
-    starts may run on those cores only, with the command's own arguments."""
+    starts may run on those cores only, with the command's own arguments and the same
+    environment (``flax`` imports: a virtual environment's interpreter stays itself)."""
     import os
     import subprocess
     import sys
@@ -304,7 +305,7 @@ def test_a_pinned_group_runs_on_its_own_cores():
     from train.groups import pinned
 
     core = sorted(os.sched_getaffinity(0))[-1]
-    probe = "import os, sys; print(sorted(os.sched_getaffinity(0)), sys.argv[1:])"
+    probe = "import os, sys, flax; print(sorted(os.sched_getaffinity(0)), sys.argv[1:])"
     cmd = pinned(["nice", "-n", "0", sys.executable, "-c", probe, "a", "-m"], {core})
     assert cmd[:3] == ["nice", "-n", "0"]  # a prefix (a namespace's) stays in front
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout

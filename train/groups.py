@@ -72,9 +72,13 @@ def pinned(cmd: list[str], cpus: set[int]) -> list[str]:
     Python that sets its affinity and execs the rest (inherited across exec; no fork-time
     hook in this threaded launcher)."""
     at = cmd.index(sys.executable)
-    code = "import os, sys; os.sched_setaffinity(0, {%s}); os.execv(sys.executable, sys.argv)"
+    code = (
+        "import os, sys; os.sched_setaffinity(0, {%s}); "
+        "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    )
     wrap = [sys.executable, "-c", code % ", ".join(str(c) for c in sorted(cpus))]
-    # sys.argv of ``-c`` is ["-c", *rest]: exec'd as the interpreter's argv.
+    # sys.argv of ``-c`` is ["-c", *rest]; argv[0] must name the interpreter (a virtual
+    # environment is found from it).
     return [*cmd[:at], *wrap, *cmd[at + 1 :]]
 
 

@@ -608,6 +608,7 @@ class ReplicaGroups(EveryStep):
             # The loop's steady state ends here; the last exchange, which no step can
             # overlap, is its tail (reported apart).
             self.stats["steady_s"] = time.perf_counter() - self._wall0
+            self.stats["steady_wait_s"] = self.stats["wait_s"]
             self._settle()  # theta_sync complete for the evaluation and the export
         self._row["group_wait_s"] = time.perf_counter() - t0
         if self.transport is not None:
@@ -749,6 +750,17 @@ class ReplicaGroups(EveryStep):
         st["tail_s"] = wall - steady if wall else None
         st["busy_utilisation"] = st["busy_s"] / steady if steady else None
         st["clean_step_s"] = clean
+        if steady and clean:
+            # Where the steady window's time beyond the steps at their own pace went: steps
+            # slowed (the exchange thread's work on the same cores, and steps' own spread
+            # above the median), waits for exchanges at merges, and the loop's host work
+            # (launches, merges, metrics).
+            waited = st.get("steady_wait_s", st["wait_s"])
+            st["lost_s"] = {
+                "slowed": st["busy_s"] - self._steps_run * clean,
+                "waited": waited,
+                "host": steady - st["busy_s"] - waited,
+            }
         sizes = [int(np.size(s.anchor)) for s in self.state]
         payload = [go.nbytes(d) for go, d in zip(self.outer, sizes, strict=True)]
         return {
