@@ -21,9 +21,11 @@ Protocol (one command per stage; every run's result is kept, an interrupted stag
   averaging, or Nesterov momentum 0.9 at lr {0.1, 0.3, 0.5, 0.7}); the ``_warm`` variants
   first run one period as data parallelism (the DiLoCo paper starts from a trained model);
   MuLoCo's Muon lr {0.005, 0.01, 0.02, 0.04} with its AdamW lr at {2e-3, 6e-3}; DeMo's
-  sign step {5e-4, 1e-3, 2e-3, 4e-3} (64 x 64 blocks, 32 coefficients each, the paper's;
-  weight decay 0.1 times the step; the schedule multiplies its step; no clipping, which
-  would have to come before a whole optimizer). Where the
+  sign step {5e-4, 1e-3, 2e-3, 4e-3} (64 x 64 blocks, 32 coefficients each, and momentum
+  decay 0.999, the paper's, not tuned; weight decay 0.1 times the step; each worker's
+  gradient clipped to norm 1 before it; the schedule multiplies its step, while its
+  momentum adds the unweighted gradient, where the authors' code weights each gradient by
+  its step's rate). Where the
   chosen step size sits at an end of its axis, the ``tune`` stage extends that axis one
   step further (x2 or /2) and runs the new points, until the choice is inside. At each
   larger size, once the smaller size's grid is complete, it runs the grid points next to
@@ -132,7 +134,7 @@ METHODS: dict[str, dict[str, Any]] = {
         "grid": {"muon_lr": MUON_LRS, "lr": (2e-3, 6e-3), "outer": OUTERS},
     },
     # DeMo: a sign step, so its own step-size grid; the same schedule multiplies its step
-    # and its decoupled weight decay (0.1, as AdamW's); no clipping (a whole optimizer).
+    # and its decoupled weight decay (0.1, as AdamW's); clipping before it, as the others.
     "demo": {
         "fixed": {
             "aggregator": {"name": "demo", "chunk": 64, "k": 32, "weight_decay": 0.1},
@@ -226,8 +228,7 @@ def config(size: str, method: str, setting: dict[str, Any], seed: int, steps: in
         optimizer["muon_lr"] = setting["muon_lr"]
     if optimizer["name"] == "none":  # a whole optimizer: its own lr, the schedule its factor
         fixed["aggregator"]["lr"] = optimizer.pop("lr")
-        for key in ("weight_decay", "clip_norm"):
-            del optimizer[key]
+        del optimizer["weight_decay"]  # the aggregator's own (fixed above)
     kw: dict[str, Any] = dict(
         name=f"{method}_{setting_key(setting)}_s{seed}",
         model={"name": "gpt", **SIZES[size]},

@@ -1,6 +1,6 @@
 """DeMo: decoupled momentum, its fast components sent as top-k DCT coefficients.
 
-From "DeMo: Decoupled Momentum Optimization" (Peng, Quesnelle, Kingma et al., arXiv
+From "DeMo: Decoupled Momentum Optimization" (Peng et al., arXiv
 2411.19870, ICLR 2026), Algorithm 1 with the sign step the paper trains with, as the
 authors' code (``bloc97/DeMo``, ``demo.py``) runs it. Every worker keeps its own momentum
 ``m`` (it is never averaged) and, with its gradient ``g``::
