@@ -400,7 +400,6 @@ MARSIT = {"name": "marsit", "local_lr": 0.1, "global_lr": 0.01, "full_sync_every
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(optimizer={"name": "none", "lr": 0.1}, aggregator=MARSIT), "optimizer.lr"),
         (
             dict(optimizer={"name": "none", "schedule": "cosine"}, aggregator=MARSIT),
             "only demo take a schedule",

@@ -194,7 +194,7 @@ class Optimizer(Section):
     @model_validator(mode="after")
     def _consistent(self) -> Optimizer:
         if self.name == "none":
-            for key in ("lr", "weight_decay"):
+            for key in ("weight_decay",):
                 if getattr(self, key) != type(self).model_fields[key].default:
                     raise ValueError(
                         f"optimizer.{key} with optimizer none: an aggregator that is the whole "
