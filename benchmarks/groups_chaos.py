@@ -1,14 +1,16 @@
 """Replica groups under failures: a random group is killed every few seconds.
 
     python benchmarks/groups_chaos.py [--groups 3] [--steps 800] [--chaos-every 15]
-                                      [--restart-after 3] [--quick]
+                                      [--restart-after 3] [--no-spare] [--quick]
 
 ``python -m train.groups --groups N`` trains a small GPT (1 worker a group, Streaming DiLoCo
 with period 10 and 2 fragments, overlap 1, int8 pseudo-gradients) twice on this machine:
 without faults (the reference) and with ``--chaos-every S``: every ``S`` seconds one
 training group is killed with SIGKILL (never the last one), and started again
 ``--restart-after`` seconds later with nothing of its own on disk; the live groups never
-stop, and the restarted group is healed from them at its first exchange.
+stop, and the restarted group is healed from them at its first exchange. A third run
+repeats the failures with ``--spare``: the restart is handed to a hot spare that has its
+libraries loaded (``--no-spare`` leaves it out).
 
 Time lost per failure is the killed group's absence: from the kill to its first exchange
 after the restart (the one that heals it). The exchanges the others lost are those that
@@ -126,15 +128,15 @@ def run(folder: Path, groups: int, steps: int, chaos: list[str]) -> dict:
     }
 
 
-def plot(free: dict, faulty: dict, path: Path) -> None:
-    """Every group's training loss against wall time, fault-free and under failures."""
+def plot(runs: list[tuple[str, dict, str]], path: Path) -> None:
+    """Every group's training loss against wall time of each ``(name, run, line style)``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, r, style in (("fault-free", free, "-"), ("chaos", faulty, ":")):
+    for name, r, style in runs:
         for g, (t, loss) in enumerate(r["curves"]):
             ax.plot(t, loss, style, lw=1, label=f"{name}, group {g}")
     ax.set_xlabel("wall time since the start (s)")
@@ -152,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chaos-every", type=float, default=15.0)
     p.add_argument("--restart-after", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-spare", action="store_true", help="no third run with a hot spare")
     p.add_argument("--quick", action="store_true", help="2 groups, 200 steps")
     args = p.parse_args(argv)
     t0 = time.time()
@@ -165,15 +168,23 @@ def main(argv: list[str] | None = None) -> None:
                  str(args.restart_after), "--chaos-seed", str(args.seed)]  # fmt: skip
         faulty = run(base / "chaos", groups, steps, chaos)
         print("chaos", json.dumps(faulty), flush=True)
+        spared = None if args.no_spare else run(base / "spare", groups, steps, [*chaos, "--spare"])
+        if spared is not None:
+            print("chaos, hot spare", json.dumps(spared), flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     goodput = faulty["goodput_in_span"] / free["goodput_in_span"]
     goodput_wall = faulty["goodput_samples_per_s"] / free["goodput_samples_per_s"]
-    plot(free, faulty, OUT / "chaos.png")
+    runs = [("fault-free", free, "-"), ("chaos", faulty, ":")]
+    runs += [("chaos, hot spare", spared, "--")] if spared is not None else []
+    plot(runs, OUT / "chaos.png")
     meta = run_meta(argv, t0, groups=groups, steps=steps)
     OUT.mkdir(parents=True, exist_ok=True)
     result = {"meta": meta, "fault_free": free, "chaos": faulty, "goodput": goodput,
               "goodput_whole_wall": goodput_wall}  # fmt: skip
+    if spared is not None:
+        result["chaos_spare"] = spared
+        result["goodput_spare"] = spared["goodput_in_span"] / free["goodput_in_span"]
     (OUT / "chaos.json").write_text(json.dumps(result, indent=2))
     lines = [
         "# Replica groups under failures",
@@ -188,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         "| validation loss |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, r in (("fault-free", free), ("chaos", faulty)):
+    for name, r, _ in runs:
         lost = r["lost_per_failure_s"]
         lost_text = f"{sum(lost) / len(lost):.1f} (mean of {len(lost)})" if lost else "-"
         lines.append(
@@ -199,7 +210,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     lines += [
         "",
-        f"Goodput under failures: **{goodput:.2f}x** the fault-free run's.",
+        f"Goodput under failures: **{goodput:.2f}x** the fault-free run's"
+        + (f"; with a hot spare **{result['goodput_spare']:.2f}x**." if spared else "."),
         "",
         "![loss against wall time](chaos.png)",
     ]

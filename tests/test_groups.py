@@ -283,6 +283,7 @@ def test_an_unreachable_lighthouse_is_one_clear_error(tmp_path):
         (["--groups", "2", "--min-groups", "3"], "--min-groups must be in 1..2"),
         (["--groups", "2", "--cpus-per-group", "4096"], "--cpus-per-group 4096 x --groups 2"),
         (["--groups", "2", "--cpus-per-group", "-1"], "--cpus-per-group -1"),
+        (["--groups", "2", "--spare", "--network", "100"], "--spare with --network"),
     ],
 )
 def test_the_launchers_bad_arguments_are_refused_naming_them(args, match, capsys):

@@ -140,12 +140,16 @@ def lighthouse():
 
 def test_a_killed_group_leaves_the_other_training_and_a_restart_is_healed(tmp_path, lighthouse):
     """kill -9 of group 1 mid-run: group 0 goes on alone (the same process, no restart).
-    Group 1 restarted with no checkpoint of its own is healed from group 0's live state: it
-    starts at group 0's step (its first life's metrics rows kept), and both end with
+    Group 1 restarted with no checkpoint of its own, on a hot spare started beside the
+    groups, is healed from group 0's live state: it starts at group 0's step (its first
+    life's metrics rows kept, its second life's output in the same log), and both end with
     bit-identical theta_sync."""
+    from train.groups import Spare, group_args
+
     extra = ["workers=1", "aggregator=ring", "steps=600", "checkpoint_every=0"]
     p0 = _start(0, 2, lighthouse, tmp_path, extra)
     p1 = _start(1, 2, lighthouse, tmp_path, extra)
+    spare = Spare(tmp_path, 0, _env())
     try:
         _wait_rows(tmp_path / "group_1", 25, p1)
         p1.send_signal(signal.SIGKILL)
@@ -159,15 +163,25 @@ def test_a_killed_group_leaves_the_other_training_and_a_restart_is_healed(tmp_pa
         assert not (tmp_path / "group_1" / "checkpoints").is_dir() or not any(
             p.name.isdigit() for p in (tmp_path / "group_1" / "checkpoints").iterdir()
         )  # nothing of its own to resume: the restart must come from a live peer
-        p1 = _start(1, 2, lighthouse, tmp_path, extra)
+        end = time.monotonic() + 300
+        while not spare.ready():
+            assert spare.proc.poll() is None and time.monotonic() < end, spare.log.read_text()
+            time.sleep(0.2)
+        assert os.sched_getscheduler(spare.proc.pid) == os.SCHED_IDLE  # loads on spare cycles
+        args = group_args(1, 2, lighthouse, tmp_path, CONFIG, [*SETS, *GROUP, *extra])
+        p1 = spare.take(args, tmp_path / "group_1.log", None)
         assert p0.wait(timeout=600) == 0, _logs(tmp_path)
         assert p1.wait(timeout=600) == 0, _logs(tmp_path)
     finally:
         for p in (p0, p1):
             if p.poll() is None:
                 p.kill()
+        spare.stop()
     log0 = (tmp_path / "group_0.log").read_text()
     assert log0.count("compiling the training step") == 1  # never restarted
+    log1 = (tmp_path / "group_1.log").read_text()
+    assert log1.count("compiling the training step") == 2  # the spare's life logged there too
+    assert "compiling" not in spare.log.read_text()
     s1 = json.loads((tmp_path / "group_1/summary.json").read_text())
     assert s1["groups"]["heals"] == 1, s1["groups"]
     rows1 = _rows(tmp_path / "group_1")
@@ -182,6 +196,22 @@ def test_a_killed_group_leaves_the_other_training_and_a_restart_is_healed(tmp_pa
     rows0 = _rows(tmp_path / "group_0")
     assert [r["step"] for r in rows0] == list(range(1, 601))
     assert rows0[-1]["loss"] < rows0[0]["loss"]
+
+
+def test_a_spare_handed_a_malformed_order_says_so(tmp_path):
+    from train.groups import Spare
+
+    spare = Spare(tmp_path, 0, _env())
+    try:
+        end = time.monotonic() + 300
+        while not spare.ready():
+            assert spare.proc.poll() is None and time.monotonic() < end, spare.log.read_text()
+            time.sleep(0.2)
+        spare.order.write_text('{"log": "x"}')
+        assert spare.proc.wait(timeout=60) == 2
+    finally:
+        spare.stop()
+    assert "not an order ('argv')" in spare.log.read_text()
 
 
 def test_a_stopped_run_of_int8_groups_resumes_bit_exactly(tmp_path):

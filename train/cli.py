@@ -109,7 +109,55 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--list-keys", action="store_true", help="print every config key, its default and meaning"
     )
+    p.add_argument(
+        "--standby",
+        metavar="FILE",
+        help="a hot spare: load the libraries, then wait for FILE to name this process's "
+        "arguments, log and cores (written by python -m train.groups --spare)",
+    )
     return p
+
+
+def standby(path: Path, poll_s: float = 0.05) -> int:
+    """Wait as a hot spare: with JAX, torch, torchft and the trainer imported (the
+    seconds a cold start spends before its first step; no backend is initialised, so the
+    device count is still free), write ``<path>.ready``, then wait for ``path``: a JSON
+    object ``{"argv": [...], "log": FILE, "cpus": [...] or null}``. Its output then goes
+    to ``log``, its cores are ``cpus``, and it runs ``main(argv)``."""
+    import json
+    import time
+
+    import torchft  # noqa: F401  (the import the spare is kept for)
+
+    from . import replica_groups, trainer  # noqa: F401
+
+    path = Path(path)
+    Path(f"{path}.ready").write_text(str(os.getpid()))
+    while not path.is_file():
+        time.sleep(poll_s)
+    try:
+        order = json.loads(path.read_text())
+        argv, log, cpus = order["argv"], order["log"], order.get("cpus")
+    except (ValueError, KeyError, TypeError) as e:
+        print(f"error: --standby {path}: not an order ({e})", file=sys.stderr)
+        return 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    if cpus is not None:
+        os.sched_setaffinity(0, set(cpus))
+    # Back to the normal class (a spare loads at SCHED_IDLE), every thread the imports made
+    # too; threads started from here on inherit it.
+    tids = os.listdir("/proc/self/task") if hasattr(os, "SCHED_OTHER") else []
+    for tid in tids:
+        try:
+            os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+        except OSError:
+            pass
+    return main(list(argv))
 
 
 def list_keys() -> str:
@@ -183,6 +231,8 @@ def _failed(message: str, code: int = 1) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, run one training job, print its summary."""
     args = parser().parse_args(argv)
+    if args.standby is not None:
+        return standby(Path(args.standby))
     if args.list_keys:
         try:
             print(list_keys())

@@ -17,7 +17,8 @@ beside what each group's transport counted.
 ``--chaos-every S`` kills a random training group with SIGKILL every ``S`` seconds (never
 the last one alive) and starts it again ``--restart-after`` seconds later (from its own
 newest checkpoint if it has one; either way the live groups heal it), to measure what
-failures cost (``benchmarks/groups_chaos.py``).
+failures cost (``benchmarks/groups_chaos.py``). ``--spare`` hands each restart to a hot
+spare (:class:`Spare`) whose libraries are already loaded.
 """
 
 from __future__ import annotations
@@ -32,7 +33,31 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["main", "pinned", "start_group"]
+__all__ = ["Spare", "group_args", "main", "pinned", "start_group"]
+
+
+def group_args(
+    slot: int,
+    count: int,
+    lighthouse: str,
+    run_dir: Path,
+    config: str | None,
+    overrides: list[str],
+    *,
+    resume: bool = False,
+) -> list[str]:
+    """The arguments of ``python -m train`` for group ``slot`` of ``count``, its run folder
+    ``<run_dir>/group_<slot>`` (``--resume`` where that folder has a checkpoint)."""
+    folder = run_dir / f"group_{slot}"
+    args = ["--no-progress", *(["--config", config] if config else [])]
+    sets = [*overrides, f"groups.lighthouse={lighthouse}", f"groups.slot={slot}",
+            f"groups.count={count}", f"out_dir={folder}", f"name=group_{slot}"]  # fmt: skip
+    for s in sets:
+        args += ["--set", s]
+    saved = folder / "checkpoints"
+    if resume and saved.is_dir() and any(p.name.isdigit() for p in saved.iterdir()):
+        args += ["--resume"]
+    return args
 
 
 def start_group(
@@ -51,20 +76,52 @@ def start_group(
     """Start group ``slot`` of ``count`` (``python -m train``, after the command ``prefix``,
     e.g. a network namespace's), its output in ``<run_dir>/group_<slot>.log``; ``cpus``:
     the CPU cores it may run on (all: None)."""
-    folder = run_dir / f"group_{slot}"
-    cmd = [*(prefix or []), sys.executable, "-m", __package__ or "train", "--no-progress"]
-    cmd += ["--config", config] if config else []
-    sets = [*overrides, f"groups.lighthouse={lighthouse}", f"groups.slot={slot}",
-            f"groups.count={count}", f"out_dir={folder}", f"name=group_{slot}"]  # fmt: skip
-    for s in sets:
-        cmd += ["--set", s]
-    saved = folder / "checkpoints"
-    if resume and saved.is_dir() and any(p.name.isdigit() for p in saved.iterdir()):
-        cmd += ["--resume"]
+    args = group_args(slot, count, lighthouse, run_dir, config, overrides, resume=resume)
+    cmd = [*(prefix or []), sys.executable, "-m", __package__ or "train", *args]
     log = open(run_dir / f"group_{slot}.log", "a")
     if cpus is not None:
         cmd = pinned(cmd, cpus)
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+class Spare:
+    """A hot spare: ``python -m train --standby`` started ahead, its libraries loaded, that
+    becomes a restarted group when :meth:`take` hands it the group's arguments. It saves a
+    restart the interpreter's start and the imports (torch, torchft, JAX and the trainer:
+    several seconds on a loaded machine); the group still compiles (from the run's
+    persistent cache) and is healed from a live peer like any restart. It loads at the
+    idle scheduling class (``SCHED_IDLE``: on a machine the groups keep busy it takes only
+    the cycles they leave) and returns to the normal class when taken."""
+
+    def __init__(self, run_dir: Path, n: int, env: dict[str, str] | None = None):
+        self.order = run_dir / f"spare_{n}.json"
+        self.log = run_dir / f"spare_{n}.log"
+        idle = ("import os, sys\nif hasattr(os, 'SCHED_IDLE'):\n"
+                "    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
+                "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")  # fmt: skip
+        cmd = [sys.executable, "-c", idle, "-m", __package__ or "train", "--standby",
+               str(self.order)]  # fmt: skip
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def ready(self) -> bool:
+        """Whether it has loaded its libraries and waits (and is alive)."""
+        return self.proc.poll() is None and Path(f"{self.order}.ready").is_file()
+
+    def take(self, args: list[str], log: Path, cpus: set[int] | None) -> subprocess.Popen:
+        """Hand it ``python -m train``'s arguments ``args``: it runs them, its output
+        appended to ``log``, on the cores ``cpus`` (all: None). Returns its process."""
+        order = {"argv": args, "log": str(log), "cpus": sorted(cpus) if cpus else None}
+        tmp = self.order.with_suffix(".tmp")
+        tmp.write_text(json.dumps(order))
+        tmp.replace(self.order)  # whole, or not there
+        return self.proc
+
+    def stop(self) -> None:
+        """End it (a spare never taken has nothing to save)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
 
 
 def pinned(cmd: list[str], cpus: set[int]) -> list[str]:
@@ -95,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chaos-start", type=float, default=0.0, help="first kill after S seconds")
     p.add_argument("--restart-after", type=float, default=5.0, help="restart a killed group")
     p.add_argument("--chaos-seed", type=int, default=0)
+    p.add_argument("--spare", action="store_true",
+                   help="keep a hot spare (libraries loaded) that becomes the next restarted "
+                   "group; a new spare is started each time one is taken")  # fmt: skip
     p.add_argument("--resume", action="store_true", help="resume every group's run folder")
     p.add_argument("--network", default=None, metavar="LAT,BW",
                    help="each group in a network namespace, its link shaped to BW "
@@ -112,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"use {len(cores)}")  # fmt: skip
     if not 1 <= args.min_groups <= args.groups:
         p.error(f"--min-groups must be in 1..{args.groups}, got {args.min_groups}")
+    if args.spare and args.network is not None:
+        p.error("--spare with --network: a spare cannot enter a group's network namespace "
+                "once started; use one or the other")  # fmt: skip
     mbit = None
     if args.network is not None:
         from jaxcomm._src.network import Network
@@ -184,6 +247,20 @@ def main(argv: list[str] | None = None) -> int:
 
     start, started = time.monotonic(), time.time()
     procs = {i: begin(i, args.resume) for i in range(args.groups)}
+    spares = [Spare(run_dir, 0, env)] if args.spare else []
+
+    def restart(i: int) -> tuple[subprocess.Popen, str]:
+        """Group ``i`` started again: on the ready spare where there is one."""
+        if spares and spares[-1].ready():
+            k = args.cpus_per_group
+            cpus = set(cores[i * k : (i + 1) * k]) if k else None
+            own = group_args(i, args.groups, lh_address, run_dir, args.config,
+                             [*sets, "groups.rejoin=true"], resume=True)  # fmt: skip
+            proc = spares[-1].take(own, run_dir / f"group_{i}.log", cpus)
+            spares.append(Spare(run_dir, len(spares), env))
+            return proc, " on the hot spare"
+        return begin(i, True, rejoin=True), ""
+
     started_at = {i: time.time() for i in procs}
     restarts = {i: 0 for i in procs}
     kills: list[dict] = []
@@ -235,9 +312,9 @@ def main(argv: list[str] | None = None) -> int:
                 elif now >= when:
                     del down[i]
                     restarts[i] += 1
-                    procs[i] = begin(i, True, rejoin=True)
+                    procs[i], how = restart(i)
                     started_at[i] = time.time()
-                    print(f"chaos: restarted group {i} at {now - start:.1f} s", flush=True)
+                    print(f"chaos: restarted group {i}{how} at {now - start:.1f} s", flush=True)
             time.sleep(0.2)
     except KeyboardInterrupt:
         for proc in procs.values():
@@ -247,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait()
         return 130
     finally:
+        for spare in spares:
+            if spare.proc not in procs.values():
+                spare.stop()
         link = {}
         if cluster is not None:
             link = {i: _tx_bytes(cluster, i) for i in range(args.groups)}
@@ -257,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
             lh.shutdown()
     wall = time.monotonic() - start
     report = {"groups": args.groups, "exit_codes": codes, "restarts": restarts, "wall_s": wall,
-              "started": started, "kills": kills, "stopped": sorted(stopped)}  # fmt: skip
+              "started": started, "kills": kills, "stopped": sorted(stopped),
+              "spares_taken": max(len(spares) - 1, 0)}  # fmt: skip
     if link:
         report["link_tx_bytes"] = link
         report["network_mbit"] = mbit
