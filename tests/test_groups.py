@@ -284,6 +284,8 @@ def test_an_unreachable_lighthouse_is_one_clear_error(tmp_path):
         (["--groups", "2", "--cpus-per-group", "4096"], "--cpus-per-group 4096 x --groups 2"),
         (["--groups", "2", "--cpus-per-group", "-1"], "--cpus-per-group -1"),
         (["--groups", "2", "--spare", "--network", "100"], "--spare with --network"),
+        (["--groups", "2", "--processes-per-group", "0"], "--processes-per-group must be"),
+        (["--groups", "2", "--spare", "--processes-per-group", "2"], "a spare is one process"),
     ],
 )
 def test_the_launchers_bad_arguments_are_refused_naming_them(args, match, capsys):

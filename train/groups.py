@@ -72,12 +72,17 @@ def start_group(
     env: dict[str, str] | None = None,
     prefix: list[str] | None = None,
     cpus: set[int] | None = None,
+    processes: int = 1,
 ) -> subprocess.Popen:
     """Start group ``slot`` of ``count`` (``python -m train``, after the command ``prefix``,
     e.g. a network namespace's), its output in ``<run_dir>/group_<slot>.log``; ``cpus``:
-    the CPU cores it may run on (all: None)."""
+    the CPU cores it may run on (all: None); ``processes``: more than 1 makes the group
+    one ``jax.distributed`` job of that many processes (``python -m train.launch``)."""
     args = group_args(slot, count, lighthouse, run_dir, config, overrides, resume=resume)
-    cmd = [*(prefix or []), sys.executable, "-m", __package__ or "train", *args]
+    package = __package__ or "train"
+    run = ["-m", package] if processes == 1 else ["-m", f"{package}.launch", "--processes",
+                                                  str(processes)]  # fmt: skip
+    cmd = [*(prefix or []), sys.executable, *run, *args]
     log = open(run_dir / f"group_{slot}.log", "a")
     if cpus is not None:
         cmd = pinned(cmd, cpus)
@@ -91,16 +96,19 @@ class Spare:
     several seconds on a loaded machine); the group still compiles (from the run's
     persistent cache) and is healed from a live peer like any restart. It loads at the
     idle scheduling class (``SCHED_IDLE``: on a machine the groups keep busy it takes only
-    the cycles they leave) and returns to the normal class when taken."""
+    the cycles they leave; ``idle=False``: the normal class throughout) and returns to the
+    normal class when taken."""
 
-    def __init__(self, run_dir: Path, n: int, env: dict[str, str] | None = None):
+    def __init__(
+        self, run_dir: Path, n: int, env: dict[str, str] | None = None, *, idle: bool = True
+    ):
         self.order = run_dir / f"spare_{n}.json"
         self.log = run_dir / f"spare_{n}.log"
-        idle = ("import os, sys\nif hasattr(os, 'SCHED_IDLE'):\n"
+        code = ("import os, sys\nif hasattr(os, 'SCHED_IDLE'):\n"
                 "    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
                 "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")  # fmt: skip
-        cmd = [sys.executable, "-c", idle, "-m", __package__ or "train", "--standby",
-               str(self.order)]  # fmt: skip
+        cmd = [sys.executable, *(["-c", code] if idle else []), "-m", __package__ or "train",
+               "--standby", str(self.order)]  # fmt: skip
         with open(self.log, "a") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
@@ -152,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chaos-start", type=float, default=0.0, help="first kill after S seconds")
     p.add_argument("--restart-after", type=float, default=5.0, help="restart a killed group")
     p.add_argument("--chaos-seed", type=int, default=0)
+    p.add_argument("--processes-per-group", type=int, default=1, metavar="P",
+                   help="each group one jax.distributed job of P processes (python -m "
+                   "train.launch); its first process talks to the other groups")  # fmt: skip
     p.add_argument("--spare", action="store_true",
                    help="keep a hot spare (libraries loaded) that becomes the next restarted "
                    "group; a new spare is started each time one is taken")  # fmt: skip
@@ -172,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"use {len(cores)}")  # fmt: skip
     if not 1 <= args.min_groups <= args.groups:
         p.error(f"--min-groups must be in 1..{args.groups}, got {args.min_groups}")
+    if args.processes_per_group < 1:
+        p.error(f"--processes-per-group must be at least 1, got {args.processes_per_group}")
+    if args.spare and args.processes_per_group > 1:
+        p.error("--spare with --processes-per-group > 1: a spare is one process")
     if args.spare and args.network is not None:
         p.error("--spare with --network: a spare cannot enter a group's network namespace "
                 "once started; use one or the other")  # fmt: skip
@@ -242,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         k = args.cpus_per_group
         cpus = set(cores[i * k : (i + 1) * k]) if k else None
         return start_group(i, args.groups, lh_address, run_dir, args.config, [*sets, *own],
-                           resume=resume, env=env, prefix=prefixes.get(i),
-                           cpus=cpus)  # fmt: skip
+                           resume=resume, env=env, prefix=prefixes.get(i), cpus=cpus,
+                           processes=args.processes_per_group)  # fmt: skip
 
     start, started = time.monotonic(), time.time()
     procs = {i: begin(i, args.resume) for i in range(args.groups)}

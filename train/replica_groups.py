@@ -25,6 +25,13 @@ state, the step and the data position, as the peer held them when it launched th
 exchange; it then takes the exchange's outer step as the others do, so it holds what they
 hold. At the start a handshake waits up to ``groups.start_timeout_s`` for all groups.
 
+**Several processes.** A group may be one ``jax.distributed`` job: its first process (the
+leader) alone holds the transport and runs the exchanges; at each merge (and at the start,
+and when the exchanges are settled) every process calls :meth:`ReplicaGroups._resolve`
+at the same point, and the leader's outcome, its state of the fragment, or everything a heal
+brought, reach the others by a broadcast inside the group. At the end the processes check
+that they hold one ``theta_sync`` and one set of parameters.
+
 **Checkpoints.** Each group saves its own run folder: the trainer's state, each fragment's
 ``theta_sync``, outer state and error feedback, and the count of exchanges committed. A
 whole-run stop resumes bit-exactly; a group resumed while the others train on is healed
@@ -57,7 +64,6 @@ from jaxcomm.groups import GroupOuter, GroupState
 
 from .checkpoint import has_rows
 from .config import Config
-from .distributed import to_host
 from .models import layer_groups
 from .replica import FIELDS, Transport, array_id, fingerprint_id
 from .sync import EveryStep
@@ -73,6 +79,41 @@ def _copy(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda a: a.copy(), tree)
 
 
+def _local(tree: Any) -> Any:
+    """Host copies of ``tree``'s replicated device arrays, read from this process's own
+    copy (no collective: the exchange thread of one process may call it)."""
+
+    def read(a: Any) -> np.ndarray:
+        if isinstance(a, jax.Array) and not a.is_fully_addressable:
+            if not a.is_fully_replicated:
+                raise ValueError("replica groups need the state held once (replicated)")
+            return np.asarray(a.addressable_shards[0].data)
+        return np.asarray(a)
+
+    return jax.tree_util.tree_map(read, tree)
+
+
+def _state_arrays(st: GroupState) -> list[np.ndarray]:
+    """A fragment's state as a list of host arrays (for a broadcast in the group)."""
+    out = [np.asarray(st.anchor), np.asarray(st.residual)]
+    out += [np.asarray(a) for a in jax.tree_util.tree_leaves(st.outer)]
+    return out + ([np.asarray(st.key)] if st.key is not None else [])
+
+
+def _from_arrays(like: GroupState, arrays: list[np.ndarray]) -> GroupState:
+    """The state :func:`_state_arrays` made, in the dtypes and structure of ``like``."""
+    leaves, tree = jax.tree_util.tree_flatten(like.outer)
+    n = len(leaves)
+    outer = zip(arrays[2 : 2 + n], leaves, strict=True)
+    cast = [np.asarray(a, np.asarray(b).dtype) for a, b in outer]
+    return GroupState(
+        anchor=np.asarray(arrays[0], np.asarray(like.anchor).dtype),
+        outer=jax.tree_util.tree_unflatten(tree, cast),
+        residual=np.asarray(arrays[1], np.asarray(like.residual).dtype),
+        key=None if like.key is None else np.asarray(arrays[2 + n], np.asarray(like.key).dtype),
+    )
+
+
 def _put_like(host: Any, like: Any) -> Any:
     """Host arrays ``host`` on the devices and in the dtypes of ``like``."""
     return jax.tree_util.tree_map(
@@ -81,6 +122,10 @@ def _put_like(host: Any, like: Any) -> Any:
         like,
     )
 
+
+# A pending exchange in a group's process other than its first: the first process (the
+# leader) runs the exchange and hands its outcome to the others at the merge.
+REMOTE = "remote"
 
 HEADER_BYTES = 8 * len(FIELDS)  # a group's header: one int64 per field
 
@@ -121,16 +166,16 @@ class ReplicaGroups(EveryStep):
     reads_state = True
 
     def __init__(self, cfg: Config):
-        if jax.process_count() > 1:
-            raise ValueError(
-                f"groups with {jax.process_count()} processes: a replica group is one process "
-                "(its workers are that process's devices); start one group per host instead"
-            )
+        # A group of several processes (one jax.distributed job): its first process alone
+        # talks to the other groups; at each merge it hands the outcome (and the states it
+        # changed) to the others with a broadcast inside the group.
+        self._procs = jax.process_count()
+        self._leader = jax.process_index() == 0
         self.cfg, self.sync, self.groups = cfg, cfg.sync, cfg.groups
         self.transport: Transport | None = None
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "jaxcomm-groups")
-        self._pending: list[tuple[int, int, concurrent.futures.Future]] = []
+        self._pending: list[tuple[int, int, concurrent.futures.Future | str | None]] = []
         self._heal: dict[str, Any] | None = None  # received from a peer (exchange thread)
         self._healed_state: dict[str, Any] | None = None  # to apply on the main thread
         self._snap: dict[str, Any] | None = None
@@ -149,6 +194,7 @@ class ReplicaGroups(EveryStep):
             "exchange_alpha_s": None,
         }  # fmt: skip
         self._wall0: float | None = None
+        self._ctx: Context | None = None
         s = cfg.sync
         outer = optax.sgd(s.outer_lr)
         if s.outer_momentum:
@@ -273,8 +319,8 @@ class ReplicaGroups(EveryStep):
             snap = dict(self._snap)
             anchors = [s.anchor for s in self.state]
             outers = [s.outer for s in self.state]
-        snap["params"] = to_host(snap["params"])
-        snap["opt_state"] = to_host(snap["opt_state"])
+        snap["params"] = _local(snap["params"])
+        snap["opt_state"] = _local(snap["opt_state"])
         return {**snap, "anchors": anchors, "outers": outers, "fingerprint": self.fp}
 
     def _on_heal(self, state: dict[str, Any]) -> None:
@@ -453,11 +499,12 @@ class ReplicaGroups(EveryStep):
         with open(self.cfg.run_dir / "exchanges.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
 
-    def _handshake(self, ctx: Context) -> None:
+    def _handshake(self, ctx: Context) -> int | None:
         """Wait for the other groups at the start; a group behind them is healed here. With
         ``groups.rejoin`` (a restart into a running run) only a heal ends the wait: if no
         live group heals it within ``groups.start_timeout_s`` it stops with an error
-        instead of training alone from where it was."""
+        instead of training alone from where it was. Returns None if not healed, else the
+        fragment of the peers' exchange that healed it (its merge is then due), or -1."""
         transport = self._connect()
         g = self.groups
         deadline = time.monotonic() + g.start_timeout_s
@@ -496,13 +543,9 @@ class ReplicaGroups(EveryStep):
                     with self._lock:
                         self.state[p] = new
                     self._log_exchange(ex, chosen, p, ctx.step)
-                    self._apply_heal(ctx)
-                    self._pending = [(p, ctx.step + self.sync.overlap, None)]
-                else:
-                    self._apply_heal(ctx)
-                    self._pending = []
-                self._snapshot(ctx)
-                return
+                    self._healed_fragment = p
+                    return p
+                return -1
             if g.rejoin:
                 continue
             if ex.members >= g.count:
@@ -512,19 +555,31 @@ class ReplicaGroups(EveryStep):
                 t0 = time.perf_counter()
                 transport.exchange(header, lambda healed: np.zeros(0, np.uint8), commit=commit)
                 self.stats["exchange_alpha_s"] = time.perf_counter() - t0
-                return
+                return None
             if time.monotonic() > deadline:
-                return
+                return None
 
     # ------------------------------------------------------------------ the hooks
 
     def begin(self, ctx: Context, resumed: bool) -> None:
-        transport = self._connect()
-        if resumed:
-            transport.set_committed(self._committed)
-        self._snapshot(ctx)
+        self._ctx = ctx  # the trainer's state, for a heal handed over at a settle
+        if self._leader:
+            transport = self._connect()
+            if resumed:
+                transport.set_committed(self._committed)
+            self._snapshot(ctx)
         self._warm_up()
-        self._handshake(ctx)
+        healed = self._handshake(ctx) if self._leader else None
+        if self._procs > 1:  # the leader's outcome, in every process of the group
+            flags = self._broadcast(np.asarray([healed is not None, healed or 0], np.int32))
+            healed = int(flags[1]) if flags[0] else None
+            if healed is not None:
+                self._share_heal(ctx)
+        if healed is not None:
+            self._apply_heal(ctx)
+            self._pending = [(healed, ctx.step + self.sync.overlap, None)] if healed >= 0 else []
+            if self._leader:
+                self._snapshot(ctx)
         self._row = {}
         self._merge_due(ctx)
         self._wall0 = None
@@ -610,30 +665,38 @@ class ReplicaGroups(EveryStep):
             self.stats["steady_s"] = time.perf_counter() - self._wall0
             self.stats["steady_wait_s"] = self.stats["wait_s"]
             self._settle()  # theta_sync complete for the evaluation and the export
+            if self._procs > 1:
+                self._agree(ctx)
         self._row["group_wait_s"] = time.perf_counter() - t0
         if self.transport is not None:
             self._row["group_sent_bytes"] = self.transport.sent_bytes - self._sent_before
             self._sent_before = self.transport.sent_bytes
         if self._wall0 is not None:
             self.stats["wall_s"] = time.perf_counter() - self._wall0
-        self._inflight = any(fut is not None and not fut.done() for _, _, fut in self._pending)
+        self._inflight = any(
+            isinstance(fut, concurrent.futures.Future) and not fut.done()
+            for _, _, fut in self._pending
+        )
 
     def _launch(self, ctx: Context, p: int) -> None:
+        since = self._last_sync.get(p, 0)
+        tokens = max(ctx.step - since, 1) * self.cfg.global_batch
+        self._last_sync[p] = ctx.step
+        if not self._leader:  # the leader exchanges; its outcome comes at the merge
+            self._pending.append((p, ctx.step + self.sync.overlap, REMOTE))
+            return
         for q, _, fut in self._pending:  # one exchange at a time on the transport
             if fut is not None and q != p:
                 fut.result()
         local = self._flat(ctx.params, p)
-        since = self._last_sync.get(p, 0)
-        tokens = max(ctx.step - since, 1) * self.cfg.global_batch
-        self._last_sync[p] = ctx.step
         self._snapshot(ctx)
         fut = self._pool.submit(self._exchange, p, local, tokens, ctx.step)
         self._pending.append((p, ctx.step + self.sync.overlap, fut))
 
-    def _wait(self, fut: concurrent.futures.Future | None) -> bool:
+    def _wait(self, fut: concurrent.futures.Future | str | None) -> bool:
         """Wait for an exchange (its row entries go into this step's row); whether it
         failed (nothing committed)."""
-        if fut is None:
+        if not isinstance(fut, concurrent.futures.Future):
             return False
         t0 = time.perf_counter()
         info = fut.result()
@@ -646,9 +709,88 @@ class ReplicaGroups(EveryStep):
         the merges stay due at their steps."""
         settled = []
         for p, due, fut in self._pending:
-            if not self._wait(fut):  # a failed exchange has nothing to merge
+            if not self._resolve(p, fut):  # a failed exchange has nothing to merge
                 settled.append((p, due, None))
         self._pending = settled
+
+    def _resolve(self, p: int, fut: Any) -> bool:
+        """Wait for fragment ``p``'s exchange; whether it failed. In a group of several
+        processes every process calls this at the same point: the leader's outcome, its
+        state of fragment ``p`` (or, if the exchange healed it, everything the heal
+        brought) go to the others."""
+        failed = self._wait(fut)
+        if self._procs == 1 or fut is None:
+            return failed
+        flags = np.asarray([failed, self._healed_state is not None, self._healed_fragment])
+        flags = self._broadcast(flags.astype(np.int32))
+        if flags[1]:
+            self._healed_fragment = int(flags[2])
+            self._share_heal(self._ctx)
+        else:
+            with self._lock:
+                st = self.state[p]
+            got = self._broadcast(_state_arrays(st))
+            if not self._leader:
+                with self._lock:
+                    self.state[p] = _from_arrays(st, got)
+        return bool(flags[0])
+
+    def _agree(self, ctx: Context) -> None:
+        """(A group of several processes, at the end) check that every process holds the
+        leader's ``theta_sync`` and the same parameters; their ids go in the summary."""
+        from jax.experimental import multihost_utils
+
+        with self._lock:
+            anchors = np.concatenate([np.asarray(s.anchor).reshape(-1) for s in self.state])
+        leaves = jax.tree_util.tree_leaves(_local(ctx.params))
+        params = np.concatenate([np.asarray(a, np.float32).reshape(-1) for a in leaves])
+        mine = np.asarray([array_id(anchors) % 2**31, array_id(params) % 2**31], np.int32)
+        ids = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 2)
+        self.stats["process_ids"] = ids.tolist()
+        if len({tuple(r) for r in ids.tolist()}) != 1:
+            raise RuntimeError(
+                f"group {self.groups.slot}: its processes hold different theta_sync or "
+                f"parameters at the end (ids {ids.tolist()}); the run's outputs are not "
+                "to be trusted"
+            )
+
+    def _broadcast(self, tree: Any) -> Any:
+        """``tree`` as the group's leader holds it, in every process of the group (host
+        arrays; every process calls this at the same point with the same shapes)."""
+        from jax.experimental import multihost_utils
+
+        out = multihost_utils.broadcast_one_to_all(tree, is_source=self._leader)
+        return jax.tree_util.tree_map(np.asarray, out)
+
+    def _share_heal(self, ctx: Context) -> None:
+        """The state a heal brought the leader (the peer's parameters, optimizer state,
+        step, data position, and every fragment's state), to every process of the group."""
+        frags = len(self.state)
+        with self._lock:
+            heal, states = self._healed_state, list(self.state)
+        if self._leader:
+            last = [heal["last_sync"].get(q, heal["last_sync"].get(str(q), -1))
+                    for q in range(frags)]  # fmt: skip
+            ints = np.asarray([heal["step"], heal["position"], *last], np.int32)
+            tree = {"params": heal["params"], "opt_state": heal["opt_state"], "ints": ints}
+        else:
+            zeros = lambda a: np.zeros(a.shape, a.dtype)  # noqa: E731
+            tree = {"params": jax.tree_util.tree_map(zeros, ctx.params),
+                    "opt_state": jax.tree_util.tree_map(zeros, ctx.opt_state),
+                    "ints": np.zeros(2 + frags, np.int32)}  # fmt: skip
+        tree["states"] = [_state_arrays(st) for st in states]
+        got = self._broadcast(tree)
+        if self._leader:
+            return
+        ints = [int(v) for v in got["ints"]]
+        with self._lock:
+            self.state = [_from_arrays(st, a) for st, a in zip(states, got["states"], strict=True)]
+            self._healed_state = {
+                "params": got["params"], "opt_state": got["opt_state"], "step": ints[0],
+                "position": ints[1],
+                "last_sync": {q: v for q, v in enumerate(ints[2:]) if v >= 0},
+            }  # fmt: skip
+        self.stats["heals"] += 1
 
     def _merge_due(self, ctx: Context) -> None:
         """Merge every fragment whose exchange is due at this step."""
@@ -657,7 +799,7 @@ class ReplicaGroups(EveryStep):
             if ctx.step < due:
                 keep.append((p, due, fut))
                 continue
-            failed = self._wait(fut)
+            failed = self._resolve(p, fut)
             if self._healed_state is not None:  # healed in this exchange: take the state
                 self._apply_heal(ctx)
                 keep.append((self._healed_fragment, ctx.step + self.sync.overlap, None))
@@ -674,7 +816,7 @@ class ReplicaGroups(EveryStep):
 
     def end(self, ctx: Context) -> None:
         for _, _, fut in self._pending:
-            if fut is not None:
+            if isinstance(fut, concurrent.futures.Future):
                 try:
                     fut.result(timeout=self.groups.timeout_s)
                 except Exception:

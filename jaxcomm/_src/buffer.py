@@ -88,9 +88,11 @@ _SEEN_CHUNK = 4096  # samples per chunk of the 1-byte ``seen`` flags
 
 
 def _cpu() -> jax.Device | None:
-    """The host CPU device (encoding/decoding of host arrays runs there), if JAX has one."""
+    """This process's host CPU device (encoding/decoding of host arrays runs there), if JAX
+    has one (the first of ``jax.devices("cpu")`` belongs to process 0 in a multi-process
+    run)."""
     try:
-        return jax.devices("cpu")[0]
+        return jax.local_devices(backend="cpu")[0]
     except RuntimeError:
         return None
 

@@ -105,7 +105,7 @@ class GroupOuter:
             self.codec = codec.bind(self.sizes) if self.sizes is not None else codec
         # On the host's CPU whatever the default device: every group, on any accelerator,
         # then rounds the outer step alike (theta_sync must stay bit-identical).
-        cpu = jax.devices("cpu")[0]
+        cpu = jax.local_devices(backend="cpu")[0]
         self._encode = _on(cpu, jax.jit(self._encode_impl))
         self._step = _on(cpu, jax.jit(self._step_impl))
         self._decode = _on(cpu, jax.jit(decode))
@@ -123,7 +123,7 @@ class GroupOuter:
             slot = check_int("slot", slot, lo=0)
             key = jax.random.key_data(jax.random.fold_in(jax.random.key(self.seed), slot))
             key = np.asarray(key)
-        with jax.default_device(jax.devices("cpu")[0]):
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
             outer = jax.tree_util.tree_map(np.asarray, self.outer.init(jnp.asarray(anchor)))
         return GroupState(
             anchor=anchor,
