@@ -8,7 +8,9 @@ Each row is ``python -m train`` on a config with a few overrides (a short step c
 evaluation, no progress bar); the estimate-only configs (too large for a CPU) are compiled
 from shapes by ``python -m train.estimate``. Compute is each config's roofline, so the
 simulated time depends on the config alone and two source trees can be compared to the
-digit.
+digit, on one machine (XLA's CPU code, and so the last digits of a loss, differ between
+machines: compare trees run on the same one). artopk_adaptive is the exception: its
+controller times the top-k selection on the host, so its choices follow the load.
 """
 
 from __future__ import annotations
