@@ -124,6 +124,7 @@ def run(folder: Path, groups: int, steps: int, chaos: list[str]) -> dict:
         "goodput_samples_per_s": total / report["wall_s"],
         "kills": len(report["kills"]),
         "restarts": report["restarts"],
+        "spares_taken": report.get("spares_taken", 0),
         "valid_loss": losses,
     }
 

@@ -207,13 +207,15 @@ def test_a_group_of_two_processes_is_healed_and_its_processes_agree(tmp_path, li
     same parameters (checked in the run; its ids in the summary)."""
     from train.groups import start_group
 
-    extra = ["workers=2", "global_batch=8", "aggregator=ring", "steps=600",
+    # Group 1 trains long enough for a 2-process job to start on a busy machine, and does
+    # not wait for group 0 at its own start.
+    extra = ["workers=2", "global_batch=8", "aggregator=ring", "steps=2000",
              "checkpoint_every=0", "groups.start_timeout_s=2"]  # fmt: skip
     p1 = _start(1, 2, lighthouse, tmp_path, extra)
     p0 = None
     try:
         _wait_rows(tmp_path / "group_1", 25, p1)
-        sets = [*SETS, *GROUP, *extra, "groups.rejoin=true"]
+        sets = [*SETS, *GROUP, *extra, "groups.rejoin=true", "groups.start_timeout_s=120"]
         p0 = start_group(0, 2, lighthouse, tmp_path, CONFIG, sets, env=_env(), processes=2)
         assert p0.wait(timeout=600) == 0, _logs(tmp_path)
         assert p1.wait(timeout=600) == 0, _logs(tmp_path)
@@ -236,7 +238,7 @@ def test_a_group_of_two_processes_is_healed_and_its_processes_agree(tmp_path, li
 def test_a_spare_loads_at_the_idle_class_and_says_so_of_a_malformed_order(tmp_path):
     from train.groups import Spare
 
-    idle = Spare(tmp_path, 1, _env())
+    idle = Spare(tmp_path, 1, _env(), idle=True)
     try:  # the wrapper's first line sets the class; the imports come after the exec
         end = time.monotonic() + 60
         while os.sched_getscheduler(idle.proc.pid) != os.SCHED_IDLE:
@@ -250,7 +252,9 @@ def test_a_spare_loads_at_the_idle_class_and_says_so_of_a_malformed_order(tmp_pa
         while not spare.ready():
             assert spare.proc.poll() is None and time.monotonic() < end, spare.log.read_text()
             time.sleep(0.2)
-        spare.order.write_text('{"log": "x"}')
+        tmp = spare.order.with_suffix(".tmp")
+        tmp.write_text('{"log": "x"}')
+        tmp.replace(spare.order)
         assert spare.proc.wait(timeout=60) == 2
     finally:
         spare.stop()

@@ -132,12 +132,17 @@ def standby(path: Path, poll_s: float = 0.05) -> int:
     from . import replica_groups, trainer  # noqa: F401
 
     path = Path(path)
+    parent = os.getppid()
     Path(f"{path}.ready").write_text(str(os.getpid()))
     while not path.is_file():
+        if os.getppid() != parent:  # the launcher is gone: nobody will hand an order
+            return 1
         time.sleep(poll_s)
     try:
         order = json.loads(path.read_text())
         argv, log, cpus = order["argv"], order["log"], order.get("cpus")
+        if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+            raise TypeError(f"argv must be a list of strings, got {argv!r}")
     except (ValueError, KeyError, TypeError) as e:
         print(f"error: --standby {path}: not an order ({e})", file=sys.stderr)
         return 2
@@ -151,12 +156,18 @@ def standby(path: Path, poll_s: float = 0.05) -> int:
         os.sched_setaffinity(0, set(cpus))
     # Back to the normal class (a spare loads at SCHED_IDLE), every thread the imports made
     # too; threads started from here on inherit it.
-    tids = os.listdir("/proc/self/task") if hasattr(os, "SCHED_OTHER") else []
+    task = Path("/proc/self/task")
+    tids = [int(t) for t in os.listdir(task)] if task.is_dir() else []
     for tid in tids:
         try:
-            os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            if cpus is not None:
+                os.sched_setaffinity(tid, set(cpus))
         except OSError:
             pass
+    if tids and os.sched_getscheduler(0) != os.SCHED_OTHER:
+        print("warning: the spare could not leave the idle scheduling class (no permission)",
+              file=sys.stderr)  # fmt: skip
     return main(list(argv))
 
 

@@ -89,6 +89,16 @@ def start_group(
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
+def can_leave_idle() -> bool:
+    """Whether a process of this user may go back from ``SCHED_IDLE`` to the normal class
+    (root, or a ``RLIMIT_NICE`` that allows nice 0); Linux only."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    import resource
+
+    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
+
+
 class Spare:
     """A hot spare: ``python -m train --standby`` started ahead, its libraries loaded, that
     becomes a restarted group when :meth:`take` hands it the group's arguments. It saves a
@@ -100,10 +110,14 @@ class Spare:
     normal class when taken."""
 
     def __init__(
-        self, run_dir: Path, n: int, env: dict[str, str] | None = None, *, idle: bool = True
+        self, run_dir: Path, n: int, env: dict[str, str] | None = None, *, idle: bool | None = None
     ):
         self.order = run_dir / f"spare_{n}.json"
         self.log = run_dir / f"spare_{n}.log"
+        for old in (self.order, self.order.with_suffix(".tmp"), Path(f"{self.order}.ready")):
+            old.unlink(missing_ok=True)  # a reused run folder's: never taken for this one
+        if idle is None:
+            idle = can_leave_idle()
         code = ("import os, sys\nif hasattr(os, 'SCHED_IDLE'):\n"
                 "    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
                 "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")  # fmt: skip
@@ -266,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def restart(i: int) -> tuple[subprocess.Popen, str]:
         """Group ``i`` started again: on the ready spare where there is one."""
+        if spares and spares[-1].proc.poll() is not None:
+            print(f"the hot spare ended ({spares[-1].proc.returncode}; {spares[-1].log}); "
+                  "starting another", flush=True)  # fmt: skip
+            spares.append(Spare(run_dir, len(spares), env))
         if spares and spares[-1].ready():
             k = args.cpus_per_group
             cpus = set(cores[i * k : (i + 1) * k]) if k else None

@@ -759,8 +759,17 @@ class ReplicaGroups(EveryStep):
         arrays; every process calls this at the same point with the same shapes)."""
         from jax.experimental import multihost_utils
 
-        out = multihost_utils.broadcast_one_to_all(tree, is_source=self._leader)
-        return jax.tree_util.tree_map(np.asarray, out)
+        # As unsigned integers of the same width: the broadcast is a sum with zeros, which
+        # would turn -0.0 into +0.0 and is not bit-exact for every float.
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        leaves = [np.asarray(a) for a in leaves]
+        bits = [a.view(f"u{a.dtype.itemsize}") if a.dtype.kind == "f" else a for a in leaves]
+        out = jax.tree_util.tree_leaves(
+            multihost_utils.broadcast_one_to_all(bits, is_source=self._leader)
+        )
+        back = [np.asarray(o).astype(b.dtype).view(a.dtype) if a.dtype.kind == "f"
+                else np.asarray(o) for o, a, b in zip(out, leaves, bits, strict=True)]  # fmt: skip
+        return jax.tree_util.tree_unflatten(treedef, back)
 
     def _share_heal(self, ctx: Context) -> None:
         """The state a heal brought the leader (the peer's parameters, optimizer state,
@@ -830,6 +839,10 @@ class ReplicaGroups(EveryStep):
 
     def eval_params(self, ctx: Context, params: Any) -> Any:
         """``theta_sync`` of every fragment, in the parameters' dtypes and placement."""
+        if self._procs > 1:
+            # An exchange in flight has moved the leader's theta_sync only: settle (and
+            # hand its outcome to every process) so all evaluate one model.
+            self._settle()
         with self._lock:
             anchors = [s.anchor for s in self.state]
         for p, a in enumerate(anchors):
