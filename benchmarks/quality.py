@@ -19,7 +19,8 @@ Protocol (one command per stage; every run's result is kept, an interrupted stag
 * **Grids** (:data:`METHODS`): DP's lr {1e-3, 2e-3, 3e-3, 6e-3}; each DiLoCo-family
   method's inner lr on the same grid, crossed with the outer step (SGD 1.0, i.e. plain
   averaging, or Nesterov momentum 0.9 at lr {0.1, 0.3, 0.5, 0.7}); the ``_warm`` variants
-  first run one period as data parallelism (the DiLoCo paper starts from a trained model);
+  first run a quarter of their steps (whole periods, rounded down) as data parallelism, as
+  the DiLoCo paper starts from a trained model;
   MuLoCo's Muon lr {0.005, 0.01, 0.02, 0.04} with its AdamW lr at {2e-3, 6e-3}; DeMo's
   sign step {5e-4, 1e-3, 2e-3, 4e-3} (64 x 64 blocks, 32 coefficients each, and momentum
   decay 0.999, the paper's, not tuned; weight decay 0.1 times the step; each worker's
@@ -101,7 +102,14 @@ DEMO_LRS = (5e-4, 1e-3, 2e-3, 4e-3)  # DeMo's sign step (the paper: 4e-4 at 300M
 OUTERS = ((1.0, 0.0), (0.1, 0.9), (0.3, 0.9), (0.5, 0.9), (0.7, 0.9))
 STEP_AXES = ("lr", "muon_lr")  # step sizes: extended past an end when chosen there
 CAP = 3  # the extend stage runs the low-byte methods to this many times the budget
+WARM_FRACTION = 0.25  # the _warm variants' data-parallel start, a share of the steps
 LOW_BYTE = ("diloco_h30", "sparseloco_h30", "muloco_h30", "demo")
+
+
+def warm_steps(steps: int, period: int, fraction: float) -> int:
+    """Data-parallel steps before a DiLoCo run: ``fraction`` of ``steps``, rounded down to
+    whole periods (so that every later period completes)."""
+    return int(steps * fraction) // period * period
 
 
 def _diloco(period: int, **sync: Any) -> dict[str, Any]:
@@ -112,12 +120,12 @@ def _family(period: int, warm: bool = False, **sync: Any) -> dict[str, Any]:
     return {
         "fixed": _diloco(period, **sync),
         "grid": {"lr": LRS, "outer": OUTERS},
-        "warm_periods": int(warm),
+        "warm": WARM_FRACTION if warm else 0.0,
     }
 
 
 # Each method: its fixed config, the axes of its grid ("lr", "muon_lr", "outer") and the
-# periods of data parallelism it starts with.
+# share of its steps it starts with as data parallelism.
 METHODS: dict[str, dict[str, Any]] = {
     "dp": {"fixed": {"aggregator": "ring"}, "grid": {"lr": LRS}},
     "diloco_h30": _family(30),
@@ -251,7 +259,7 @@ def config(size: str, method: str, setting: dict[str, Any], seed: int, steps: in
     if sync is not None:
         outer_lr, outer_mu = _norm(setting["outer"])
         sync.update(outer_lr=outer_lr, outer_momentum=outer_mu)
-        sync["warmup_steps"] = spec.get("warm_periods", 0) * sync["period"]
+        sync["warmup_steps"] = warm_steps(steps, sync["period"], spec.get("warm", 0.0))
         kw["sync"] = sync
     return Config(**kw)
 

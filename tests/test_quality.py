@@ -61,7 +61,7 @@ def test_a_setting_reaches_the_config(quality, tmp_path):
                           600, tmp_path)  # fmt: skip
     assert (warm.lr, warm.seed, warm.steps) == (2e-3, 3, 600)
     assert warm.sync.outer_lr == 0.5 and warm.sync.outer_momentum == 0.9
-    assert warm.sync.warmup_steps == 30 and warm.sync.compress.key == "chunk_topk"
+    assert warm.sync.warmup_steps == 150 and warm.sync.compress.key == "chunk_topk"
     assert (warm.sync.compress.chunk, warm.sync.compress.k) == (4096, 64)  # the preset
     assert (600 - warm.sync.warmup_steps) % warm.sync.period == 0  # whole periods
     mu = quality.config("xs", "muloco_h30", {"muon_lr": 0.01, "lr": 6e-3, "outer": (1.0, 0.0)},
