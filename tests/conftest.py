@@ -50,7 +50,6 @@ def run_tx():
     ``run_tx(mesh, tx, grads_seq [T, N, d], params [N, d])`` applies ``tx.update`` for T steps
     on every worker and returns ``(updates [N, T, d], final state with a leading N axis)``.
     """
-    import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -59,12 +58,13 @@ def run_tx():
 
         def per_worker(g_seq, p):
             p = p[0]
-            state = tx.init(p)
-            outs = []
-            for t in range(g_seq.shape[0]):
-                upd, state = tx.update(g_seq[t, 0], state, p)
-                outs.append(upd)
-            return jnp.stack(outs)[None], jax.tree_util.tree_map(lambda a: a[None], state)
+
+            def one_step(state, g):  # one program for every step: compiled once
+                upd, state = tx.update(g[0], state, p)
+                return state, upd
+
+            state, outs = jax.lax.scan(one_step, tx.init(p), g_seq)
+            return outs[None], jax.tree_util.tree_map(lambda a: a[None], state)
 
         f = jax.shard_map(
             per_worker, mesh=mesh, in_specs=(P(None, "data"), P("data")), out_specs=P("data")

@@ -75,12 +75,12 @@ def _steps(mesh, tx, grads_seq):
     """Run ``tx`` for T steps per worker on grads ``[T, N, d]``; return updates ``[N, T, d]``."""
 
     def per_worker(g_seq):
-        state = tx.init(g_seq[0, 0])
-        outs = []
-        for t in range(g_seq.shape[0]):
-            upd, state = tx.update(g_seq[t, 0], state)
-            outs.append(upd)
-        return jnp.stack(outs)[None], jax.tree_util.tree_map(lambda a: a[None], state)
+        def one_step(state, g):  # one program for every step: compiled once
+            upd, state = tx.update(g[0], state)
+            return state, upd
+
+        state, outs = jax.lax.scan(one_step, tx.init(g_seq[0, 0]), g_seq)
+        return outs[None], jax.tree_util.tree_map(lambda a: a[None], state)
 
     f = jax.shard_map(per_worker, mesh=mesh, in_specs=P(None, "data"), out_specs=P("data"))
     g = jax.device_put(grads_seq, NamedSharding(mesh, P(None, "data")))

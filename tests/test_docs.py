@@ -273,13 +273,16 @@ def _worker(code, page):
 
     def per_worker(params, *data):
         params = jax.tree.map(lambda a: a[0], params)
-        opt_state = tx.init(params)
-        for t in range(10):
+
+        def one_step(carry, t):  # the page's lines, as printed, as one step of a scan
+            params, opt_state = carry
             scope = {"jaxcomm": jaxcomm, "optax": optax, "loss_fn": loss_fn, "tx": tx}
             scope.update(params=params, opt_state=opt_state)
-            scope.update(zip(names, jax.tree.map(lambda a, t=t: a[0, t], data), strict=True))
+            scope.update(zip(names, jax.tree.map(lambda a: a[0, t], data), strict=True))
             exec(compile(step, page, "exec"), scope)  # noqa: S102
-            params, opt_state = scope["params"], scope["opt_state"]
+            return (scope["params"], scope["opt_state"]), None
+
+        (params, _), _ = jax.lax.scan(one_step, (params, tx.init(params)), jnp.arange(10))
         return jax.tree.map(lambda a: a[None], params)
 
     mesh = jax.make_mesh((8,), ("data",))
