@@ -604,16 +604,21 @@ def test_the_docs_block_runs_as_printed():
 
     def per_worker(params, batches):
         params = jax.tree_util.tree_map(lambda a: a[0], params)
-        opt_state = tx.init(params)
-        sent = []
-        for t in range(30):
+
+        def one_step(carry, batch):  # the page's lines, as printed, as one step of a scan
+            params, opt_state = carry
             scope = {"jaxcomm": jaxcomm, "optax": optax, "loss_fn": loss_fn, "tx": tx}
-            scope.update(params=params, opt_state=opt_state, batch=batches[0, t])
+            scope.update(params=params, opt_state=opt_state, batch=batch)
             exec(compile(step, "diloco.md", "exec"), scope)  # noqa: S102
             params, opt_state = scope["params"], scope["opt_state"]
-            sent.append(merge_logs(*find_logs(opt_state)).sent_bytes)
+            sent = merge_logs(*find_logs(opt_state)).sent_bytes
+            return (params, opt_state), (scope["synchronised"], sent)
+
+        start = (params, tx.init(params))
+        (params, _), (synchronised, sent) = jax.lax.scan(one_step, start, batches[0])
+        synchronised = jax.tree_util.tree_map(lambda a: a[-1], synchronised)  # the last step's
         lead = lambda tree: jax.tree_util.tree_map(lambda a: a[None], tree)  # noqa: E731
-        return lead(params), lead(scope["synchronised"]), jnp.stack(sent)[None]
+        return lead(params), lead(synchronised), sent[None]
 
     mesh = jax.make_mesh((N,), ("data",))
     f = jax.jit(
