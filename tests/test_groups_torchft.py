@@ -29,7 +29,8 @@ CONFIG = str(ROOT / "configs" / "diloco_default.yaml")
 
 
 def _env():
-    return {**child_env(), "RUST_LOG": "error", "PYTHONPATH": str(ROOT)}
+    env = child_env()
+    return {**env, "RUST_LOG": "error", "PYTHONPATH": f"{env['PYTHONPATH']}{os.pathsep}{ROOT}"}
 
 
 def _sets(extra):

@@ -1,0 +1,50 @@
+"""Loaded by every Python process the tests start (``conftest.child_env`` puts this folder
+first on ``PYTHONPATH``).
+
+JAX writes its persistent compilation cache from process 0 only, and on CPU it keys each
+entry on the writing process's own devices, so process 1 of a launch never finds an entry
+and compiles every program again at every start and every resume. The processes the tests
+start share one host and one cache folder in which their keys already differ, so here each
+writes its own entries. A hit is still the very executable its key names.
+"""
+
+import importlib.abc
+import importlib.util
+import sys
+
+
+def _every_process_writes(compiler) -> None:
+    write = compiler._cache_write
+    state = compiler.distributed.global_state
+
+    def cache_write(*args, **kwargs):
+        process = state.process_id
+        state.process_id = 0
+        try:
+            return write(*args, **kwargs)
+        finally:
+            state.process_id = process
+
+    compiler._cache_write = cache_write
+
+
+class _AfterJaxCompiler(importlib.abc.MetaPathFinder):
+    """Wraps ``jax._src.compiler._cache_write`` once that module has loaded (importing JAX
+    here would slow every process that never uses it)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "jax._src.compiler":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _every_process_writes(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _AfterJaxCompiler())
