@@ -381,8 +381,9 @@ def select(recs: Iterable[dict[str, Any]], size: str, method: str, steps: int) -
 def pending(size: str, method: str, steps: int, recs: list[dict], sizes_steps: dict) -> list:
     """The tune stage's grid points of ``method`` at ``size`` not run yet: the full grid at
     the smallest size, else the neighbours of the previous size's choice (once that size is
-    complete); then, once those ran, the next point past an end of a step-size axis where
-    the choice sits there (while within 8x of the declared axis)."""
+    complete); then, once those ran, the next point past an end of the values this size
+    tried on a step-size axis where the choice sits there: the axis's next value, or
+    twice or half the end past the axis (while within 8x of the declared axis)."""
     prev = [z for z in ORDER[: ORDER.index(size)] if z != "tiny" and z in sizes_steps]
     near = None
     if prev:
@@ -399,15 +400,24 @@ def pending(size: str, method: str, steps: int, recs: list[dict], sizes_steps: d
     if best is None:
         return []
     ax, declared = axes(method, recs), METHODS[method]["grid"]
+    mine = _mine(recs, size, method, steps, (0,))
     extra = []
     for k in STEP_AXES:
         if k not in ax:
             continue
-        v, values = best["setting"][k], ax[k]
-        step = 2.0 if v == max(values) else 0.5 if v == min(values) else None
-        if step is None or not min(declared[k]) / 8 <= v * step <= max(declared[k]) * 8:
+        v = best["setting"][k]
+        tried = {r["setting"][k] for r in mine}
+        if v == max(tried):
+            past = [x for x in ax[k] if x > v]
+            nxt = min(past) if past else v * 2.0
+        elif v == min(tried):
+            past = [x for x in ax[k] if x < v]
+            nxt = max(past) if past else v * 0.5
+        else:
             continue
-        point = {**{kk: _norm(vv) for kk, vv in best["setting"].items()}, k: v * step}
+        if not min(declared[k]) / 8 <= nxt <= max(declared[k]) * 8:
+            continue
+        point = {**{kk: _norm(vv) for kk, vv in best["setting"].items()}, k: _norm(nxt)}
         if setting_key(point) not in done:
             extra.append(point)
     return extra

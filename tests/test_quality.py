@@ -48,6 +48,13 @@ def test_the_choice_follows_the_validation_split_and_grows_past_an_edge(quality)
     recs.append(_rec("xxs", "dp", {"lr": 1.2e-2}, 2.75, 1.0))
     assert quality.pending("xxs", "dp", 300, recs, sizes) == []  # inside the axis now
     assert [p["lr"] for p in quality.pending("xs", "dp", 600, recs, sizes)] == [3e-3, 6e-3, 1.2e-2]
+    # The next size chooses the low end of the neighbours it ran: the axis's next value
+    # below comes next, then half the axis's end.
+    recs += [_rec("xs", "dp", {"lr": lr}, v, v, steps=600) for lr, v in ((3e-3, 2.0), (6e-3, 2.1),
+                                                             (1.2e-2, 2.2))]  # fmt: skip
+    assert quality.pending("xs", "dp", 600, recs, sizes) == [{"lr": 2e-3}]
+    recs += [_rec("xs", "dp", {"lr": lr}, v, v, steps=600) for lr, v in ((2e-3, 1.9), (1e-3, 1.8))]
+    assert quality.pending("xs", "dp", 600, recs, sizes) == [{"lr": 5e-4}]
     # Narrowing: the neighbours on every axis of a DiLoCo choice.
     near = {"lr": 3e-3, "outer": (0.3, 0.9)}
     points = quality.grid("diloco_h30", near)
