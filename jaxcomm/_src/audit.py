@@ -443,6 +443,9 @@ def _attr(attrs: str, key: str) -> str | None:
     i = m.end()
     if i < len(attrs) and attrs[i] == "{":
         return attrs[i : _matching(attrs, i, "{", "}")]
+    m2 = _MESH_GROUPS_RE.match(attrs[i:])
+    if m2:  # replica groups over a named mesh (XLA >= 0.12): mesh['d'=8] {'d'}
+        return m2.group(0)
     if i < len(attrs) and attrs[i] == "[":  # iota replica groups: [2,4]<=[8] or ...T(1,0)
         m2 = re.match(r"\[[\d,]*\]<=\[[\d,]*\](T\([\d,]*\))?", attrs[i:])
         if m2:
@@ -451,10 +454,64 @@ def _attr(attrs: str, key: str) -> str | None:
     return m2.group(0) if m2 else None
 
 
+_MESH_GROUPS_RE = re.compile(
+    r"(?:maximal_mesh\[device_id=\d+\]|mesh\[[^\]]*\](?:, device_ids=\([^)]*\))?)\s*\{[^}]*\}"
+)
+
+
+def _mesh_groups(text: str) -> list[list[int]]:
+    """Replica groups written over a named mesh: ``mesh[a=2,b=4] {b}`` (every device with
+    the same position on ``a`` forms a group, along ``b``), with ``, device_ids=(...)`` where
+    the mesh's devices are not in order, and sub-axes ``b:(pre)size`` (the axis cut, major
+    to minor, into ``[pre, size, rest]``; the group runs along ``size``)."""
+    m = re.match(r"maximal_mesh\[device_id=(\d+)\]", text)
+    if m:
+        return [[int(m.group(1))]]
+    m = re.match(r"mesh\[([^\]]*)\](?:, device_ids=\(([^)]*)\))?\s*\{([^}]*)\}", text)
+    if m is None:
+        raise ValueError(f"replica groups {text!r}: not a mesh the wire audit can read")
+    names, sizes = [], []
+    for axis in m.group(1).split(","):
+        name, _, size = axis.strip().rpartition("=")
+        names.append(name)
+        sizes.append(int(size))
+    ids = np.arange(math.prod(sizes))
+    if m.group(2) is not None:
+        ids = np.array([int(x) for x in re.findall(r"\d+", m.group(2))])
+        if ids.size != math.prod(sizes):
+            raise ValueError(f"replica groups {text!r}: {ids.size} device ids for a mesh of "
+                             f"{math.prod(sizes)}")  # fmt: skip
+    grouped: list[tuple[int, int, int]] = []  # (axis, pre, size)
+    for ref in (r.strip() for r in m.group(3).split(",") if r.strip()):
+        sm = re.fullmatch(r"(.*):\((\d+)\)(\d+)", ref)
+        name, pre, size = (sm.group(1), int(sm.group(2)), int(sm.group(3))) if sm else (ref, 1, 0)
+        if name not in names:
+            raise ValueError(f"replica groups {text!r}: no mesh axis {name!r}")
+        a = names.index(name)
+        grouped.append((a, pre, size or sizes[a]))
+    # Cut every axis into the pieces the grouped sub-axes name (a piece is keyed by the
+    # product of the sizes before it, major first, as a sub-axis's ``pre``), then move the
+    # grouped pieces last, in the order given: each row is then one group.
+    dims, where = [], {}
+    for a, size in enumerate(sizes):
+        bounds = sorted(
+            {1, size} | {b for ax, pre, n in grouped if ax == a for b in (pre, pre * n)}
+        )
+        for lo, hi in zip(bounds, bounds[1:], strict=False):
+            where[(a, lo)] = len(dims)
+            dims.append(hi // lo)
+    order = [where[(a, pre)] for a, pre, _ in grouped]
+    rest = [d for d in range(len(dims)) if d not in order]
+    flat = ids.reshape(dims).transpose(rest + order)
+    return flat.reshape(-1, math.prod(dims[d] for d in order) if order else 1).tolist()
+
+
 def _groups(attrs: str, num_devices: int) -> list[list[int]]:
     text = _attr(attrs, "replica_groups")
     if text is None or text in ("{}", "{{}}"):
         return [list(range(num_devices))]
+    if text.startswith(("mesh[", "maximal_mesh[")):
+        return _mesh_groups(text)
     if text.startswith("["):
         m = re.match(r"\[([\d,]*)\]<=\[([\d,]*)\](?:T\(([\d,]*)\))?", text)
         assert m is not None
@@ -464,9 +521,12 @@ def _groups(attrs: str, num_devices: int) -> list[list[int]]:
         if m.group(3):
             ids = ids.transpose([int(x) for x in m.group(3).split(",")])
         return ids.reshape(out_shape).tolist()
-    return [
+    groups = [
         [int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]*)\}", text)
     ]
+    if not groups:  # a form this parser does not know: never count it as no traffic
+        raise ValueError(f"replica groups {text!r}: a form the wire audit cannot read")
+    return groups
 
 
 def _computations(hlo: str) -> tuple[dict[str, list[_Instr]], str, int]:
