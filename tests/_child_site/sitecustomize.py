@@ -11,19 +11,31 @@ writes its own entries. A hit is still the very executable its key names.
 import importlib.abc
 import importlib.util
 import sys
+import warnings
 
 
 def _every_process_writes(compiler) -> None:
     write = compiler._cache_write
     state = compiler.distributed.global_state
 
-    def cache_write(*args, **kwargs):
-        process = state.process_id
-        state.process_id = 0
+    def cache_write(cache_key, compile_time_secs, module_name, backend, executable,
+                    host_callbacks):  # fmt: skip
+        if state.process_id == 0:
+            return write(cache_key, compile_time_secs, module_name, backend, executable,
+                         host_callbacks)  # fmt: skip
+        # JAX's own conditions but the process's (the global process id is left alone:
+        # other threads read it).
+        if host_callbacks:
+            return None
+        if compile_time_secs < compiler.config.persistent_cache_min_compile_time_secs.value:
+            return None
         try:
-            return write(*args, **kwargs)
-        finally:
-            state.process_id = process
+            compiler.compilation_cache.put_executable_and_time(
+                cache_key, module_name, executable, backend, int(compile_time_secs)
+            )
+        except Exception as ex:  # a failed write costs a compile later, nothing more
+            warnings.warn(f"cache entry {module_name!r} not written: {ex}", stacklevel=2)
+        return None
 
     compiler._cache_write = cache_write
 
