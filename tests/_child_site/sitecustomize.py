@@ -10,6 +10,7 @@ writes its own entries. A hit is still the very executable its key names.
 
 import importlib.abc
 import importlib.util
+import inspect
 import sys
 import warnings
 
@@ -17,24 +18,25 @@ import warnings
 def _every_process_writes(compiler) -> None:
     write = compiler._cache_write
     state = compiler.distributed.global_state
+    signature = inspect.signature(write)  # JAX 0.12 dropped ``host_callbacks`` from it
 
-    def cache_write(cache_key, compile_time_secs, module_name, backend, executable,
-                    host_callbacks):  # fmt: skip
+    def cache_write(*args, **kwargs):
         if state.process_id == 0:
-            return write(cache_key, compile_time_secs, module_name, backend, executable,
-                         host_callbacks)  # fmt: skip
+            return write(*args, **kwargs)
         # JAX's own conditions but the process's (the global process id is left alone:
         # other threads read it).
-        if host_callbacks:
+        a = signature.bind(*args, **kwargs).arguments
+        seconds = a["compile_time_secs"]
+        if a.get("host_callbacks"):
             return None
-        if compile_time_secs < compiler.config.persistent_cache_min_compile_time_secs.value:
+        if seconds < compiler.config.persistent_cache_min_compile_time_secs.value:
             return None
         try:
             compiler.compilation_cache.put_executable_and_time(
-                cache_key, module_name, executable, backend, int(compile_time_secs)
+                a["cache_key"], a["module_name"], a["executable"], a["backend"], int(seconds)
             )
         except Exception as ex:  # a failed write costs a compile later, nothing more
-            warnings.warn(f"cache entry {module_name!r} not written: {ex}", stacklevel=2)
+            warnings.warn(f"cache entry {a['module_name']!r} not written: {ex}", stacklevel=2)
         return None
 
     compiler._cache_write = cache_write
