@@ -455,7 +455,8 @@ def _attr(attrs: str, key: str) -> str | None:
 
 
 _MESH_GROUPS_RE = re.compile(
-    r"(?:maximal_mesh\[device_id=\d+\]|mesh\[[^\]]*\](?:, device_ids=\([^)]*\))?)\s*\{[^}]*\}"
+    r"maximal_mesh\[device_id=(?P<device>\d+)\]\s*\{[^}]*\}"
+    r"|mesh\[(?P<axes>[^\]]*)\](?:, device_ids=\((?P<ids>[^)]*)\))?\s*\{(?P<grouped>[^}]*)\}"
 )
 
 
@@ -464,25 +465,24 @@ def _mesh_groups(text: str) -> list[list[int]]:
     the same position on ``a`` forms a group, along ``b``), with ``, device_ids=(...)`` where
     the mesh's devices are not in order, and sub-axes ``b:(pre)size`` (the axis cut, major
     to minor, into ``[pre, size, rest]``; the group runs along ``size``)."""
-    m = re.match(r"maximal_mesh\[device_id=(\d+)\]", text)
-    if m:
-        return [[int(m.group(1))]]
-    m = re.match(r"mesh\[([^\]]*)\](?:, device_ids=\(([^)]*)\))?\s*\{([^}]*)\}", text)
+    m = _MESH_GROUPS_RE.fullmatch(text)
     if m is None:
         raise ValueError(f"replica groups {text!r}: not a mesh the wire audit can read")
+    if m["device"] is not None:
+        return [[int(m["device"])]]
     names, sizes = [], []
-    for axis in m.group(1).split(","):
+    for axis in m["axes"].split(","):
         name, _, size = axis.strip().rpartition("=")
         names.append(name)
         sizes.append(int(size))
     ids = np.arange(math.prod(sizes))
-    if m.group(2) is not None:
-        ids = np.array([int(x) for x in re.findall(r"\d+", m.group(2))])
+    if m["ids"] is not None:
+        ids = np.array([int(x) for x in re.findall(r"\d+", m["ids"])])
         if ids.size != math.prod(sizes):
             raise ValueError(f"replica groups {text!r}: {ids.size} device ids for a mesh of "
                              f"{math.prod(sizes)}")  # fmt: skip
     grouped: list[tuple[int, int, int]] = []  # (axis, pre, size)
-    for ref in (r.strip() for r in m.group(3).split(",") if r.strip()):
+    for ref in (r.strip() for r in m["grouped"].split(",") if r.strip()):
         sm = re.fullmatch(r"(.*):\((\d+)\)(\d+)", ref)
         name, pre, size = (sm.group(1), int(sm.group(2)), int(sm.group(3))) if sm else (ref, 1, 0)
         if name not in names:
