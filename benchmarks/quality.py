@@ -284,8 +284,6 @@ def run_one(size: str, method: str, setting: dict[str, Any], seed: int, steps: i
         return json.loads(path.read_text())
     import gzip
 
-    import jax
-
     from jaxcomm.network import Network
     from train.plot import read_metrics
     from train.trainer import Trainer, nothing_to_resume
@@ -340,7 +338,6 @@ def run_one(size: str, method: str, setting: dict[str, Any], seed: int, steps: i
     tmp.write_text(json.dumps(record, indent=1))
     os.replace(tmp, path)  # the record last: a run counts once its rows are beside it
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
-    jax.clear_caches()
     return record
 
 
@@ -695,9 +692,12 @@ def plot(recs: list[dict[str, Any]], summary: dict[str, Any], fits: dict, out: P
 
 def _compilation_cache(folder: Path) -> None:
     """Keep compiled programs on disk: the runs of one size share most of their programs
-    (evaluation, host reads; a grid point's step differs only in its constants)."""
+    (evaluation, host reads; a grid point's step differs only in its constants). A cache
+    the environment already names (``JAX_COMPILATION_CACHE_DIR``) is kept."""
     import jax
 
+    if jax.config.jax_compilation_cache_dir:
+        return
     folder.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -750,10 +750,17 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not todo:
             break
+        import jax
         from tqdm.auto import tqdm
 
-        for method, setting, seed, workers in tqdm(todo, desc=f"{args.stage} {args.size}"):
+        for i, (method, setting, seed, workers) in enumerate(
+            tqdm(todo, desc=f"{args.stage} {args.size}")
+        ):
             run_one(args.size, method, setting, seed, steps, out, workers)
+            if i + 1 == len(todo) or todo[i + 1][0] != method:
+                # A method's runs share their traced and compiled programs in memory; the
+                # next method's are others: free these.
+                jax.clear_caches()
     from _meta import run_meta
 
     meta_path = out / "meta.json"

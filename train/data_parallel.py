@@ -359,9 +359,10 @@ class DataParallel(Layout):
         totals: dict[str, float] = {}
         count = min(ctx.cfg.eval_batches, loader.batches_per_epoch)
         params = ctx.eval_params()
-        for _ in range(count):
-            m = self._eval_step(params, self.put_batch(loader.next()))
-            for k, v in to_host(m).items():
+        # Every batch dispatched, then one read (a read per batch would wait for each).
+        outs = [self._eval_step(params, self.put_batch(loader.next())) for _ in range(count)]
+        for m in to_host(outs):
+            for k, v in m.items():
                 totals[k] = totals.get(k, 0.0) + float(v) / count
         return totals
 

@@ -50,6 +50,7 @@ made it, not at the merge ``overlap`` steps later.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -391,7 +392,7 @@ class DiLoCo(Sync):
         def place(a: Any, p: Any) -> Any:
             a = a.astype(p.dtype)
             if a.ndim < p.ndim:  # held once: every worker's row of the parameters
-                a = jax.jit(lambda x: jnp.broadcast_to(x, p.shape), out_shardings=p.sharding)(a)
+                return _spread(p.shape, p.sharding)(a)
             return jax.device_put(a, p.sharding)
 
         opt = ctx.opt_state
@@ -411,6 +412,13 @@ class DiLoCo(Sync):
         return {
             "schedule": str(self.schedule),
         }
+
+
+@functools.cache
+def _spread(shape: tuple[int, ...], sharding: Any) -> Any:
+    """A compiled broadcast of one row to ``shape``, laid out as ``sharding`` (one per leaf
+    kind: each evaluation reuses it)."""
+    return jax.jit(lambda x: jnp.broadcast_to(x, shape), out_shardings=sharding)
 
 
 def _named_errors(tx: optax.GradientTransformation, name: str) -> optax.GradientTransformation:
