@@ -41,6 +41,9 @@ Protocol (one command per stage; every run's result is kept, an interrupted stag
   the tokens and simulated time at which each first reaches DP's final validation loss
   (the mean of its fresh seeds; curve and target on the same split), beside DP's time at
   100 Mbit/s and at 10 Gbit/s.
+* **Worker count**: the ``workers`` stage runs each method's chosen setting (tuned at 8
+  workers) with 2 and 4 workers at the same global batch (seed 1, paired with the 8-worker
+  run of seed 1); the report gives each count's test loss and its gap to DP's at that count.
 * **Bytes and time**: total and peak bytes a worker sent (the logs the contract suite checks
   against the compiled programs) and the simulated time on V100 compute at 100 Mbit/s /
   50 ms, 1 Gbit/s / 10 ms and 10 Gbit/s / 1 ms, replayed from each run's logged rows, which
@@ -49,6 +52,7 @@ Protocol (one command per stage; every run's result is kept, an interrupted stag
     python benchmarks/quality.py tune --size xs     # the grid at one size (resumes)
     python benchmarks/quality.py seeds --size xs    # the selected settings, seeds 1 and 2
     python benchmarks/quality.py extend --size xs   # low-byte methods to 3x the budget
+    python benchmarks/quality.py workers --size xs  # the chosen settings at 2 and 4 workers
     python benchmarks/quality.py report             # tables and plots from every kept run
     python benchmarks/quality.py tune --size xs --methods dp diloco_h30 --dry-run
 
@@ -101,6 +105,8 @@ DEMO_LRS = (5e-4, 1e-3, 2e-3, 4e-3)  # DeMo's sign step (the paper: 4e-4 at 300M
 # (outer_lr, outer_momentum): plain averaging, then Nesterov at 0.9, in that order.
 OUTERS = ((1.0, 0.0), (0.1, 0.9), (0.3, 0.9), (0.5, 0.9), (0.7, 0.9))
 STEP_AXES = ("lr", "muon_lr")  # step sizes: extended past an end when chosen there
+#: The worker counts of the ``workers`` stage (beside the study's 8), at the same global batch.
+WORLDS = (2, 4)
 CAP = 3  # the extend stage runs the low-byte methods to this many times the budget
 WARM_FRACTION = 0.25  # the _warm variants' data-parallel start, a share of the steps
 LOW_BYTE = ("diloco_h30", "sparseloco_h30", "muloco_h30", "demo")
@@ -440,6 +446,12 @@ def plan(stage: str, size: str, methods: list[str], steps: int, out: Path) -> li
             if best is None:
                 raise SystemExit(f"extend: {method} at {size} has no tuned setting yet (run tune)")
             jobs.append((method, {k: _norm(v) for k, v in best["setting"].items()}, 1, 8))
+        elif stage == "workers":  # the chosen setting at fewer workers, same global batch
+            best = select(recs, size, method, steps)
+            if best is None:
+                raise SystemExit(f"workers: {method} at {size} has no tuned setting yet (run tune)")
+            setting = {k: _norm(v) for k, v in best["setting"].items()}
+            jobs += [(method, setting, FRESH_SEEDS[0], w) for w in WORLDS]
         else:  # seeds
             best = select(recs, size, method, steps)
             if best is None:
@@ -517,6 +529,19 @@ def summarise(recs: list[dict[str, Any]]) -> dict[str, Any]:
                 {"tokens": hit[0], "sim_s": hit[1]} if hit else {"tokens": None, "cap": CAP}
             )
         methods["_time_to_dp"] = reach
+    for size, methods in out.items():
+        worlds: dict[str, Any] = {}
+        for method, m in methods.items():
+            if method.startswith("_"):
+                continue
+            seed, key = FRESH_SEEDS[0], setting_key(m["setting"])
+            runs = {w: [r for r in _mine(recs, size, method, m["steps"], (seed,), w)
+                        if setting_key(r["setting"]) == key]
+                    for w in (*WORLDS, 8)}  # fmt: skip
+            if any(runs[w] for w in WORLDS):
+                worlds[method] = {str(w): rs[0]["test_loss"] for w, rs in runs.items() if rs}
+        if worlds:
+            methods["_workers"] = {"seed": FRESH_SEEDS[0], "methods": worlds}
     return out
 
 
@@ -531,7 +556,7 @@ def render(summary: dict[str, Any], meta: list[dict[str, Any]]) -> str:
         lines.append(f"`{m['command']}` ({m['date']}, {m['machine']}, jax {m['jax']}).")
     lines += ["", "Protocol: see the docstring of `benchmarks/quality.py`.", ""]
     for size, methods in summary.items():
-        reach = methods.get("_time_to_dp")
+        reach, worlds = methods.get("_time_to_dp"), methods.get("_workers")
         methods = {k: v for k, v in methods.items() if not k.startswith("_")}
         ref = methods.get("dp") or next(iter(methods.values()))
         lines += [
@@ -581,7 +606,34 @@ def render(summary: dict[str, Any], meta: list[dict[str, Any]]) -> str:
                     f"{t:.1f} | {t / dp_s['10 Gbps']:.2f}x |"
                 )
             lines.append("")
+        if worlds:
+            lines += _render_worlds(worlds)
     return "\n".join(lines)
+
+
+def _render_worlds(worlds: dict[str, Any]) -> list[str]:
+    """The worker-count table: each method's chosen setting at 2, 4 and 8 workers (the same
+    global batch, seed ``worlds["seed"]``), its test loss and its gap to DP's at the same
+    count."""
+    counts = [str(w) for w in (*WORLDS, 8)]
+    dp = worlds["methods"].get("dp", {})
+    lines = [
+        f"Worker count (the same global batch; each method's chosen setting, seed "
+        f"{worlds['seed']}): test loss, and vs DP at the same count.",
+        "",
+        "| method | " + " | ".join(f"{w} workers" for w in counts) + " |",
+        "|---|" + "---|" * len(counts),
+    ]
+    for method, by in worlds["methods"].items():
+        cells = []
+        for w in counts:
+            if w not in by:
+                cells.append("-")
+                continue
+            gap = f" ({100 * (by[w] / dp[w] - 1):+.1f}%)" if method != "dp" and w in dp else ""
+            cells.append(f"{by[w]:.3f}{gap}")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def render_fits(fits: dict[str, Any]) -> str:
@@ -707,7 +759,7 @@ def _compilation_cache(folder: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run a stage of the study (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("stage", choices=["tune", "seeds", "extend", "report"])
+    ap.add_argument("stage", choices=["tune", "seeds", "extend", "workers", "report"])
     ap.add_argument("--size", choices=ORDER, default="xs")
     ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     ap.add_argument("--steps", type=int, default=None, help="instead of the size's budget")
@@ -734,6 +786,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "extend":
         steps *= CAP
         args.methods = [m for m in args.methods if m in LOW_BYTE] or list(LOW_BYTE)
+    if args.stage == "workers":  # a method of a fixed worker count has nothing to vary
+        args.methods = [m for m in args.methods if "workers" not in METHODS[m]["fixed"]]
     # The benchmarks' folder (_meta) and the checkout (train/, models/) on the path.
     here = Path(__file__).resolve().parent
     sys.path[:0] = [str(here), str(here.parent)]

@@ -176,3 +176,45 @@ def test_the_scaling_fit_finds_where_a_method_meets_dp(quality):
     assert fits["closing"]["meets_dp_at"] == pytest.approx((6.0 / 5.0) ** (1 / 0.02), rel=1e-5)
     assert fits["drifting"]["meets_dp_at"] is None and fits["dp"]["meets_dp_at"] is None
     assert "meets DP at" in quality.render_fits(fits)
+
+
+def test_the_workers_stage_runs_each_choice_at_fewer_workers_and_reports_them(
+    quality, tmp_path, capsys
+):
+    """The ``workers`` stage plans each method's chosen setting (not another grid point)
+    at 2 and 4 workers with seed 1, skips a method of a fixed worker count, and the report
+    sets each count's test loss beside DP's at the same count."""
+    out = tmp_path / "study"
+
+    def keep(method, setting, valid, test, seed=0, world=8):
+        rec = {**_rec("xxs", method, setting, valid, test, seed=seed), "world": world,
+               "params": 10, "tokens": 100, "epochs": 0.1, "total_bytes": 1.0,
+               "peak_bytes": 1.0, "sim_s": dict.fromkeys(quality.NETWORKS, 1.0)}  # fmt: skip
+        path = quality.run_path(out, "xxs", method, setting, seed, 300, world)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(rec))
+
+    good = {"lr": 6e-3, "outer": (1.0, 0.0)}
+    keep("dp", {"lr": 3e-3}, 2.5, 2.5)
+    keep("dp", {"lr": 6e-3}, 2.4, 2.6)
+    keep("diloco_h30", {"lr": 3e-3, "outer": (1.0, 0.0)}, 2.9, 2.0)
+    keep("diloco_h30", good, 2.7, 2.8)
+    keep("single", {"lr": 6e-3}, 2.9, 2.9)
+    jobs = quality.plan("workers", "xxs", ["dp", "diloco_h30"], 300, out)
+    assert sorted((m, quality.setting_key(s), seed, w) for m, s, seed, w in jobs) == [
+        ("diloco_h30", "lr0.006_outer1-0", 1, 2), ("diloco_h30", "lr0.006_outer1-0", 1, 4),
+        ("dp", "lr0.006", 1, 2), ("dp", "lr0.006", 1, 4),
+    ]  # fmt: skip
+    args = ["workers", "--size", "xxs", "--steps", "300", "--out", str(out), "--dry-run"]
+    assert quality.main([*args, "--methods", "dp", "single"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert listed == ["dp lr0.006 seed 1 workers 2", "dp lr0.006 seed 1 workers 4"]
+    for world, dp, dl in ((2, 2.0, 2.2), (4, 2.1, 2.4), (8, 2.2, 2.75)):
+        keep("dp", {"lr": 6e-3}, dp, dp, seed=1, world=world)
+        keep("diloco_h30", good, dl, dl, seed=1, world=world)
+    summary = quality.summarise(quality.records(out))
+    worlds = summary["xxs"]["_workers"]["methods"]
+    assert worlds["diloco_h30"] == {"2": 2.2, "4": 2.4, "8": 2.75}
+    text = quality.render(summary, [])
+    assert "| diloco_h30 | 2.200 (+10.0%) | 2.400 (+14.3%) | 2.750 (+25.0%) |" in text
+    assert "single" not in worlds
