@@ -186,6 +186,14 @@ def test_a_killed_group_leaves_the_other_training_and_a_restart_is_healed(tmp_pa
     assert "compiling" not in spare.log.read_text()
     s1 = json.loads((tmp_path / "group_1/summary.json").read_text())
     assert s1["groups"]["heals"] == 1, s1["groups"]
+    # Group 0 served the heal over its checkpoint server: its parameters, Adam's two
+    # moments, and every fragment's theta_sync and outer momentum, five float32 models.
+    s0 = json.loads((tmp_path / "group_0/summary.json").read_text())
+    model = 4 * s0["params"]
+    assert s0["groups"]["heals_served"] == 1, s0["groups"]
+    # Streamed as raw bytes (pickled NumPy arrays would take about 7.2 models).
+    assert 5 * model < s0["groups"]["heal_sent_bytes"] < 5.5 * model, s0["groups"]
+    assert s1["groups"]["heal_sent_bytes"] == 0
     rows1 = _rows(tmp_path / "group_1")
     # Its first life's rows are kept; its second starts where group 0 was, not at step 1.
     assert rows1[: len(before)] == before

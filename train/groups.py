@@ -404,7 +404,8 @@ def _group_summary(folder: Path) -> dict:
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
     g = s.get("groups", {})
-    keys = ("exchanges", "heals", "failed", "left_out", "sent_bytes", "utilisation", "wait_s")
+    keys = ("exchanges", "heals", "failed", "left_out", "sent_bytes", "heal_sent_bytes",
+            "utilisation", "wait_s")  # fmt: skip
     return {"steps": s.get("steps"), "valid_loss": s.get("valid_loss"),
             **{k: g.get(k) for k in keys}}  # fmt: skip
 

@@ -14,7 +14,10 @@ A group whose committed exchange count is behind the quorum's (it restarted, or 
 exchanges) is healed by torchft during the quorum: its ``Manager`` fetches the live state
 of a healthy peer over torchft's HTTP checkpoint transport (:meth:`Transport.exchange`
 calls ``on_heal`` with it), and takes part in the exchange with no tokens, so the others
-leave it out while it takes the same outer step they take.
+leave it out while it takes the same outer step they take. Each array of that state goes
+as its raw bytes in a torch tensor (torch streams tensors as they are; a pickled NumPy
+array's bytes would grow by about half), and the server counts what it sends
+(:attr:`Transport.heal_sent_bytes`).
 """
 
 from __future__ import annotations
@@ -152,6 +155,74 @@ def lighthouse(bind: str, min_groups: int, *, grace_ms: int, heartbeat_ms: int) 
     )
 
 
+class _Raw:
+    """A host array as torch streams it: its bytes in a ``uint8`` tensor (written as they
+    are; pickled, a NumPy array's bytes would grow by about half), its dtype and shape."""
+
+    def __init__(self, a: np.ndarray):
+        import torch
+
+        self.dtype, self.shape = a.dtype.str, a.shape
+        self.data = torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+
+    def array(self) -> np.ndarray:
+        return self.data.numpy().view(np.dtype(self.dtype)).reshape(self.shape)
+
+
+def _to_torch(tree: Any) -> Any:
+    import jax
+
+    return jax.tree_util.tree_map(
+        lambda a: _Raw(np.asarray(a)) if isinstance(a, (np.ndarray, jax.Array)) else a, tree
+    )
+
+
+def _from_torch(tree: Any) -> Any:
+    import jax
+
+    return jax.tree_util.tree_map(
+        lambda a: a.array() if isinstance(a, _Raw) else a, tree,
+        is_leaf=lambda a: isinstance(a, _Raw),
+    )  # fmt: skip
+
+
+class _CountedWriter:
+    """A response stream that adds what it writes to ``counter.heal_sent_bytes``."""
+
+    def __init__(self, inner: Any, counter: Any):
+        self._inner, self._counter = inner, counter
+
+    def write(self, data: Any) -> Any:
+        n = self._inner.write(data)
+        with self._counter.lock:
+            self._counter.heal_sent_bytes += len(memoryview(data).cast("B"))
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _counted_http(timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport (the one its ``Manager`` makes by default), its
+    server counting every byte it writes to a healing peer (``heal_sent_bytes``: the live
+    state as torchft serialises it, HTTP headers included)."""
+    from torchft.checkpointing import HTTPTransport
+
+    http = HTTPTransport(timeout=timeout, num_chunks=0)
+    http.heal_sent_bytes, http.heal_requests, http.lock = 0, 0, threading.Lock()
+    handler = http._server.RequestHandlerClass
+
+    class Counted(handler):
+        def setup(self) -> None:
+            super().setup()
+            with http.lock:
+                http.heal_requests += 1
+            self.wfile = _CountedWriter(self.wfile, http)
+
+    http._server.RequestHandlerClass = Counted  # read by the server at each request
+    return http
+
+
 class Transport:
     """One group's end of the torchft transport (see the module docstring).
 
@@ -196,10 +267,12 @@ class Transport:
         port = free_port(host)
         self._store = TCPStore(host, port, is_master=True, wait_for_workers=False)
         self.pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
+        self._http = _counted_http(timedelta(seconds=timeout_s))
         self.manager = Manager(
             pg=self.pg,
+            checkpoint_transport=self._http,
             load_state_dict=self._load,
-            state_dict=self._state_dict,
+            state_dict=lambda: _to_torch(self._state_dict()),
             min_replica_size=1,
             use_async_quorum=False,
             timeout=timedelta(seconds=timeout_s),
@@ -218,8 +291,20 @@ class Transport:
         self.errors: list[str] = []  # why each failed try failed
 
     def _load(self, state: dict[str, Any]) -> None:
-        self._on_heal(state)
+        self._on_heal(_from_torch(state))
         self._healed.set()
+
+    @property
+    def heal_sent_bytes(self) -> int:
+        """Bytes this group's checkpoint server sent to healing peers (the live state)."""
+        with self._http.lock:
+            return self._http.heal_sent_bytes
+
+    @property
+    def heals_served(self) -> int:
+        """Requests this group's checkpoint server answered (one per healing peer's fetch)."""
+        with self._http.lock:
+            return self._http.heal_requests
 
     @property
     def committed(self) -> int:

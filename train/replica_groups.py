@@ -893,6 +893,9 @@ class ReplicaGroups(EveryStep):
     def summary_extras(self) -> dict[str, Any]:
         st = dict(self.stats)
         st["sent_bytes"] = self.transport.sent_bytes if self.transport else 0
+        # The live state this group served to healing peers (torchft's HTTP transport).
+        st["heal_sent_bytes"] = self.transport.heal_sent_bytes if self.transport else 0
+        st["heals_served"] = self.transport.heals_served if self.transport else 0
         # Compute utilisation: the steps at the devices' own pace (the median step with no
         # exchange in flight) over the loop's steady wall time, from the end of its first
         # step to the end of its last (``utilisation_with_tail`` adds the wait for the last
