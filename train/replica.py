@@ -27,6 +27,7 @@ import json
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -163,10 +164,14 @@ class _Raw:
         import torch
 
         self.dtype, self.shape = a.dtype.str, a.shape
-        self.data = torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+        a = np.ascontiguousarray(a)
+        if not a.flags.writeable:  # a device array's host view: torch wants its own copy
+            a = a.copy()
+        self.data = torch.from_numpy(a.reshape(-1).view(np.uint8))
 
     def array(self) -> np.ndarray:
-        return self.data.numpy().view(np.dtype(self.dtype)).reshape(self.shape)
+        """The array (a writable copy: torch loads a streamed tensor over a read-only buffer)."""
+        return self.data.numpy().view(np.dtype(self.dtype)).reshape(self.shape).copy()
 
 
 def _to_torch(tree: Any) -> Any:
@@ -261,6 +266,11 @@ class Transport:
         # is none on Gloo) and logs every quorum and commit.
         logging.getLogger("torchft").setLevel(logging.ERROR)
         self.torch = torch
+        # torch's streaming load of a heal's tensors warns that their buffer is read-only;
+        # :meth:`_Raw.array` copies them out.
+        warnings.filterwarnings(
+            "ignore", "The given buffer is not writable", UserWarning, "torch.distributed"
+        )
         self.slot, self.retries = slot, retries
         self._on_heal, self._state_dict = on_heal, state_dict
         self._healed = threading.Event()
