@@ -370,3 +370,42 @@ def test_the_estimate_of_a_group_of_two_workers_counts_its_own_all_reduce(tmp_pa
     inner = est["compute_s"] + 0.9 * (est["comm_s"] - sum(est["groups"]["exchange_s"]) / 30)
     assert est["step_s"] >= inner > est["compute_s"]
     assert est["groups"]["compute_utilisation"] < est["compute_s"] / inner
+
+
+def test_a_heal_that_lands_while_a_checkpoint_waits_is_taken_before_it_is_written(tmp_path):
+    """A checkpoint waits for the exchange in flight; if that exchange healed the group,
+    the peer's state it brought (step, data position, parameters, optimizer state) is
+    taken before the checkpoint reads the trainer's state, and the merge it brought is
+    due from the peer's step: the checkpoint holds the peer's state beside the peer's
+    theta_sync, not this group's old state."""
+    import concurrent.futures
+
+    from train.checkpoint import Checkpoints
+    from train.config import load_config
+    from train.trainer import Trainer
+
+    sets = ["groups.lighthouse=http://127.0.0.1:1", "groups.slot=0", "groups.count=2",
+            "workers=1", "aggregator=ring", "global_batch=8", "model.num_layers=1",
+            "model.width=16", "compute=measured", "steps=60", "sync.overlap=2",
+            f"out_dir={tmp_path}"]  # fmt: skip
+    trainer = Trainer(load_config("configs/diloco_default.yaml", sets))
+    part, ctx = trainer.sync, trainer.ctx
+    part._ctx = ctx
+    ctx.step = 5
+    host = lambda tree: jax.tree_util.tree_map(np.asarray, tree)  # noqa: E731
+    peer_params = jax.tree_util.tree_map(lambda a: a + 1.0, host(ctx.params))
+    done = concurrent.futures.Future()
+    done.set_result({"members": 2, "kept": 1, "healed": True})
+    part._pending = [(0, 7, done)]
+    part._healed_state = {"params": peer_params, "opt_state": host(ctx.opt_state),
+                          "step": 40, "position": 321, "last_sync": {0: 40}}  # fmt: skip
+    part._healed_fragment = 1
+    store = Checkpoints(tmp_path / "ck", keep=2)
+    trainer.save(store)
+    store.close()
+    assert ctx.step == 40 and ctx.loader.position == 321 and part._healed_state is None
+    assert part._pending == [(1, 42, None)]
+    assert store.saved_step == 40
+    for a, b in zip(jax.tree_util.tree_leaves(host(ctx.params)),
+                    jax.tree_util.tree_leaves(peer_params), strict=True):  # fmt: skip
+        np.testing.assert_array_equal(a, b)

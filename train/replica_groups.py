@@ -853,6 +853,13 @@ class ReplicaGroups(EveryStep):
 
     def checkpoint_extras(self) -> dict[str, Any]:
         self._settle()
+        ctx = self._ctx
+        if self._healed_state is not None and ctx is not None and ctx.step < self.cfg.steps:
+            # The exchange this checkpoint waited for healed the group: take the peer's
+            # state now, as the merge would, so the checkpoint holds it (its step, data
+            # position and parameters) beside the peer's theta_sync it already holds.
+            self._apply_heal(ctx)
+            self._pending = [(self._healed_fragment, ctx.step + self.sync.overlap, None)]
         committed = self.transport.committed if self.transport is not None else self._committed
         pending = [[p, due] for p, due, _ in self._pending]
         return {
