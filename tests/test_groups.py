@@ -409,3 +409,36 @@ def test_a_heal_that_lands_while_a_checkpoint_waits_is_taken_before_it_is_writte
     for a, b in zip(jax.tree_util.tree_leaves(host(ctx.params)),
                     jax.tree_util.tree_leaves(peer_params), strict=True):  # fmt: skip
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_heals_arrays_cross_torch_as_their_own_bytes_and_dtypes():
+    """The live state a heal sends goes through torch's streaming save as raw bytes: every
+    array comes back bit for bit with its dtype (bfloat16 too) and shape, and the stream is
+    barely larger than the arrays (a pickled NumPy array's bytes would grow by half)."""
+    import io
+
+    import ml_dtypes
+    from torch.distributed._serialization import _streaming_load, _streaming_save
+
+    from train.replica import _from_torch, _to_torch
+
+    rng = np.random.default_rng(0)
+    state = {
+        "params": {"w": rng.normal(size=(64, 64)).astype(np.float32),
+                   "b": rng.normal(size=(7,)).astype(ml_dtypes.bfloat16)},
+        "opt": (jnp.asarray(rng.normal(size=(3, 5)), jnp.float32), np.zeros((0, 4), np.int8)),
+        "step": 40, "last_sync": {0: 40}, "scalar": np.asarray(2.5),
+    }  # fmt: skip
+    buf = io.BytesIO()
+    _streaming_save(_to_torch(state), buf)
+    buf.seek(0)
+    back = _from_torch(_streaming_load(buf, weights_only=False))
+    assert back["step"] == 40 and back["last_sync"] == {0: 40}
+    arrays = [a for a in jax.tree_util.tree_leaves(state) if np.ndim(a) or hasattr(a, "dtype")]
+    got = [b for b in jax.tree_util.tree_leaves(back) if np.ndim(b) or hasattr(b, "dtype")]
+    assert len(got) == len(arrays) == 5
+    for a, b in zip(arrays, got, strict=True):
+        a = np.asarray(a)
+        assert b.dtype == a.dtype and b.shape == a.shape and b.flags.writeable
+        np.testing.assert_array_equal(b.reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8))
+    assert buf.tell() < sum(np.asarray(a).nbytes for a in arrays) + 8_000

@@ -163,7 +163,7 @@ class _Raw:
     def __init__(self, a: np.ndarray):
         import torch
 
-        self.dtype, self.shape = a.dtype.str, a.shape
+        self.dtype, self.shape = a.dtype, a.shape  # the dtype itself: bfloat16's str is "<V2"
         a = np.ascontiguousarray(a)
         if not a.flags.writeable:  # a device array's host view: torch wants its own copy
             a = a.copy()
@@ -171,7 +171,7 @@ class _Raw:
 
     def array(self) -> np.ndarray:
         """The array (a writable copy: torch loads a streamed tensor over a read-only buffer)."""
-        return self.data.numpy().view(np.dtype(self.dtype)).reshape(self.shape).copy()
+        return self.data.numpy().view(self.dtype).reshape(self.shape).copy()
 
 
 def _to_torch(tree: Any) -> Any:
