@@ -26,7 +26,7 @@ Protocol (one command per stage; every run's result is kept, an interrupted stag
   decay 0.999, the paper's, not tuned; weight decay 0.1 times the step; each worker's
   gradient clipped to norm 1 before it; the schedule multiplies its step, while its
   momentum adds the unweighted gradient, where the authors' code weights each gradient by
-  its step's rate). Where the
+  its step's rate); ``demo_k8`` the same with 8 coefficients a block. Where the
   chosen step size sits at an end of its axis, the ``tune`` stage extends that axis one
   step further (x2 or /2) and runs the new points, until the choice is inside. At each
   larger size, once the smaller size's grid is complete, it runs the grid points next to
@@ -152,6 +152,15 @@ METHODS: dict[str, dict[str, Any]] = {
     "demo": {
         "fixed": {
             "aggregator": {"name": "demo", "chunk": 64, "k": 32, "weight_decay": 0.1},
+            "optimizer": "none",
+        },
+        "grid": {"lr": DEMO_LRS},
+    },
+    # DeMo keeping 8 coefficients a block: its all-gather puts N - 1 copies of each payload
+    # on the wire, so k = 32 is 21x below DP's ring at N = 8; k = 8 is 85x on 64 x 64 blocks.
+    "demo_k8": {
+        "fixed": {
+            "aggregator": {"name": "demo", "chunk": 64, "k": 8, "weight_decay": 0.1},
             "optimizer": "none",
         },
         "grid": {"lr": DEMO_LRS},
