@@ -276,16 +276,21 @@ def test_a_spare_loads_at_the_idle_class_and_says_so_of_a_malformed_order(tmp_pa
     assert "not an order ('argv')" in spare.log.read_text()
 
 
-def test_a_stopped_run_of_int8_groups_resumes_bit_exactly(tmp_path):
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_stopped_run_of_int8_groups_resumes_bit_exactly(tmp_path, processes):
     """Two groups exchanging error-fed int8 pseudo-gradients, stopped at step 20 and
     resumed to 30, end where an uninterrupted run to 30 ends, bit for bit (theta_sync,
-    the error feedback and the outer momentum are in each group's checkpoint)."""
-    extra = ["workers=1", "aggregator=ring", "checkpoint_every=10", "sync.compress=int8"]
-    r = _launch(tmp_path / "whole", 2, [*extra, "steps=30"])
+    the error feedback and the outer momentum are in each group's checkpoint). With 2
+    processes a group, each group is one jax.distributed job whose leader alone talks to
+    the other group: its checkpoint is written by both processes and read back by both."""
+    extra = ["workers=1" if processes == 1 else "workers=2", "aggregator=ring",
+             "checkpoint_every=10", "sync.compress=int8"]  # fmt: skip
+    flags = ["--processes-per-group", str(processes)]
+    r = _launch(tmp_path / "whole", 2, [*extra, "steps=30"], *flags)
     assert r.returncode == 0, _logs(tmp_path / "whole")
-    r = _launch(tmp_path / "cut", 2, [*extra, "steps=20"])
+    r = _launch(tmp_path / "cut", 2, [*extra, "steps=20"], *flags)
     assert r.returncode == 0, _logs(tmp_path / "cut")
-    r = _launch(tmp_path / "cut", 2, [*extra, "steps=30"], "--resume")
+    r = _launch(tmp_path / "cut", 2, [*extra, "steps=30"], "--resume", *flags)
     assert r.returncode == 0, _logs(tmp_path / "cut")
     for g in (0, 1):
         a = _params(tmp_path / f"whole/group_{g}/params.msgpack")
