@@ -107,6 +107,7 @@ OUTERS = ((1.0, 0.0), (0.1, 0.9), (0.3, 0.9), (0.5, 0.9), (0.7, 0.9))
 STEP_AXES = ("lr", "muon_lr")  # step sizes: extended past an end when chosen there
 #: The worker counts of the ``workers`` stage (beside the study's 8), at the same global batch.
 WORLDS = (2, 4)
+MAX_CROSS = 1e15  # a fitted crossing beyond this many parameters is reported as none
 CAP = 3  # the extend stage runs the low-byte methods to this many times the budget
 WARM_FRACTION = 0.25  # the _warm variants' data-parallel start, a share of the steps
 LOW_BYTE = ("diloco_h30", "sparseloco_h30", "muloco_h30", "demo")
@@ -646,13 +647,15 @@ def _render_worlds(worlds: dict[str, Any]) -> list[str]:
 
 
 def render_fits(fits: dict[str, Any]) -> str:
-    """The scaling fits as markdown."""
+    """The scaling fits as markdown ("none ahead": the fits do not cross beyond the sizes
+    run, or only past :data:`MAX_CROSS` parameters)."""
     if not fits:
         return "Scaling fits: fewer than two sizes with fresh seeds yet.\n"
     lines = ["", "## Loss against size", "", "| method | sizes | L(N) = a N^-alpha | meets DP at |",
              "|---|---|---|---|"]  # fmt: skip
     for method, f in fits.items():
-        meet = f"{f['meets_dp_at']:,.0f} parameters" if f["meets_dp_at"] else "-"
+        meet = f"{f['meets_dp_at']:,.0f} parameters" if f["meets_dp_at"] else "none ahead"
+        meet = "-" if method == "dp" else meet
         lines.append(f"| {method} | {f['sizes']} | {f['a']:.3f} N^-{f['alpha']:.4f} | {meet} |")
     return "\n".join(lines) + "\n"
 
@@ -678,13 +681,14 @@ def scaling_fit(summary: dict[str, Any]) -> dict[str, Any]:
     dp = fits.get("dp")
     for method, f in fits.items():
         f["meets_dp_at"] = None
-        if dp and method != "dp" and f["alpha"] != dp["alpha"]:
-            cross = (f["a"] / dp["a"]) ** (1 / (f["alpha"] - dp["alpha"]))
+        if dp and method != "dp" and f["alpha"] > dp["alpha"]:
+            # In logs: with nearly equal exponents the crossing is astronomically far.
+            log_cross = math.log(f["a"] / dp["a"]) / (f["alpha"] - dp["alpha"])
             largest = max(p[0] for p in points[method])
-            # Only a crossing ahead of the sizes run, approached from above, is a meeting.
-            f["meets_dp_at"] = (
-                float(cross) if f["alpha"] > dp["alpha"] and cross > largest else None
-            )
+            # Only a crossing ahead of the sizes run (approached from above, and before
+            # MAX_CROSS parameters) is a meeting.
+            if math.log(largest) < log_cross < math.log(MAX_CROSS):
+                f["meets_dp_at"] = math.exp(log_cross)
     return fits
 
 
@@ -692,7 +696,7 @@ def plot(recs: list[dict[str, Any]], summary: dict[str, Any], fits: dict, out: P
     """``curves_<size>.png``: validation loss of each method's chosen setting (its first
     fresh seed, else the choosing run) against tokens and against simulated time at 100
     Mbit/s and at 1 Gbit/s; ``gap_vs_size.png``: each method's test loss against size with
-    its fitted power law, beside DP's."""
+    its fitted power law, beside DP's, and its gap to DP (paired by seed) against size."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -727,7 +731,29 @@ def plot(recs: list[dict[str, Any]], summary: dict[str, Any], fits: dict, out: P
         plt.close(fig)
     if not fits:
         return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, gx) = plt.subplots(1, 2, figsize=(13, 4.5))
+    colour = {m: f"C{i % 10}" for i, m in enumerate(METHODS)}  # one colour a method
+    for method in METHODS:
+        if method == "dp":
+            continue
+        pts = sorted(
+            (m["params"], m["gap_vs_dp"], *m["gap_vs_dp_range"])
+            for methods in summary.values()
+            for name, m in methods.items()
+            if name == method and m.get("gap_vs_dp") is not None
+        )
+        if pts:
+            ns, gap = [p[0] for p in pts], np.array([100 * p[1] for p in pts])
+            err = [gap - [100 * p[2] for p in pts], [100 * p[3] for p in pts] - gap]
+            gx.errorbar(ns, gap, yerr=err, marker="o", capsize=3, label=method,
+                        color=colour[method])  # fmt: skip
+    gx.axhline(0.0, color="k", lw=0.8)
+    gx.set_xscale("log")
+    gx.set_xlabel("parameters")
+    gx.set_ylabel("test loss above DP's (%, paired by seed)")
+    gx.set_title("the gap to data parallelism (bars: the seeds' range)")
+    gx.grid(alpha=0.3)
+    gx.legend(fontsize=7)
     for method, f in fits.items():
         pts = sorted(
             (m["params"], m["test_loss"])
@@ -736,7 +762,7 @@ def plot(recs: list[dict[str, Any]], summary: dict[str, Any], fits: dict, out: P
             if name == method and m.get("test_loss")
         )
         ns = np.array([p[0] for p in pts], float)
-        line = ax.plot(ns, [p[1] for p in pts], marker="o", label=method)[0]
+        line = ax.plot(ns, [p[1] for p in pts], marker="o", label=method, color=colour[method])[0]
         grid_n = np.geomspace(ns.min(), ns.max() * 4, 50)
         ax.plot(grid_n, f["a"] * grid_n ** -f["alpha"], ls=":", color=line.get_color())
     ax.set_xscale("log")

@@ -161,7 +161,10 @@ def test_the_scaling_fit_finds_where_a_method_meets_dp(quality):
     """Losses on exact power laws: the fit recovers them, and the crossing is where the two
     laws meet; a method falling slower than DP never meets it."""
     sizes = (1e3, 3e3)
-    laws = {"dp": (5.0, 0.10), "closing": (6.0, 0.12), "drifting": (6.0, 0.08)}
+    # "parallel": a constant gap, its exponent DP's up to rounding (its crossing would be
+    # past any float; the fit says none, where a direct power overflowed).
+    laws = {"dp": (5.0, 0.10), "closing": (6.0, 0.12), "drifting": (6.0, 0.08),
+            "parallel": (5.5, 0.10)}  # fmt: skip
     summary = {
         f"z{i}": {
             m: {"params": int(n), "test_loss": a * int(n) ** -alpha}
@@ -175,7 +178,9 @@ def test_the_scaling_fit_finds_where_a_method_meets_dp(quality):
         assert fits[m]["alpha"] == pytest.approx(alpha, rel=1e-6)
     assert fits["closing"]["meets_dp_at"] == pytest.approx((6.0 / 5.0) ** (1 / 0.02), rel=1e-5)
     assert fits["drifting"]["meets_dp_at"] is None and fits["dp"]["meets_dp_at"] is None
-    assert "meets DP at" in quality.render_fits(fits)
+    assert fits["parallel"]["meets_dp_at"] is None
+    text = quality.render_fits(fits)
+    assert "meets DP at" in text and "| parallel | 2 |" in text and "none ahead" in text
 
 
 def test_the_workers_stage_runs_each_choice_at_fewer_workers_and_reports_them(
