@@ -139,21 +139,35 @@ def lighthouse():
     lh.shutdown()
 
 
-def test_a_killed_group_leaves_the_other_training_and_a_restart_is_healed(tmp_path, lighthouse):
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_killed_group_leaves_the_other_training_and_a_restart_is_healed(
+    tmp_path, lighthouse, processes
+):
     """kill -9 of group 1 mid-run: group 0 goes on alone (the same process, no restart).
     Group 1 restarted with no checkpoint of its own, on a hot spare started beside the
     groups, is healed from group 0's live state: it starts at group 0's step (its first
     life's metrics rows kept, its second life's output in the same log), and both end with
-    bit-identical theta_sync."""
-    from train.groups import Spare, group_args
+    bit-identical theta_sync. With group 0 one jax.distributed job of 2 processes, its leader
+    alone meets the loss of group 1 and serves the heal, and both its processes end with
+    the same state."""
+    from train.groups import Spare, group_args, start_group
 
-    extra = ["workers=1", "aggregator=ring", "steps=600", "checkpoint_every=0"]
+    # A group of 2 processes steps about three times as fast as one process of 2 devices:
+    # it runs longer, so that it is still running when group 1 comes back.
+    steps = 600 if processes == 1 else 1200
+    extra = ["workers=1" if processes == 1 else "workers=2", "aggregator=ring",
+             f"steps={steps}", "checkpoint_every=0"]  # fmt: skip
     # At the normal class (an idle-class spare could wait for the busy test machine to
     # leave it cycles until group 0 has finished).
     spare = Spare(tmp_path, 0, _env(), idle=False)
-    p0 = _start(0, 2, lighthouse, tmp_path, extra)
+    sets0 = [*SETS, *GROUP, *extra]
+    p0 = start_group(0, 2, lighthouse, tmp_path, CONFIG, sets0, env=_env(), processes=processes)
     p1 = _start(1, 2, lighthouse, tmp_path, extra)
     try:
+        end = time.monotonic() + 300
+        while not spare.ready():
+            assert spare.proc.poll() is None and time.monotonic() < end, spare.log.read_text()
+            time.sleep(0.2)
         _wait_rows(tmp_path / "group_1", 25, p1)
         p1.send_signal(signal.SIGKILL)
         p1.wait()
@@ -166,10 +180,6 @@ def test_a_killed_group_leaves_the_other_training_and_a_restart_is_healed(tmp_pa
         assert not (tmp_path / "group_1" / "checkpoints").is_dir() or not any(
             p.name.isdigit() for p in (tmp_path / "group_1" / "checkpoints").iterdir()
         )  # nothing of its own to resume: the restart must come from a live peer
-        end = time.monotonic() + 300
-        while not spare.ready():
-            assert spare.proc.poll() is None and time.monotonic() < end, spare.log.read_text()
-            time.sleep(0.2)
         args = group_args(1, 2, lighthouse, tmp_path, CONFIG, [*SETS, *GROUP, *extra])
         p1 = spare.take(args, tmp_path / "group_1.log", None)
         assert p0.wait(timeout=600) == 0, _logs(tmp_path)
@@ -186,9 +196,12 @@ def test_a_killed_group_leaves_the_other_training_and_a_restart_is_healed(tmp_pa
     assert "compiling" not in spare.log.read_text()
     s1 = json.loads((tmp_path / "group_1/summary.json").read_text())
     assert s1["groups"]["heals"] == 1, s1["groups"]
+    s0 = json.loads((tmp_path / "group_0/summary.json").read_text())
+    if processes > 1:  # each process's (theta_sync, parameters) ids, gathered at the end
+        ids = s0["groups"]["process_ids"]
+        assert len(ids) == processes and all(i == ids[0] for i in ids), ids
     # Group 0 served the heal over its checkpoint server: its parameters, Adam's two
     # moments, and every fragment's theta_sync and outer momentum, five float32 models.
-    s0 = json.loads((tmp_path / "group_0/summary.json").read_text())
     model = 4 * s0["params"]
     assert s0["groups"]["heals_served"] == 1, s0["groups"]
     # Streamed as raw bytes (pickled NumPy arrays would take about 7.2 models).
@@ -204,7 +217,7 @@ def test_a_killed_group_leaves_the_other_training_and_a_restart_is_healed(tmp_pa
     for (k, x), (_, y) in zip(a, b, strict=True):
         np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(k))
     rows0 = _rows(tmp_path / "group_0")
-    assert [r["step"] for r in rows0] == list(range(1, 601))
+    assert [r["step"] for r in rows0] == list(range(1, steps + 1))
     assert rows0[-1]["loss"] < rows0[0]["loss"]
 
 

@@ -79,6 +79,21 @@ def _copy(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda a: a.copy(), tree)
 
 
+def _gathered(tree: Any) -> Any:
+    """``tree`` with each leaf that differs across devices of several processes (a
+    per-worker state sharded over the group's processes, such as a compressed aggregator's
+    error feedback) gathered whole into host memory; other leaves as they are. A collective
+    of the group: every process calls it at the same point."""
+    from jax.experimental import multihost_utils
+
+    def gather(a: Any) -> Any:
+        if isinstance(a, jax.Array) and not a.is_fully_addressable and not a.is_fully_replicated:
+            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+        return a
+
+    return jax.tree_util.tree_map(gather, tree)
+
+
 def _local(tree: Any) -> Any:
     """Host copies of ``tree``'s replicated device arrays, read from this process's own
     copy (no collective: the exchange thread of one process may call it)."""
@@ -303,11 +318,16 @@ class ReplicaGroups(EveryStep):
         return self.transport
 
     def _snapshot(self, ctx: Context) -> None:
-        """What a peer healed from this group receives, as of now (device copies)."""
+        """What a peer healed from this group receives, as of now (device copies; held by
+        the leader). In a group of several processes every process calls it at the same
+        point: the leaves sharded across them are gathered to the leader's host."""
+        opt_state = _gathered(ctx.opt_state) if self._procs > 1 else ctx.opt_state
+        if not self._leader:
+            return
         with self._lock:
             self._snap = {
                 "params": _copy(ctx.params),
-                "opt_state": _copy(ctx.opt_state),
+                "opt_state": _copy(opt_state),
                 "step": ctx.step,
                 "position": ctx.loader.position,
                 "last_sync": dict(self._last_sync),
@@ -567,7 +587,7 @@ class ReplicaGroups(EveryStep):
             transport = self._connect()
             if resumed:
                 transport.set_committed(self._committed)
-            self._snapshot(ctx)
+        self._snapshot(ctx)
         self._warm_up()
         healed = self._handshake(ctx) if self._leader else None
         if self._procs > 1:  # the leader's outcome, in every process of the group
@@ -578,8 +598,7 @@ class ReplicaGroups(EveryStep):
         if healed is not None:
             self._apply_heal(ctx)
             self._pending = [(healed, ctx.step + self.sync.overlap, None)] if healed >= 0 else []
-            if self._leader:
-                self._snapshot(ctx)
+            self._snapshot(ctx)
         self._row = {}
         self._merge_due(ctx)
         self._wall0 = None
@@ -682,6 +701,7 @@ class ReplicaGroups(EveryStep):
         since = self._last_sync.get(p, 0)
         tokens = max(ctx.step - since, 1) * self.cfg.global_batch
         self._last_sync[p] = ctx.step
+        self._snapshot(ctx)
         if not self._leader:  # the leader exchanges; its outcome comes at the merge
             self._pending.append((p, ctx.step + self.sync.overlap, REMOTE))
             return
@@ -689,7 +709,6 @@ class ReplicaGroups(EveryStep):
             if fut is not None and q != p:
                 fut.result()
         local = self._flat(ctx.params, p)
-        self._snapshot(ctx)
         fut = self._pool.submit(self._exchange, p, local, tokens, ctx.step)
         self._pending.append((p, ctx.step + self.sync.overlap, fut))
 
