@@ -109,6 +109,40 @@ def test_two_groups_equal_one_program_streaming_diloco(tmp_path):
         assert 0 <= handshake <= 4 * 80, (s["sent_bytes"], per_period)
 
 
+def test_groups_of_pipelines_equal_one_programs_pipeline_diloco(tmp_path):
+    """Two groups, each a pipeline of 2 stages (one replica), end with the theta_sync that
+    one program's DiLoCo over two pipeline replicas gives: the outer step runs on the
+    model's own layout and is written back to every stage. The two programs differ in
+    float rounding (as a pipeline and data parallelism do, about 1e-4 here after 40
+    steps), far below what a misplaced stage, replica or copy of the embedding would give."""
+    common = ["steps=40", "optimizer.name=sgd", "optimizer.lr=0.05", "sync.outer_lr=0.7",
+              "sync.outer_momentum=0.9", "checkpoint_every=0", "stages=2",
+              "sync.fragments=1", "sync.overlap=0"]  # fmt: skip
+    r = _launch(tmp_path / "g", 2, ["workers=1", "aggregator=ring", *common])
+    assert r.returncode == 0, r.stdout[-2000:] + _logs(tmp_path / "g")
+    one = tmp_path / "one"
+    cmd = [sys.executable, "-m", "train", "--no-progress", "--config", CONFIG,
+           *_sets([*common, "workers=2", "global_batch=16", f"out_dir={one}"])]  # fmt: skip
+    r1 = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert r1.returncode == 0, r1.stderr[-2000:]
+    a = _params(tmp_path / "g/group_0/params.msgpack")
+    b = _params(tmp_path / "g/group_1/params.msgpack")
+    c = _params(one / "params.msgpack")
+    moved = 0.0
+    for (k, x), (_, y), (_, z) in zip(a, b, c, strict=True):
+        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(k))
+        np.testing.assert_allclose(x, z, rtol=0, atol=5e-4, err_msg=jax.tree_util.keystr(k))
+        moved = max(moved, float(np.max(np.abs(z))))
+    assert moved > 0.1
+    for g in (0, 1):
+        s = json.loads((tmp_path / f"g/group_{g}/summary.json").read_text())["groups"]
+        assert s["exchanges"] == 4 and s["failed"] == 0 and s["heals"] == 0
+        # One float32 model a member: the model's own parameters, not every stage's copy.
+        assert s["payload_bytes"] == [
+            4 * json.loads((tmp_path / f"g/group_{g}/summary.json").read_text())["params"]
+        ]
+
+
 def _start(slot, count, lighthouse, out, extra, resume=False):
     from train.groups import start_group
 

@@ -975,10 +975,6 @@ def _check_groups(cfg: Config) -> None:
             f"groups with workers={cfg.workers}: the aggregator averages this group's own "
             "workers every step, so it cannot be none; use e.g. aggregator: ring"
         )
-    if cfg.stages != 1:
-        raise ValueError(
-            f"groups with stages={cfg.stages}: a replica group runs data parallel (stages=1)"
-        )
     if sync.warmup_steps:
         raise ValueError(
             "groups with sync.warmup_steps: a data-parallel warm start spans every worker; "

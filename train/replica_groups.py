@@ -226,6 +226,7 @@ class ReplicaGroups(EveryStep):
                 "sync": s.to_dict(),
                 "global_batch": cfg.global_batch,
                 "count": cfg.groups.count,
+                "stages": cfg.stages,
             }
         )
 
@@ -236,9 +237,29 @@ class ReplicaGroups(EveryStep):
 
     def start(self, ctx: Context) -> None:
         s = self.sync
+        self._ctx = ctx
+        # A pipeline inside the group: its parameters are staged ([replicas, stages, ...]);
+        # the outer step runs on the model's own layout (replica 0, stages joined), the
+        # one a data-parallel group holds, and writes back to every replica and stage.
+        self._staged = ctx.cfg.stages > 1
+        if self._staged and self._procs > 1:
+            raise ValueError(
+                f"replica groups with stages={ctx.cfg.stages} run each group in one process; "
+                f"this group has {self._procs} (a pipeline across processes is not supported "
+                "inside a group)"
+            )
+        self._layout = ctx.layout
         params = ctx.params
+        if self._staged:
+            if ctx.abstract:  # shapes only (placement aside: a stage's slice is not one)
+                bare = jax.tree_util.tree_map(
+                    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params
+                )
+                params = jax.eval_shape(lambda q: ctx.layout.model_params(ctx, q), bare)
+            else:
+                params = self._plain(params)
         leaves, self._treedef = jax.tree_util.tree_flatten_with_path(params)
-        if any(has_rows(a) for _, a in leaves):
+        if not self._staged and any(has_rows(a) for _, a in leaves):
             raise ValueError("replica groups need parameters held once (data parallel)")
         names = layer_groups(params)
         if s.fragments > len(names):
@@ -269,13 +290,20 @@ class ReplicaGroups(EveryStep):
                 flat = np.concatenate([host[i].astype(np.float32).reshape(-1) for i in idx])
                 self.state.append(go.init(flat, slot=self.groups.slot))
 
+    def _plain(self, params: Any) -> Any:
+        """A pipeline's ``params`` in the model's own layout, on the host (replica 0)."""
+        host = jax.tree_util.tree_map(np.asarray, params)
+        return self._layout.model_params(self._ctx, host)
+
     def _flat(self, params: Any, p: int) -> np.ndarray:
-        leaves = jax.tree_util.tree_leaves(params)
+        leaves = jax.tree_util.tree_leaves(self._plain(params) if self._staged else params)
         parts = [np.asarray(leaves[i], np.float32).reshape(-1) for i in self._index[p]]
         return np.concatenate(parts)
 
     def _with(self, params: Any, p: int, flat: np.ndarray) -> Any:
         """``params`` with fragment ``p``'s leaves set from ``flat``."""
+        if self._staged:
+            return self._with_staged(params, p, flat)
         leaves, treedef = jax.tree_util.tree_flatten(params)
         at = 0
         for i in self._index[p]:
@@ -285,6 +313,27 @@ class ReplicaGroups(EveryStep):
             leaves[i] = jax.device_put(host, a.sharding)
             at += size
         return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def _with_staged(self, params: Any, p: int, flat: np.ndarray) -> Any:
+        """A pipeline's ``params`` with fragment ``p`` set from ``flat``: the model's own
+        layout restaged, on every replica (they hold the same values: the group's
+        aggregator averages them every step) and every stage's copy of the embedding and
+        head (the stage that uses each is the one read back)."""
+        from .pipeline import stage_params
+
+        leaves, treedef = jax.tree_util.tree_flatten(self._plain(params))
+        at = 0
+        for i in self._index[p]:
+            size = int(np.size(leaves[i]))
+            leaves[i] = flat[at : at + size].astype(leaves[i].dtype).reshape(leaves[i].shape)
+            at += size
+        plain = jax.tree_util.tree_unflatten(treedef, leaves)
+        staged = stage_params(plain, self._layout.gpt_cfg, self.cfg.stages)
+
+        def put(h: np.ndarray, a: jax.Array) -> jax.Array:
+            return jax.device_put(np.broadcast_to(np.asarray(h, a.dtype), a.shape), a.sharding)
+
+        return jax.tree_util.tree_map(put, staged, params)
 
     # ------------------------------------------------------------------ the transport
 
