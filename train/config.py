@@ -975,6 +975,12 @@ def _check_groups(cfg: Config) -> None:
             f"groups with workers={cfg.workers}: the aggregator averages this group's own "
             "workers every step, so it cannot be none; use e.g. aggregator: ring"
         )
+    if cfg.stages > 1 and cfg.boundary.key == "aqsgd":
+        raise ValueError(
+            f"groups with stages={cfg.stages} and boundary aqsgd: its per-sample message "
+            "buffers are not part of a heal's live state, so a healed group would not hold "
+            "what its peer holds; use boundary fp32 or directq inside a group"
+        )
     if sync.warmup_steps:
         raise ValueError(
             "groups with sync.warmup_steps: a data-parallel warm start spans every worker; "

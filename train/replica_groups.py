@@ -226,7 +226,8 @@ class ReplicaGroups(EveryStep):
                 "sync": s.to_dict(),
                 "global_batch": cfg.global_batch,
                 "count": cfg.groups.count,
-                "stages": cfg.stages,
+                # The layout: a heal installs the peer's arrays, whose shapes it sets.
+                "layout": [cfg.workers, cfg.stages],
             }
         )
 
@@ -258,6 +259,15 @@ class ReplicaGroups(EveryStep):
                 params = jax.eval_shape(lambda q: ctx.layout.model_params(ctx, q), bare)
             else:
                 params = self._plain(params)
+        if self._staged and not ctx.abstract:
+            for k, a in jax.tree_util.tree_leaves_with_path(ctx.params):
+                rows = np.asarray(a)
+                if not all(np.array_equal(rows[0], r) for r in rows[1:]):
+                    raise ValueError(
+                        f"replica groups: the pipeline's replicas start apart at "
+                        f"{jax.tree_util.keystr(k)}; the outer step reads replica 0 and "
+                        "writes every replica"
+                    )
         leaves, self._treedef = jax.tree_util.tree_flatten_with_path(params)
         if not self._staged and any(has_rows(a) for _, a in leaves):
             raise ValueError("replica groups need parameters held once (data parallel)")
