@@ -1,5 +1,9 @@
 """DiLoCo family experiments: bytes, loss and simulated time against data parallelism.
 
+Every method here runs at one untuned setting, so its losses compare settings as much as
+methods; the tuned comparison across sizes is ``benchmarks/quality.py``, and the loss gaps
+this script reports are not to be quoted as the methods' (its bytes and times are).
+
 The GPT of the main job (4 layers, width 128, 867K parameters) on the embedded Shakespeare
 text, 8 workers, global batch 64, Adam at lr 3e-3 (the inner optimizer of every local
 method), V100 compute (the roofline of the compiled step), a fixed token budget
@@ -206,7 +210,11 @@ def render(record: dict) -> str:
     meta, runs = record["meta"], record["runs"]
     dp = runs.get("DP")
     nets = list(record["networks"])
-    lines = ["# DiLoCo family experiments", ""]
+    lines = ["# DiLoCo family experiments", "",
+             "**Withdrawn as a comparison of loss**: every method at one untuned setting "
+             "(Adam at a constant lr, the paper's Nesterov outer step); the tuned comparison "
+             "across sizes is `benchmarks/results/quality/quality.md` "
+             "(`benchmarks/quality.py`). The bytes and simulated times stand.", ""]  # fmt: skip
     for m in [*record.get("earlier", []), meta]:
         lines.append(
             f"`{m['command']}` ({m['date']}, {m['machine']}, jax {m['jax']}, "

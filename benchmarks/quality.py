@@ -732,7 +732,8 @@ def plot(recs: list[dict[str, Any]], summary: dict[str, Any], fits: dict, out: P
     if not fits:
         return
     fig, (ax, gx) = plt.subplots(1, 2, figsize=(13, 4.5))
-    colour = {m: f"C{i % 10}" for i, m in enumerate(METHODS)}  # one colour a method
+    tab = matplotlib.colormaps["tab20"]
+    colour = {m: tab(i % 20) for i, m in enumerate(METHODS)}  # one colour a method
     for method in METHODS:
         if method == "dp":
             continue
