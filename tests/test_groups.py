@@ -204,6 +204,9 @@ def test_group_config_errors_name_the_setting():
         load_config(cfg, [*base, "groups.slot=0", "sync.compress=ar_topk"])
     with pytest.raises(ValueError, match="address http://host:port"):
         load_config(cfg, [*base, "groups.slot=0", "groups.lighthouse=localhost:29510"])
+    with pytest.raises(ValueError, match="stages=2 and boundary aqsgd: its per-sample"):
+        load_config(cfg, [*base, "groups.slot=0", "stages=2", "boundary=aqsgd"])
+    assert load_config(cfg, [*base, "groups.slot=0", "stages=2"]).stages == 2
     ok = load_config(cfg, [*base, "groups.slot=1", "sync.compress=int8"])
     codec, decay = ok.sync.compress.error_fed_codec()
     assert codec.bits == 8 and not codec.stochastic and decay == 1.0
