@@ -212,6 +212,43 @@ def test_group_config_errors_name_the_setting():
     assert codec.bits == 8 and not codec.stochastic and decay == 1.0
 
 
+def test_a_pipeline_groups_outer_step_reads_replica_0_and_writes_every_replica_and_stage(
+    tmp_path,
+):
+    """On a group of 2 pipeline replicas of 2 stages, a fragment's vector is the model's own
+    layout (replica 0, stages joined): setting it writes every replica and every stage's
+    copy, reading it back gives it bit for bit, and the other fragments are untouched."""
+    from train.config import load_config
+    from train.pipeline import unstage_params
+    from train.trainer import Trainer
+
+    sets = ["groups.lighthouse=http://127.0.0.1:1", "groups.slot=0", "groups.count=2",
+            "workers=2", "stages=2", "aggregator=ring", "global_batch=8",
+            "model.num_layers=2", "model.width=16", "sync.fragments=2", "compute=measured",
+            f"out_dir={tmp_path}"]  # fmt: skip
+    trainer = Trainer(load_config("configs/diloco_default.yaml", sets))
+    part, params = trainer.sync, trainer.params
+    before = [part._flat(params, p) for p in range(2)]
+    assert sum(b.size for b in before) == trainer.ctx.layout.num_params(trainer.ctx)
+    new = before[1] + np.arange(before[1].size, dtype=np.float32)
+    out = part._with(params, 1, new)
+    np.testing.assert_array_equal(part._flat(out, 1), new)
+    np.testing.assert_array_equal(part._flat(out, 0), before[0])
+    gpt = trainer.ctx.layout.gpt_cfg
+    host = jax.tree_util.tree_map(np.asarray, out)
+    for name in ("blocks", "embed", "head"):  # every stage's copy, the same on each replica
+        for k, a in jax.tree_util.tree_leaves_with_path(host[name]):
+            np.testing.assert_array_equal(a[0], a[1], err_msg=jax.tree_util.keystr(k))
+    for name in ("embed", "head"):
+        for k, a in jax.tree_util.tree_leaves_with_path(host[name]):
+            np.testing.assert_array_equal(a[0, 0], a[0, 1], err_msg=jax.tree_util.keystr(k))
+    one = unstage_params(jax.tree_util.tree_map(lambda a: a[1], host), gpt)
+    flat = np.concatenate(
+        [np.asarray(a, np.float32).reshape(-1) for a in jax.tree_util.tree_leaves(one)]
+    )
+    np.testing.assert_array_equal(np.sort(flat), np.sort(np.concatenate([before[0], new])))
+
+
 class _FakeTransport:
     """Two members: this group and a peer whose pseudo-gradient holds a NaN."""
 
