@@ -379,7 +379,8 @@ class ReplicaGroups(EveryStep):
     def _snapshot(self, ctx: Context) -> None:
         """What a peer healed from this group receives, as of now (device copies; held by
         the leader). In a group of several processes every process calls it at the same
-        point: the leaves sharded across them are gathered to the leader's host."""
+        point: the leaves sharded across them are gathered whole (into every process's
+        host memory: a collective, which the others join and then drop)."""
         opt_state = _gathered(ctx.opt_state) if self._procs > 1 else ctx.opt_state
         if not self._leader:
             return
