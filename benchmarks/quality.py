@@ -26,7 +26,10 @@ Protocol (one command per stage; every run's result is kept, an interrupted stag
   decay 0.999, the paper's, not tuned; weight decay 0.1 times the step; each worker's
   gradient clipped to norm 1 before it; the schedule multiplies its step, while its
   momentum adds the unweighted gradient, where the authors' code weights each gradient by
-  its step's rate); ``demo_k8`` the same with 8 coefficients a block. Where the
+  its step's rate); ``demo_k8`` the same with 8 coefficients a block; ``muloco_h30_2p``
+  MuLoCo's compressor exchanged in two phases (about 2 / N of the all-gather's bytes),
+  its grid Muon lr {0.01, 0.02, 0.04} x AdamW lr {0.012, 0.024} x plain averaging, the
+  neighbourhood of ``muloco_h30``'s choice at xxs. Where the
   chosen step size sits at an end of its axis, the ``tune`` stage extends that axis one
   step further (x2 or /2) and runs the new points, until the choice is inside. At each
   larger size, once the smaller size's grid is complete, it runs the grid points next to
@@ -147,6 +150,16 @@ METHODS: dict[str, dict[str, Any]] = {
     "muloco_h30": {
         "fixed": {**_diloco(30, compress="statistical"), "optimizer": "muon"},
         "grid": {"muon_lr": MUON_LRS, "lr": (2e-3, 6e-3), "outer": OUTERS},
+    },
+    # MuLoCo's compressor in two phases (each worker averages one segment and re-encodes it
+    # before the all-gather: about 2 / N of the gather's bytes; not the paper's exchange),
+    # on a grid narrowed to the neighbourhood of muloco_h30's choice at xxs.
+    "muloco_h30_2p": {
+        "fixed": {
+            **_diloco(30, compress={"name": "statistical_quantized", "exchange": "two_phase"}),
+            "optimizer": "muon",
+        },
+        "grid": {"muon_lr": (0.01, 0.02, 0.04), "lr": (0.012, 0.024), "outer": ((1.0, 0.0),)},
     },
     # DeMo: a sign step, so its own step-size grid; the same schedule multiplies its step
     # and its decoupled weight decay (0.1, as AdamW's); clipping before it, as the others.
