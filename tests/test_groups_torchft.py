@@ -62,13 +62,9 @@ def _logs(out):
     return "\n".join(p.read_text()[-3000:] for p in sorted(Path(out).glob("group_*.log")))
 
 
-def test_two_groups_equal_one_program_streaming_diloco(tmp_path):
-    """Two groups of one worker each (each its own process and JAX runtime) end with the
-    theta_sync that one program's Streaming DiLoCo gives two workers on the same samples:
-    bit for bit between the groups, within float rounding of the one program."""
-    # The paper's Nesterov outer step (lr 0.7, momentum 0.9): its momentum is per fragment.
-    common = ["steps=40", "optimizer.name=sgd", "optimizer.lr=0.05", "sync.outer_lr=0.7",
-              "sync.outer_momentum=0.9", "checkpoint_every=0"]  # fmt: skip
+def _groups_against_one_program(tmp_path, common, atol):
+    """Two groups of one worker each, and one program of two workers, on settings
+    ``common``: the groups end bit-identical, within ``atol`` of the program, and trained."""
     r = _launch(tmp_path / "g", 2, ["workers=1", "aggregator=ring", *common])
     assert r.returncode == 0, r.stdout[-2000:] + _logs(tmp_path / "g")
     one = tmp_path / "one"
@@ -76,17 +72,24 @@ def test_two_groups_equal_one_program_streaming_diloco(tmp_path):
            *_sets([*common, "workers=2", "global_batch=16", f"out_dir={one}"])]  # fmt: skip
     r1 = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert r1.returncode == 0, r1.stderr[-2000:]
-    a, b = (
-        _params(tmp_path / "g/group_0/params.msgpack"),
-        _params(tmp_path / "g/group_1/params.msgpack"),
-    )
+    a = _params(tmp_path / "g/group_0/params.msgpack")
+    b = _params(tmp_path / "g/group_1/params.msgpack")
     c = _params(one / "params.msgpack")
-    moved = 0.0
     for (k, x), (_, y), (_, z) in zip(a, b, c, strict=True):
         np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(k))
-        np.testing.assert_allclose(x, z, rtol=0, atol=2e-6, err_msg=jax.tree_util.keystr(k))
-        moved = max(moved, float(np.max(np.abs(z))))
-    assert moved > 0.1
+        np.testing.assert_allclose(x, z, rtol=0, atol=atol, err_msg=jax.tree_util.keystr(k))
+    rows = _rows(one)
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.3  # it trained: the comparison is not void
+
+
+def test_two_groups_equal_one_program_streaming_diloco(tmp_path):
+    """Two groups of one worker each (each its own process and JAX runtime) end with the
+    theta_sync that one program's Streaming DiLoCo gives two workers on the same samples:
+    bit for bit between the groups, within float rounding of the one program."""
+    # The paper's Nesterov outer step (lr 0.7, momentum 0.9): its momentum is per fragment.
+    common = ["steps=40", "optimizer.name=sgd", "optimizer.lr=0.05", "sync.outer_lr=0.7",
+              "sync.outer_momentum=0.9", "checkpoint_every=0"]  # fmt: skip
+    _groups_against_one_program(tmp_path, common, atol=2e-6)
     for g in (0, 1):
         s = json.loads((tmp_path / f"g/group_{g}/summary.json").read_text())["groups"]
         # Fragment 0 at steps 5, 15, 25, 35; fragment 1 at 10, 20, 30, 40.
@@ -118,22 +121,7 @@ def test_groups_of_pipelines_equal_one_programs_pipeline_diloco(tmp_path):
     common = ["steps=40", "optimizer.name=sgd", "optimizer.lr=0.05", "sync.outer_lr=0.7",
               "sync.outer_momentum=0.9", "checkpoint_every=0", "stages=2",
               "sync.fragments=1", "sync.overlap=0"]  # fmt: skip
-    r = _launch(tmp_path / "g", 2, ["workers=1", "aggregator=ring", *common])
-    assert r.returncode == 0, r.stdout[-2000:] + _logs(tmp_path / "g")
-    one = tmp_path / "one"
-    cmd = [sys.executable, "-m", "train", "--no-progress", "--config", CONFIG,
-           *_sets([*common, "workers=2", "global_batch=16", f"out_dir={one}"])]  # fmt: skip
-    r1 = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-    assert r1.returncode == 0, r1.stderr[-2000:]
-    a = _params(tmp_path / "g/group_0/params.msgpack")
-    b = _params(tmp_path / "g/group_1/params.msgpack")
-    c = _params(one / "params.msgpack")
-    moved = 0.0
-    for (k, x), (_, y), (_, z) in zip(a, b, c, strict=True):
-        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(k))
-        np.testing.assert_allclose(x, z, rtol=0, atol=5e-4, err_msg=jax.tree_util.keystr(k))
-        moved = max(moved, float(np.max(np.abs(z))))
-    assert moved > 0.1
+    _groups_against_one_program(tmp_path, common, atol=5e-4)
     for g in (0, 1):
         s = json.loads((tmp_path / f"g/group_{g}/summary.json").read_text())["groups"]
         assert s["exchanges"] == 4 and s["failed"] == 0 and s["heals"] == 0
