@@ -762,12 +762,8 @@ def plot(recs: list[dict[str, Any]], summary: dict[str, Any], fits: dict, out: P
             gx.errorbar(ns, gap, yerr=err, marker="o", capsize=3, label=method,
                         color=colour[method])  # fmt: skip
     gx.axhline(0.0, color="k", lw=0.8)
-    gx.set_xscale("log")
-    gx.set_xlabel("parameters")
-    gx.set_ylabel("test loss above DP's (%, paired by seed)")
-    gx.set_title("the gap to data parallelism (bars: the seeds' range)")
-    gx.grid(alpha=0.3)
-    gx.legend(fontsize=7)
+    _size_axes(gx, "test loss above DP's (%, paired by seed)",
+               "the gap to data parallelism (bars: the seeds' range)")  # fmt: skip
     for method, f in fits.items():
         pts = sorted(
             (m["params"], m["test_loss"])
@@ -779,16 +775,22 @@ def plot(recs: list[dict[str, Any]], summary: dict[str, Any], fits: dict, out: P
         line = ax.plot(ns, [p[1] for p in pts], marker="o", label=method, color=colour[method])[0]
         grid_n = np.geomspace(ns.min(), ns.max() * 4, 50)
         ax.plot(grid_n, f["a"] * grid_n ** -f["alpha"], ls=":", color=line.get_color())
-    ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("parameters")
-    ax.set_ylabel("test loss (fresh seeds' mean)")
-    ax.set_title("loss against size, with each method's power-law fit (dotted)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    _size_axes(ax, "test loss (fresh seeds' mean)",
+               "loss against size, with each method's power-law fit (dotted)")  # fmt: skip
     fig.tight_layout()
     fig.savefig(out / "gap_vs_size.png", dpi=110)
     plt.close(fig)
+
+
+def _size_axes(ax: Any, ylabel: str, title: str) -> None:
+    """One panel against model size: log parameters, labels, grid and legend."""
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def _compilation_cache(folder: Path) -> None:
