@@ -212,21 +212,29 @@ def test_group_config_errors_name_the_setting():
     assert codec.bits == 8 and not codec.stochastic and decay == 1.0
 
 
+def _group_trainer(tmp_path, *extra):
+    """A trainer of group 0 of 2 (a small GPT, one worker unless ``extra`` says otherwise),
+    built in this process with no lighthouse: its part is driven by hand."""
+    from train.config import load_config
+    from train.trainer import Trainer
+
+    sets = ["groups.lighthouse=http://127.0.0.1:1", "groups.slot=0", "groups.count=2",
+            "workers=1", "aggregator=ring", "global_batch=8", "model.num_layers=1",
+            "model.width=16", "compute=measured", f"out_dir={tmp_path}", *extra]  # fmt: skip
+    return Trainer(load_config("configs/diloco_default.yaml", sets))
+
+
 def test_a_pipeline_groups_outer_step_reads_replica_0_and_writes_every_replica_and_stage(
     tmp_path,
 ):
     """On a group of 2 pipeline replicas of 2 stages, a fragment's vector is the model's own
     layout (replica 0, stages joined): setting it writes every replica and every stage's
     copy, reading it back gives it bit for bit, and the other fragments are untouched."""
-    from train.config import load_config
     from train.pipeline import unstage_params
-    from train.trainer import Trainer
 
-    sets = ["groups.lighthouse=http://127.0.0.1:1", "groups.slot=0", "groups.count=2",
-            "workers=2", "stages=2", "aggregator=ring", "global_batch=8",
-            "model.num_layers=2", "model.width=16", "sync.fragments=2", "compute=measured",
-            f"out_dir={tmp_path}"]  # fmt: skip
-    trainer = Trainer(load_config("configs/diloco_default.yaml", sets))
+    trainer = _group_trainer(
+        tmp_path, "workers=2", "stages=2", "model.num_layers=2", "sync.fragments=2"
+    )
     part, params = trainer.sync, trainer.params
     before = [part._flat(params, p) for p in range(2)]
     assert sum(b.size for b in before) == trainer.ctx.layout.num_params(trainer.ctx)
@@ -277,14 +285,8 @@ def test_a_nan_from_a_peer_is_refused(tmp_path, finite):
     """A peer whose pseudo-gradient holds a NaN is left out, whether its header says so or
     claims it finite (every member checks the decoded values): theta_sync takes this
     group's step alone and stays finite, and the reason is logged."""
-    from train.config import load_config
-    from train.trainer import Trainer
 
-    sets = ["groups.lighthouse=http://127.0.0.1:1", "groups.slot=0", "groups.count=2",
-            "workers=1", "aggregator=ring", "global_batch=8", "model.num_layers=1",
-            "model.width=16", "sync.outer_lr=1.0", "sync.outer_momentum=0",
-            "compute=measured", f"out_dir={tmp_path}"]  # fmt: skip
-    trainer = Trainer(load_config("configs/diloco_default.yaml", sets))
+    trainer = _group_trainer(tmp_path, "sync.outer_lr=1.0", "sync.outer_momentum=0")
     part = trainer.sync
     go, before = part.outer[0], part.state[0]
     local = np.asarray(before.anchor) - 0.5
@@ -421,14 +423,8 @@ def test_a_heal_that_lands_while_a_checkpoint_waits_is_taken_before_it_is_writte
     import concurrent.futures
 
     from train.checkpoint import Checkpoints
-    from train.config import load_config
-    from train.trainer import Trainer
 
-    sets = ["groups.lighthouse=http://127.0.0.1:1", "groups.slot=0", "groups.count=2",
-            "workers=1", "aggregator=ring", "global_batch=8", "model.num_layers=1",
-            "model.width=16", "compute=measured", "steps=60", "sync.overlap=2",
-            f"out_dir={tmp_path}"]  # fmt: skip
-    trainer = Trainer(load_config("configs/diloco_default.yaml", sets))
+    trainer = _group_trainer(tmp_path, "steps=60", "sync.overlap=2")
     part, ctx = trainer.sync, trainer.ctx
     part._ctx = ctx
     ctx.step = 5
