@@ -20,12 +20,19 @@ os.environ.setdefault("RUST_LOG", "error")  # before torchft starts its logger
 pytest.importorskip("torchft")
 
 ROOT = Path(__file__).resolve().parent.parent
-# A small GPT, 1 worker a group, Streaming DiLoCo with 2 fragments and an overlap of 1.
+# A small GPT, 1 worker a group, Streaming DiLoCo with 2 fragments and an overlap of 1, the
+# paper's Nesterov outer step (its momentum in every checkpoint and heal).
 SETS = ["model.num_layers=2", "model.width=32", "global_batch=8", "sync.period=10",
         "sync.fragments=2", "sync.overlap=1", "compute=measured", "eval_every=0",
-        "eval_batches=1"]  # fmt: skip
+        "eval_batches=1", "sync.outer_lr=0.7", "sync.outer_momentum=0.9"]  # fmt: skip
 GROUP = ["groups.start_timeout_s=60"]
 CONFIG = str(ROOT / "configs" / "diloco_default.yaml")
+# How each group is laid out: its processes, and its own settings.
+LAYOUTS = {
+    "1 process": (1, ["workers=1"]),
+    "2 processes": (2, ["workers=2"]),
+    "2 stages": (1, ["workers=1", "stages=2"]),
+}
 
 
 def _env():
@@ -161,9 +168,9 @@ def lighthouse():
     lh.shutdown()
 
 
-@pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_killed_group_leaves_the_other_training_and_a_restart_is_healed(
-    tmp_path, lighthouse, processes
+    tmp_path, lighthouse, layout
 ):
     """kill -9 of group 1 mid-run: group 0 goes on alone (the same process, no restart).
     Group 1 restarted with no checkpoint of its own, on a hot spare started beside the
@@ -171,14 +178,15 @@ def test_a_killed_group_leaves_the_other_training_and_a_restart_is_healed(
     life's metrics rows kept, its second life's output in the same log), and both end with
     bit-identical theta_sync. With group 0 one jax.distributed job of 2 processes, its leader
     alone meets the loss of group 1 and serves the heal, and both its processes end with
-    the same state."""
+    the same state. With both groups pipelines of 2 stages, the heal carries every stage's
+    parameters and optimizer state and the outer state on the model's own layout."""
     from train.groups import Spare, group_args, start_group
 
+    processes, own = LAYOUTS[layout]
     # A group of 2 processes steps about three times as fast as one process of 2 devices:
     # it runs longer, so that it is still running when group 1 comes back.
     steps = 600 if processes == 1 else 1200
-    extra = ["workers=1" if processes == 1 else "workers=2", "aggregator=ring",
-             f"steps={steps}", "checkpoint_every=0"]  # fmt: skip
+    extra = [*own, "aggregator=ring", f"steps={steps}", "checkpoint_every=0"]
     # At the normal class (an idle-class spare could wait for the busy test machine to
     # leave it cycles until group 0 has finished).
     spare = Spare(tmp_path, 0, _env(), idle=False)
@@ -223,11 +231,17 @@ def test_a_killed_group_leaves_the_other_training_and_a_restart_is_healed(
         ids = s0["groups"]["process_ids"]
         assert len(ids) == processes and all(i == ids[0] for i in ids), ids
     # Group 0 served the heal over its checkpoint server: its parameters, Adam's two
-    # moments, and every fragment's theta_sync and outer momentum, five float32 models.
+    # moments, and every fragment's theta_sync and outer momentum, five float32 models; a
+    # pipeline's parameters hold each later stage's copy of the embedding and the head too.
     model = 4 * s0["params"]
+    extra = 0
+    if "stages=2" in own:
+        tree = serialization.msgpack_restore((tmp_path / "group_0/params.msgpack").read_bytes())
+        extra = 4 * sum(np.size(a) for k in ("embed", "head") for a in jax.tree.leaves(tree[k]))
     assert s0["groups"]["heals_served"] == 1, s0["groups"]
     # Streamed as raw bytes (pickled NumPy arrays would take about 7.2 models).
-    assert 5 * model < s0["groups"]["heal_sent_bytes"] < 5.5 * model, s0["groups"]
+    heal = s0["groups"]["heal_sent_bytes"]
+    assert 5 * model + extra < heal < 5.5 * model + extra, s0["groups"]
     assert s1["groups"]["heal_sent_bytes"] == 0
     rows1 = _rows(tmp_path / "group_1")
     # Its first life's rows are kept; its second starts where group 0 was, not at step 1.
@@ -311,15 +325,17 @@ def test_a_spare_loads_at_the_idle_class_and_says_so_of_a_malformed_order(tmp_pa
     assert "not an order ('argv')" in spare.log.read_text()
 
 
-@pytest.mark.parametrize("processes", [1, 2])
-def test_a_stopped_run_of_int8_groups_resumes_bit_exactly(tmp_path, processes):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_stopped_run_of_int8_groups_resumes_bit_exactly(tmp_path, layout):
     """Two groups exchanging error-fed int8 pseudo-gradients, stopped at step 20 and
     resumed to 30, end where an uninterrupted run to 30 ends, bit for bit (theta_sync,
     the error feedback and the outer momentum are in each group's checkpoint). With 2
     processes a group, each group is one jax.distributed job whose leader alone talks to
-    the other group: its checkpoint is written by both processes and read back by both."""
-    extra = ["workers=1" if processes == 1 else "workers=2", "aggregator=ring",
-             "checkpoint_every=10", "sync.compress=int8"]  # fmt: skip
+    the other group: its checkpoint is written by both processes and read back by both.
+    With 2 stages, each group is a pipeline whose outer state is kept on the model's own
+    layout and written back to each stage at the resume."""
+    processes, own = LAYOUTS[layout]
+    extra = [*own, "aggregator=ring", "checkpoint_every=10", "sync.compress=int8"]
     flags = ["--processes-per-group", str(processes)]
     r = _launch(tmp_path / "whole", 2, [*extra, "steps=30"], *flags)
     assert r.returncode == 0, _logs(tmp_path / "whole")
