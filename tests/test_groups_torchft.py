@@ -262,15 +262,19 @@ def test_a_group_of_two_processes_is_healed_and_its_processes_agree(tmp_path, li
     alone talks to the other groups and hands each outcome to the other at the merge).
     Started first, as a restart into a running run (``groups.rejoin``), it waits at its
     start until group 1, started after it, has committed an exchange, and is healed from
-    group 1's live state; both end with bit-identical theta_sync, and both of group 0's
-    processes end with the leader's theta_sync and the same parameters (checked in the run;
-    its ids in the summary)."""
+    group 1's live state. Its last exchange (fragment 1's, launched at the last step) fails
+    in its leader (injected: ``JAXCOMM_TEST_FAIL_EXCHANGE_AT``), which hands that outcome to
+    the other process: neither merges it, group 1 takes that step alone, and both of group
+    0's processes still end with the leader's theta_sync and the same parameters (checked
+    in the run; its ids in the summary). The groups end bit-identical in fragment 0 and
+    apart in fragment 1."""
     from train.groups import start_group
 
     extra = ["workers=2", "global_batch=8", "aggregator=ring", "steps=400",
              "checkpoint_every=0", "groups.start_timeout_s=2"]  # fmt: skip
     sets = [*SETS, *GROUP, *extra, "groups.rejoin=true", "groups.start_timeout_s=240"]
-    p0 = start_group(0, 2, lighthouse, tmp_path, CONFIG, sets, env=_env(), processes=2)
+    env = {**_env(), "JAXCOMM_TEST_FAIL_EXCHANGE_AT": "400"}
+    p0 = start_group(0, 2, lighthouse, tmp_path, CONFIG, sets, env=env, processes=2)
     p1 = None
     try:
         # Group 1 starts once group 0 is compiling: it is then in its start's wait (for a
@@ -288,15 +292,20 @@ def test_a_group_of_two_processes_is_healed_and_its_processes_agree(tmp_path, li
             if p is not None and p.poll() is None:
                 p.kill()
     s0 = json.loads((tmp_path / "group_0/summary.json").read_text())["groups"]
-    assert s0["heals"] == 1 and s0["exchanges"] > 10, s0
+    assert s0["heals"] == 1 and s0["exchanges"] > 10 and s0["failed"] == 1, s0
     ids = s0["process_ids"]
     assert len(ids) == 2 and ids[0] == ids[1], ids
     rows0 = _rows(tmp_path / "group_0")
     assert rows0[0]["step"] > 1  # started where group 1 was when it healed it, not at step 1
+    assert rows0[-1]["group_failed"] is True
+    assert _rows(tmp_path / "group_1")[-1]["group_members"] == 1
     a = _params(tmp_path / "group_0/params.msgpack")
     b = _params(tmp_path / "group_1/params.msgpack")
+    same = {}  # each layer: bit-identical in both groups or apart in every leaf
     for (k, x), (_, y) in zip(a, b, strict=True):
-        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(k))
+        same.setdefault(k[0].key, set()).add(bool(np.array_equal(x, y)))
+    assert all(len(v) == 1 for v in same.values()), same
+    assert {v.pop() for v in same.values()} == {True, False}, same
 
 
 def test_a_spare_loads_at_the_idle_class_and_says_so_of_a_malformed_order(tmp_path):

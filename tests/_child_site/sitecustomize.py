@@ -6,11 +6,15 @@ entry on the writing process's own devices, so process 1 of a launch never finds
 and compiles every program again at every start and every resume. The processes the tests
 start share one host and one cache folder in which their keys already differ, so here each
 writes its own entries. A hit is still the very executable its key names.
+
+With ``JAXCOMM_TEST_FAIL_EXCHANGE_AT`` set, a replica group's exchange launched at that
+step fails (see :func:`_fail_an_exchange`).
 """
 
 import importlib.abc
 import importlib.util
 import inspect
+import os
 import sys
 import warnings
 
@@ -42,12 +46,32 @@ def _every_process_writes(compiler) -> None:
     compiler._cache_write = cache_write
 
 
-class _AfterJaxCompiler(importlib.abc.MetaPathFinder):
-    """Wraps ``jax._src.compiler._cache_write`` once that module has loaded (importing JAX
-    here would slow every process that never uses it)."""
+def _fail_an_exchange(module) -> None:
+    """``JAXCOMM_TEST_FAIL_EXCHANGE_AT=S``: the exchange of a fragment launched at training
+    step ``S`` (``train.replica.Transport.exchange``, a group's leader) fails as if every try
+    of it had, before it reaches the other groups (a test of what a group does then)."""
+    at = int(os.environ["JAXCOMM_TEST_FAIL_EXCHANGE_AT"])
+    exchange = module.Transport.exchange
+    step, fragment = module.FIELDS.index("step"), module.FIELDS.index("fragment")
+
+    def failing(self, header, *args, **kwargs):
+        mine = header(False)
+        if mine[fragment] >= 0 and mine[step] == at:
+            return None
+        return exchange(self, header, *args, **kwargs)
+
+    module.Transport.exchange = failing
+
+
+class _After(importlib.abc.MetaPathFinder):
+    """Runs ``then(module)`` once module ``name`` has loaded (importing it here would slow
+    every process that never uses it)."""
+
+    def __init__(self, name, then):
+        self.name, self.then = name, then
 
     def find_spec(self, name, path, target=None):
-        if name != "jax._src.compiler":
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -55,10 +79,12 @@ class _AfterJaxCompiler(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            _every_process_writes(module)
+            self.then(module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
-sys.meta_path.insert(0, _AfterJaxCompiler())
+sys.meta_path.insert(0, _After("jax._src.compiler", _every_process_writes))
+if os.environ.get("JAXCOMM_TEST_FAIL_EXCHANGE_AT"):
+    sys.meta_path.insert(0, _After("train.replica", _fail_an_exchange))
