@@ -9,9 +9,11 @@ Protocol (one command per stage; every run's result is kept, an interrupted stag
   disjoint); every method is evaluated on the same first 1,024 windows of each split.
 * **Sizes** (:data:`SIZES`): GPTs of growing width and depth, byte-level, context 128. The
   train split holds 4.7M tokens, which bounds the sizes that two CPU cores can train
-  without repeating the text many times: each size trains on about 20 tokens per parameter
-  (:func:`budget`, rounded up to whole periods of H = 30 and 100), global batch 64
-  sequences; the report states each size's tokens and epochs.
+  without repeating the text many times: each size's budget is 20 tokens per parameter
+  rounded up to a whole multiple of 300 steps (:func:`budget`; periods of H = 30 and 100
+  complete), which gives 41, 35 and 26 tokens a parameter at xxs, xs and s; global batch 64
+  sequences (1,024 tokens a worker at 8 workers); the report states each size's tokens and
+  epochs.
 * **Schedule** (every method): AdamW (weight decay 0.1), or Muon for MuLoCo's hidden
   matrices, linear warm-up over 5% of the steps from 0, then cosine decay to 10% of the
   peak; the gradient clipped to global norm 1 (on each worker's own gradient inside
@@ -19,7 +21,8 @@ Protocol (one command per stage; every run's result is kept, an interrupted stag
 * **Grids** (:data:`METHODS`): DP's lr {1e-3, 2e-3, 3e-3, 6e-3}; each DiLoCo-family
   method's inner lr on the same grid, crossed with the outer step (SGD 1.0, i.e. plain
   averaging, or Nesterov momentum 0.9 at lr {0.1, 0.3, 0.5, 0.7}); the ``_warm`` variants
-  first run a quarter of their steps (whole periods, rounded down) as data parallelism, as
+  first run a quarter of their steps (rounded down to whole periods: 60 of 300 at xxs) as
+  data parallelism, as
   the DiLoCo paper starts from a trained model;
   MuLoCo's Muon lr {0.005, 0.01, 0.02, 0.04} with its AdamW lr at {2e-3, 6e-3}; DeMo's
   sign step {5e-4, 1e-3, 2e-3, 4e-3} (64 x 64 blocks, 32 coefficients each, and momentum
@@ -33,8 +36,10 @@ Protocol (one command per stage; every run's result is kept, an interrupted stag
   chosen step size sits at an end of its axis, the ``tune`` stage extends that axis one
   step further (x2 or /2) and runs the new points, until the choice is inside. At each
   larger size, once the smaller size's grid is complete, it runs the grid points next to
-  that choice (one step either way on every axis; the outer axis in the order above): a
-  stated narrowing, since two CPU cores cannot run the full grid on every size.
+  that choice (one step either way on every axis; the outer axis in the order above) and
+  that choice with the DiLoCo paper's outer step (Nesterov 0.7 / 0.9): a stated narrowing,
+  since two CPU cores cannot run the full grid on every size. A size's axes grow only by
+  the extensions made at it and below it. The outer axis is not extended past its ends.
 * **Selection and report**: per size and method, the setting with the lowest validation
   loss at seed 0 is chosen; the ``seeds`` stage runs it with seeds 1, 2 and 3, and the
   report gives the test loss's mean and spread over those three fresh seeds only (the
@@ -50,10 +55,14 @@ Protocol (one command per stage; every run's result is kept, an interrupted stag
 * **Bytes and time**: total and peak bytes a worker sent (the logs the contract suite checks
   against the compiled programs) and the simulated time on V100 compute at 100 Mbit/s /
   50 ms, 1 Gbit/s / 10 ms and 10 Gbit/s / 1 ms, replayed from each run's logged rows, which
-  are kept (gzipped) beside its record.
+  are kept (gzipped) beside its record. At these sizes a step's V100 compute is about
+  0.15 ms, so the times are those of the collectives: their latency rounds and bytes. DP
+  runs a ring all-reduce, 2 (N - 1) = 14 rounds a step (a tree's fewer rounds would favour
+  DP on the slow links; not run); the all-gathers of DeMo and the compressed outer steps
+  take 3 rounds (recursive doubling).
 
     python benchmarks/quality.py tune --size xs     # the grid at one size (resumes)
-    python benchmarks/quality.py seeds --size xs    # the selected settings, seeds 1 and 2
+    python benchmarks/quality.py seeds --size xs    # the selected settings, seeds 1, 2 and 3
     python benchmarks/quality.py extend --size xs   # low-byte methods to 3x the budget
     python benchmarks/quality.py workers --size xs  # the chosen settings at 2 and 4 workers
     python benchmarks/quality.py report             # tables and plots from every kept run
@@ -107,9 +116,11 @@ MUON_LRS = (0.005, 0.01, 0.02, 0.04)
 DEMO_LRS = (5e-4, 1e-3, 2e-3, 4e-3)  # DeMo's sign step (the paper: 4e-4 at 300M-1B)
 # (outer_lr, outer_momentum): plain averaging, then Nesterov at 0.9, in that order.
 OUTERS = ((1.0, 0.0), (0.1, 0.9), (0.3, 0.9), (0.5, 0.9), (0.7, 0.9))
+PAPER_OUTER = (0.7, 0.9)  # DiLoCo's Nesterov step: run at every size beside the neighbours
 STEP_AXES = ("lr", "muon_lr")  # step sizes: extended past an end when chosen there
 #: The worker counts of the ``workers`` stage (beside the study's 8), at the same global batch.
 WORLDS = (2, 4)
+MIN_FIT_SIZES = 3  # a scaling fit needs this many sizes (with DP's at the same sizes)
 MAX_CROSS = 1e15  # a fitted crossing beyond this many parameters is reported as none
 CAP = 3  # the extend stage runs the low-byte methods to this many times the budget
 WARM_FRACTION = 0.25  # the _warm variants' data-parallel start, a share of the steps
@@ -171,7 +182,8 @@ METHODS: dict[str, dict[str, Any]] = {
         "grid": {"lr": DEMO_LRS},
     },
     # DeMo keeping 8 coefficients a block: its all-gather puts N - 1 copies of each payload
-    # on the wire, so k = 32 is 21x below DP's ring at N = 8; k = 8 is 85x on 64 x 64 blocks.
+    # on the wire, so on 64 x 64 blocks at N = 8 k = 32 is at most 21x below DP's ring and
+    # k = 8 85x; on these narrow models (mostly partial blocks) measured 9-12x and 35x.
     "demo_k8": {
         "fixed": {
             "aggregator": {"name": "demo", "chunk": 64, "k": 8, "weight_decay": 0.1},
@@ -233,7 +245,8 @@ def axes(method: str, recs: Iterable[dict[str, Any]] = ()) -> dict[str, tuple]:
 
 def grid(method: str, near: dict[str, Any] | None = None, recs: Iterable = ()) -> list[dict]:
     """The grid points of ``method``; with ``near`` (a chosen point) only those within one
-    step of it on every axis."""
+    step of it on every axis, and the chosen point with the DiLoCo paper's outer step
+    (:data:`PAPER_OUTER`) where the grid has an outer axis."""
     ax = axes(method, recs)
     names = sorted(ax)
     points = []
@@ -244,6 +257,10 @@ def grid(method: str, near: dict[str, Any] | None = None, recs: Iterable = ()) -
         ):
             continue
         points.append(point)
+    if near is not None and PAPER_OUTER in ax.get("outer", ()):
+        anchor = {**{n: _norm(near[n]) for n in names}, "outer": PAPER_OUTER}
+        if anchor not in points:
+            points.append(anchor)
     return points
 
 
@@ -411,6 +428,8 @@ def pending(size: str, method: str, steps: int, recs: list[dict], sizes_steps: d
     tried on a step-size axis where the choice sits there: the axis's next value, or
     twice or half the end past the axis (while within 8x of the declared axis)."""
     prev = [z for z in ORDER[: ORDER.index(size)] if z != "tiny" and z in sizes_steps]
+    # Extensions made at a larger size do not reopen this size's grid.
+    recs = [r for r in recs if ORDER.index(r["size"]) <= ORDER.index(size)]
     near = None
     if prev:
         z = prev[-1]
@@ -484,6 +503,14 @@ def plan(stage: str, size: str, methods: list[str], steps: int, out: Path) -> li
     return jobs
 
 
+def _left(recs: list[dict[str, Any]], size: str, method: str, steps: int) -> int:
+    """Grid points the ``tune`` stage would still run for ``method`` at ``size`` (its choice
+    is provisional until none are left; -1: a smaller size's tuning is not complete)."""
+    sizes_steps = {z: budget(z) for z in ORDER[: ORDER.index(size)] if z != "tiny"}
+    todo = pending(size, method, steps, recs, {**sizes_steps, size: steps})
+    return -1 if todo == [None] else len(todo)
+
+
 def summarise(recs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per size and method: the chosen setting, its test loss over the fresh seeds (mean and
     standard deviation; the choosing seed-0 run left out), its gap to DP's (paired by seed:
@@ -518,6 +545,7 @@ def summarise(recs: list[dict[str, Any]]) -> dict[str, Any]:
                     "peak_bytes": best["peak_bytes"],
                     "sim_s": best["sim_s"],
                     "grid_points": len(_mine(recs, size, method, steps, (0,))),
+                    "tuning_left": _left(recs, size, method, steps),
                 }
     for methods in out.values():
         dp = methods.get("dp")
@@ -577,7 +605,18 @@ def render(summary: dict[str, Any], meta: list[dict[str, Any]]) -> str:
     lines = ["# Quality study", ""]
     for m in meta:
         lines.append(f"`{m['command']}` ({m['date']}, {m['machine']}, jax {m['jax']}).")
-    lines += ["", "Protocol: see the docstring of `benchmarks/quality.py`.", ""]
+    sizes = " ".join(z for z in summary if z != "tiny")
+    lines += [
+        "",
+        "The stages above are those whose last command completed here (earlier stages ran "
+        "in earlier sessions; each run's record under `runs/` holds its setting, seed and "
+        f"wall time). To reproduce every run: `for S in {sizes}; do python "
+        "benchmarks/quality.py tune --size $S && python benchmarks/quality.py seeds --size "
+        "$S; done`, then the `extend` and `workers` stages, then `report`.",
+        "",
+        "Protocol: see the docstring of `benchmarks/quality.py`.",
+        "",
+    ]
     for size, methods in summary.items():
         reach, worlds = methods.get("_time_to_dp"), methods.get("_workers")
         methods = {k: v for k, v in methods.items() if not k.startswith("_")}
@@ -586,7 +625,8 @@ def render(summary: dict[str, Any], meta: list[dict[str, Any]]) -> str:
             f"## {size}: {ref['params']:,} parameters, {ref['steps']} steps, "
             f"{ref['tokens']:,} tokens ({ref['epochs']:.2f} epochs of the train split)",
             "",
-            "| method | chosen setting | grid points | test loss (fresh seeds) | vs DP (paired) "
+            "| method | chosen setting (provisional while grid points are left) | grid points "
+            "| test loss (fresh seeds) | vs DP (paired) "
             "| bytes / worker | x fewer than DP | "
             + " | ".join(f"time @ {n} (s)" for n in NETWORKS) + " |",
             "|---|---|---|---|---|---|---|" + "---|" * len(NETWORKS),
@@ -603,8 +643,12 @@ def render(summary: dict[str, Any], meta: list[dict[str, Any]]) -> str:
                 gap = f"{100 * m['gap_vs_dp']:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]"
             fewer = f"{m['bytes_vs_dp']:,.0f}x" if m.get("bytes_vs_dp") else "-"
             times = " | ".join(f"{m['sim_s'][n]:.1f}" for n in NETWORKS)
+            points = f"{m['grid_points']}"
+            if m.get("tuning_left"):
+                left = m["tuning_left"]
+                points += f" ({left} left)" if left > 0 else " (smaller size unfinished)"
             lines.append(
-                f"| {method} | `{setting_key(m['setting'])}` | {m['grid_points']} | {loss} | "
+                f"| {method} | `{setting_key(m['setting'])}` | {points} | {loss} | "
                 f"{gap} | {_mb(m['total_bytes'])} | {fewer} | {times} |"
             )
         lines.append("")
@@ -663,7 +707,10 @@ def render_fits(fits: dict[str, Any]) -> str:
     """The scaling fits as markdown ("none ahead": the fits do not cross beyond the sizes
     run, or only past :data:`MAX_CROSS` parameters)."""
     if not fits:
-        return "Scaling fits: fewer than two sizes with fresh seeds yet.\n"
+        return (
+            f"\nScaling fits: fewer than {MIN_FIT_SIZES} sizes with fresh seeds of a method "
+            "and of DP yet (a law through two points fits them exactly).\n"
+        )
     lines = ["", "## Loss against size", "", "| method | sizes | L(N) = a N^-alpha | meets DP at |",
              "|---|---|---|---|"]  # fmt: skip
     for method, f in fits.items():
@@ -673,35 +720,43 @@ def render_fits(fits: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _power_law(pts: list[tuple[int, float]]) -> tuple[float, float]:
+    """``(a, alpha)`` of ``L = a N^-alpha`` fitted to ``(N, L)`` by least squares in logs."""
+    n, loss = np.log([p[0] for p in pts]), np.log([p[1] for p in pts])
+    slope, intercept = np.polyfit(n, loss, 1)
+    return float(np.exp(intercept)), float(-slope)
+
+
 def scaling_fit(summary: dict[str, Any]) -> dict[str, Any]:
     """Per method, a power law ``L(N) = a N^-alpha`` fitted (least squares in log-log) to
     its test loss at the sizes with fresh seeds, as the DiLoCo scaling-law study fits each
-    method; and the size at which the method's fit meets DP's (``N*`` where the two laws
-    cross: ``(a_m / a_dp) ** (1 / (alpha_m - alpha_dp))``; None when they do not cross
-    ahead, or fewer than two sizes)."""
-    points: dict[str, list[tuple[int, float]]] = {}
+    method, with DP's law fitted over the same sizes (``dp_a``, ``dp_alpha``); and the size
+    at which the two laws meet (``N*``: ``(a_m / a_dp) ** (1 / (alpha_m - alpha_dp))``;
+    None when they do not cross ahead). Only over :data:`MIN_FIT_SIZES` sizes or more: a
+    law through two points fits them exactly and says nothing of a trend."""
+    points: dict[str, dict[int, float]] = {}
     for methods in summary.values():
         for method, m in methods.items():
             if not method.startswith("_") and m.get("test_loss") is not None:
-                points.setdefault(method, []).append((m["params"], m["test_loss"]))
+                points.setdefault(method, {})[m["params"]] = m["test_loss"]
+    dp_pts = points.get("dp", {})
     fits = {}
     for method, pts in points.items():
-        if len(pts) < 2:
+        sizes = sorted(n for n in pts if n in dp_pts)
+        if len(sizes) < MIN_FIT_SIZES:
             continue
-        n, loss = np.log([p[0] for p in pts]), np.log([p[1] for p in pts])
-        slope, intercept = np.polyfit(n, loss, 1)
-        fits[method] = {"a": float(np.exp(intercept)), "alpha": float(-slope), "sizes": len(pts)}
-    dp = fits.get("dp")
-    for method, f in fits.items():
+        a, alpha = _power_law([(n, pts[n]) for n in sizes])
+        a_dp, alpha_dp = _power_law([(n, dp_pts[n]) for n in sizes])
+        f = {"a": a, "alpha": alpha, "sizes": len(sizes), "dp_a": a_dp, "dp_alpha": alpha_dp}
         f["meets_dp_at"] = None
-        if dp and method != "dp" and f["alpha"] > dp["alpha"]:
+        if method != "dp" and alpha > alpha_dp:
             # In logs: with nearly equal exponents the crossing is astronomically far.
-            log_cross = math.log(f["a"] / dp["a"]) / (f["alpha"] - dp["alpha"])
-            largest = max(p[0] for p in points[method])
+            log_cross = math.log(a / a_dp) / (alpha - alpha_dp)
             # Only a crossing ahead of the sizes run (approached from above, and before
             # MAX_CROSS parameters) is a meeting.
-            if math.log(largest) < log_cross < math.log(MAX_CROSS):
+            if math.log(sizes[-1]) < log_cross < math.log(MAX_CROSS):
                 f["meets_dp_at"] = math.exp(log_cross)
+        fits[method] = f
     return fits
 
 
@@ -846,7 +901,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     while True:  # an extension past an axis's end makes more runs once a choice is known
         jobs = plan(args.stage, args.size, args.methods, steps, out)
-        todo = [j for j in jobs if not run_path(out, args.size, j[0], j[1], j[2], steps).exists()]
+        todo = [j for j in jobs if not run_path(out, args.size, *j[:3], steps, j[3]).exists()]
         print(f"{args.stage} {args.size}: {len(todo)} runs of {steps} steps to train",
               file=sys.stderr)  # fmt: skip
         if args.dry_run:

@@ -55,12 +55,19 @@ def test_the_choice_follows_the_validation_split_and_grows_past_an_edge(quality)
     assert quality.pending("xs", "dp", 600, recs, sizes) == [{"lr": 2e-3}]
     recs += [_rec("xs", "dp", {"lr": lr}, v, v, steps=600) for lr, v in ((2e-3, 1.9), (1e-3, 1.8))]
     assert quality.pending("xs", "dp", 600, recs, sizes) == [{"lr": 5e-4}]
-    # Narrowing: the neighbours on every axis of a DiLoCo choice.
+    # Narrowing: the neighbours on every axis of a DiLoCo choice, and the choice with the
+    # paper's outer step (0.7, 0.9).
     near = {"lr": 3e-3, "outer": (0.3, 0.9)}
     points = quality.grid("diloco_h30", near)
     assert {p["lr"] for p in points} == {2e-3, 3e-3, 6e-3}
-    assert {p["outer"] for p in points} == {(0.1, 0.9), (0.3, 0.9), (0.5, 0.9)}
-    assert len(points) == 9 and len(quality.grid("diloco_h30")) == 4 * 5
+    assert {p["outer"] for p in points} == {(0.1, 0.9), (0.3, 0.9), (0.5, 0.9), (0.7, 0.9)}
+    assert points[-1] == {"lr": 3e-3, "outer": (0.7, 0.9)}
+    assert len(points) == 10 and len(quality.grid("diloco_h30")) == 4 * 5
+    # Already a neighbour: not run twice.
+    assert len(quality.grid("diloco_h30", {"lr": 3e-3, "outer": (0.5, 0.9)})) == 9
+    # An extension at a larger size does not reopen a smaller size's complete grid.
+    assert quality.pending("xxs", "dp", 300, [*recs, _rec("xs", "dp", {"lr": 5e-4}, 1.7, 1.7,
+                                                          steps=600)], sizes) == []  # fmt: skip
 
 
 def test_a_setting_reaches_the_config(quality, tmp_path):
@@ -160,7 +167,7 @@ def test_the_summary_test_loss_is_the_test_split(tmp_path):
 def test_the_scaling_fit_finds_where_a_method_meets_dp(quality):
     """Losses on exact power laws: the fit recovers them, and the crossing is where the two
     laws meet; a method falling slower than DP never meets it."""
-    sizes = (1e3, 3e3)
+    sizes = (1e3, 3e3, 9e3)
     # "parallel": a constant gap, its exponent DP's up to rounding (its crossing would be
     # past any float; the fit says none, where a direct power overflowed).
     laws = {"dp": (5.0, 0.10), "closing": (6.0, 0.12), "drifting": (6.0, 0.08),
@@ -172,7 +179,10 @@ def test_the_scaling_fit_finds_where_a_method_meets_dp(quality):
         }  # fmt: skip
         for i, n in enumerate(sizes)
     }
+    summary["z1"]["two_sizes"] = {"params": 3000, "test_loss": 4.0}
+    summary["z2"]["two_sizes"] = {"params": 9000, "test_loss": 3.9}
     fits = quality.scaling_fit(summary)
+    assert "two_sizes" not in fits  # a law through two points says nothing of a trend
     for m, (a, alpha) in laws.items():
         assert fits[m]["a"] == pytest.approx(a, rel=1e-6)
         assert fits[m]["alpha"] == pytest.approx(alpha, rel=1e-6)
@@ -180,7 +190,7 @@ def test_the_scaling_fit_finds_where_a_method_meets_dp(quality):
     assert fits["drifting"]["meets_dp_at"] is None and fits["dp"]["meets_dp_at"] is None
     assert fits["parallel"]["meets_dp_at"] is None
     text = quality.render_fits(fits)
-    assert "meets DP at" in text and "| parallel | 2 |" in text and "none ahead" in text
+    assert "meets DP at" in text and "| parallel | 3 |" in text and "none ahead" in text
 
 
 def test_the_workers_stage_runs_each_choice_at_fewer_workers_and_reports_them(
@@ -210,6 +220,9 @@ def test_the_workers_stage_runs_each_choice_at_fewer_workers_and_reports_them(
         ("diloco_h30", "lr0.006_outer1-0", 1, 2), ("diloco_h30", "lr0.006_outer1-0", 1, 4),
         ("dp", "lr0.006", 1, 2), ("dp", "lr0.006", 1, 4),
     ]  # fmt: skip
+    # The 8-worker run of seed 1 (the seeds stage's) is kept: the 2- and 4-worker runs are
+    # still to train.
+    keep("dp", {"lr": 6e-3}, 2.2, 2.2, seed=1)
     args = ["workers", "--size", "xxs", "--steps", "300", "--out", str(out), "--dry-run"]
     assert quality.main([*args, "--methods", "dp", "single"]) == 0
     listed = capsys.readouterr().out.splitlines()
