@@ -236,3 +236,24 @@ def test_the_workers_stage_runs_each_choice_at_fewer_workers_and_reports_them(
     text = quality.render(summary, [])
     assert "| diloco_h30 | 2.200 (+10.0%) | 2.400 (+14.3%) | 2.750 (+25.0%) |" in text
     assert "single" not in worlds
+
+
+def test_dps_all_reduce_is_priced_at_the_faster_of_ring_and_tree(quality):
+    """A logged ring all-reduce of 8 workers (14 rounds) is priced as a tree (6 rounds,
+    each carrying the whole message) where latency dominates, as the ring where bandwidth
+    does; other collectives as logged."""
+    from jaxcomm.network import Network
+
+    m = 1_000_000
+    ring = ["ring_allreduce", 1, m, 1.0, 14, 2 * 7 * m // 8]
+    gather = ["allgather", 1, 100, 1.0, 3, 700]
+    rows = [{"sim_compute_s": 0.5, "wire": [ring, gather]}]
+    slow = Network.parse("50ms,10Gbps")  # latency-bound: the tree's 6 rounds win
+    fast = Network.parse("1us,100Mbps")  # bandwidth-bound: the ring's 1.75 M bytes win
+    other = slow.wire_seconds(3, 700)
+    got = quality.dense_at_best(rows, slow)
+    assert got == pytest.approx(0.5 + slow.wire_seconds(6, 6 * m) + other)
+    assert got < 0.5 + slow.wire_seconds(14, 2 * 7 * m // 8) + other
+    assert quality.dense_at_best(rows, fast) == pytest.approx(
+        0.5 + fast.wire_seconds(14, 2 * 7 * m // 8) + fast.wire_seconds(3, 700)
+    )
