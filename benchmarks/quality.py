@@ -39,7 +39,9 @@ Protocol (one command per stage; every run's result is kept, an interrupted stag
   that choice (one step either way on every axis; the outer axis in the order above) and
   that choice with the DiLoCo paper's outer step (Nesterov 0.7 / 0.9): a stated narrowing,
   since two CPU cores cannot run the full grid on every size. A size's axes grow only by
-  the extensions made at it and below it. The outer axis is not extended past its ends.
+  the extensions made at it and below it. The outer axis grows past its ends the same way:
+  plain averaging chosen runs outer SGD at lr 1.5, then 2.0 (a step beyond the workers'
+  mean); Nesterov 0.7 / 0.9 chosen runs Nesterov at lr 1.0 (:data:`OUTER_PAST`).
 * **Selection and report**: per size and method, the setting with the lowest validation
   loss at seed 0 is chosen; the ``seeds`` stage runs it with seeds 1, 2 and 3, and the
   report gives the test loss's mean and spread over those three fresh seeds only (the
@@ -119,6 +121,10 @@ DEMO_LRS = (5e-4, 1e-3, 2e-3, 4e-3)  # DeMo's sign step (the paper: 4e-4 at 300M
 # (outer_lr, outer_momentum): plain averaging, then Nesterov at 0.9, in that order.
 OUTERS = ((1.0, 0.0), (0.1, 0.9), (0.3, 0.9), (0.5, 0.9), (0.7, 0.9))
 PAPER_OUTER = (0.7, 0.9)  # DiLoCo's Nesterov step: run at every size beside the neighbours
+# The outer axis past its ends: plain SGD above lr 1 (beyond the workers' mean), Nesterov
+# at lr 1.0; a choice at an end runs the next value (the axis keeps this order).
+OUTER_PAST = {(1.0, 0.0): (1.5, 0.0), (1.5, 0.0): (2.0, 0.0), (0.7, 0.9): (1.0, 0.9)}
+OUTER_ORDER = ((2.0, 0.0), (1.5, 0.0), *OUTERS, (1.0, 0.9))
 STEP_AXES = ("lr", "muon_lr")  # step sizes: extended past an end when chosen there
 #: The worker counts of the ``workers`` stage (beside the study's 8), at the same global batch.
 WORLDS = (2, 4)
@@ -242,6 +248,10 @@ def axes(method: str, recs: Iterable[dict[str, Any]] = ()) -> dict[str, tuple]:
         for k in STEP_AXES:
             if k in out and r["setting"].get(k) is not None and r["setting"][k] not in out[k]:
                 out[k] = tuple(sorted({*out[k], r["setting"][k]}))
+        outer = _norm(r["setting"].get("outer"))
+        if "outer" in out and outer in OUTER_ORDER and outer not in out["outer"]:
+            have = {*out["outer"], outer}
+            out["outer"] = tuple(v for v in OUTER_ORDER if v in have)
     return out
 
 
@@ -488,6 +498,11 @@ def pending(size: str, method: str, steps: int, recs: list[dict], sizes_steps: d
         if not min(declared[k]) / 8 <= nxt <= max(declared[k]) * 8:
             continue
         point = {**{kk: _norm(vv) for kk, vv in best["setting"].items()}, k: _norm(nxt)}
+        if setting_key(point) not in done:
+            extra.append(point)
+    nxt = OUTER_PAST.get(_norm(best["setting"].get("outer")))
+    if "outer" in ax and nxt is not None and len(ax["outer"]) > 1:
+        point = {**{kk: _norm(vv) for kk, vv in best["setting"].items()}, "outer": nxt}
         if setting_key(point) not in done:
             extra.append(point)
     return extra

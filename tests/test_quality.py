@@ -257,3 +257,38 @@ def test_dps_all_reduce_is_priced_at_the_faster_of_ring_and_tree(quality):
     assert quality.dense_at_best(rows, fast) == pytest.approx(
         0.5 + fast.wire_seconds(14, 2 * 7 * m // 8) + fast.wire_seconds(3, 700)
     )
+
+
+def test_an_outer_step_chosen_at_an_end_of_its_axis_runs_the_next_one_past_it(quality):
+    """DiLoCo's outer axis grows past its ends as its step sizes do: plain averaging chosen
+    runs outer SGD at lr 1.5 (then 2.0), the paper's Nesterov 0.7 / 0.9 chosen runs lr 1.0;
+    an extended value sits next to the end it grew from, for the next size's neighbours."""
+    sizes = {"xxs": 300}
+
+    def full(best_outer):
+        return [_rec("xxs", "diloco_h30", {"lr": lr, "outer": o},
+                     2.0 if (lr, o) == (3e-3, best_outer) else 3.0, 3.0)
+                for lr in quality.LRS for o in quality.OUTERS]  # fmt: skip
+
+    recs = full((1.0, 0.0))
+    assert quality.pending("xxs", "diloco_h30", 300, recs, sizes) == [
+        {"lr": 3e-3, "outer": (1.5, 0.0)}
+    ]
+    for value, past in (((1.5, 0.0), (2.0, 0.0)), ((2.0, 0.0), None)):
+        recs.append(_rec("xxs", "diloco_h30", {"lr": 3e-3, "outer": value}, 1.9, 3.0))
+        # The new value's plane across the lr axis first (as an lr extension's), then past.
+        plane = quality.pending("xxs", "diloco_h30", 300, recs, sizes)
+        assert plane == [{"lr": lr, "outer": value} for lr in quality.LRS if lr != 3e-3]
+        recs += [_rec("xxs", "diloco_h30", p, 2.8, 3.0) for p in plane]
+        after = quality.pending("xxs", "diloco_h30", 300, recs, sizes)
+        assert after == ([{"lr": 3e-3, "outer": past}] if past else [])
+    outer = quality.axes("diloco_h30", recs)["outer"]
+    assert outer[:3] == ((2.0, 0.0), (1.5, 0.0), (1.0, 0.0))
+    near = {"lr": 3e-3, "outer": (1.5, 0.0)}
+    assert {p["outer"] for p in quality.grid("diloco_h30", near, recs)} == {
+        (2.0, 0.0), (1.5, 0.0), (1.0, 0.0), (0.7, 0.9)
+    }  # fmt: skip
+    recs = full((0.7, 0.9))
+    assert quality.pending("xxs", "diloco_h30", 300, recs, sizes) == [
+        {"lr": 3e-3, "outer": (1.0, 0.9)}
+    ]
