@@ -78,19 +78,14 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     ),
     "diloco_default": (
         "configs/diloco_default.yaml",
-        [
-            *SHORT,
-            "steps=12",
-            "sync={method: diloco, period: 4, outer_lr: 0.7, outer_momentum: 0.9}",
-        ],
+        [*SHORT, "steps=12", "sync={method: diloco, period: 4}"],
     ),
     "diloco_streaming_int8": (
         "configs/diloco_default.yaml",
         [
             *SHORT,
             "steps=12",
-            "sync={method: diloco, period: 4, fragments: 2, overlap: 1, compress: int8, "
-            "outer_lr: 0.7, outer_momentum: 0.9}",
+            "sync={method: diloco, period: 4, fragments: 2, overlap: 1, compress: int8}",
         ],
     ),
     "diloco_sparseloco_warm": (
@@ -98,8 +93,7 @@ ROWS: dict[str, tuple[str, list[str]]] = {
         [
             *SHORT,
             "steps=12",
-            "sync={method: diloco, period: 4, compress: sparseloco, outer_lr: 0.7, "
-            "outer_momentum: 0.9}",
+            "sync={method: diloco, period: 4, compress: sparseloco}",
             "sync.warmup_steps=4",
         ],
     ),

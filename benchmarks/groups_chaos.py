@@ -45,10 +45,7 @@ OUT = ROOT / "benchmarks" / "results" / "groups"
 SETS = ["workers=1", "global_batch=8", "aggregator=ring", "model.num_layers=2",
         "model.width=64", "sync.period=10", "sync.fragments=2", "sync.overlap=1",
         "sync.compress=int8", "compute=measured", "eval_every=0", "checkpoint_every=0",
-        "eval_batches=4", "groups.start_timeout_s=120",
-        # The DiLoCo paper's outer step, which the recorded results used (the shipped
-        # config's default became plain averaging after them).
-        "sync.outer_lr=0.7", "sync.outer_momentum=0.9"]  # fmt: skip
+        "eval_batches=4", "groups.start_timeout_s=120"]  # fmt: skip
 
 
 def samples_in(folder: Path, groups: int) -> tuple[int, int]:

@@ -534,18 +534,11 @@ def _compress(value: Any) -> Any:
 @SYNCS.register("diloco")
 class DiLoCoSync(Sync):
     """DiLoCo and Streaming DiLoCo (:func:`jaxcomm.diloco`): pseudo-gradients every
-    ``period`` steps, an outer step (plain averaging by default, or Nesterov); fragments,
-    overlap and compression."""
+    ``period`` steps, an outer Nesterov step; fragments, overlap and compression."""
 
-    # Plain averaging by default: in benchmarks/results/quality/, from scratch, it beat every
-    # Nesterov step at xxs (the paper's 0.7 / 0.9 included) and Nesterov 0.1 / 0.9 at xs and
-    # s; the paper's won after a data-parallel warm start (``warmup_steps``).
-    outer_lr: Number = Field(
-        1.0, gt=0, description="the outer step's learning rate (1.0 with momentum 0: the "
-        "workers' mean; the DiLoCo paper's 0.7 with 0.9 suits a trained start)"
-    )  # fmt: skip
+    outer_lr: Number = Field(0.7, gt=0, description="the outer step's learning rate")
     outer_momentum: Number = Field(
-        0.0, ge=0, lt=1, description="the outer step's Nesterov momentum (0: plain SGD)"
+        0.9, ge=0, lt=1, description="the outer step's Nesterov momentum (0: plain SGD)"
     )
     fragments: int = Field(1, ge=1, description="Streaming DiLoCo's fragments of the layers")
     pattern: Literal["strided", "sequential"] = Field(

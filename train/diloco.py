@@ -2,11 +2,8 @@
 
 Each data replica runs the configured optimizer (the inner one) on its own gradients, with
 ``aggregator: none`` in front of it; :func:`jaxcomm.diloco` forms the pseudo-gradients and
-the outer step (by default ``outer_lr: 1.0, outer_momentum: 0``: the new synchronised model is
-the workers' mean, which the tuned study in ``benchmarks/results/quality/`` chose from
-scratch over every Nesterov step at its smallest size; the DiLoCo paper's Nesterov SGD is
-``outer_lr: 0.7, outer_momentum: 0.9``, which it chose after a data-parallel warm start).
-Settings:
+the outer step (Nesterov SGD, ``outer_lr`` 0.7, ``outer_momentum`` 0.9 by default; plain
+SGD with ``outer_momentum: 0``). Settings:
 
 * ``fragments`` (``F``), ``pattern``: Streaming DiLoCo's fragments of the model's layers
   (``models.layer_groups``: for the GPT ``embed``, ``block_0``, ..., ``head``), fragment
