@@ -24,7 +24,9 @@ Protocol (one command per stage; every run's result is kept, an interrupted stag
   first run a quarter of their steps (rounded down to whole periods: 60 of 300 at xxs) as
   data parallelism, as
   the DiLoCo paper starts from a trained model;
-  MuLoCo's Muon lr {0.005, 0.01, 0.02, 0.04} with its AdamW lr at {2e-3, 6e-3}; DeMo's
+  MuLoCo's Muon lr {0.005, 0.01, 0.02, 0.04} with its AdamW lr at {2e-3, 6e-3}, and
+  ``dp_muon`` (data parallelism with the same Muon and AdamW, MuLoCo's baseline) on the
+  same grid; DeMo's
   sign step {5e-4, 1e-3, 2e-3, 4e-3} (64 x 64 blocks, 32 coefficients each, and momentum
   decay 0.999, the paper's, not tuned; weight decay 0.1 times the step; each worker's
   gradient clipped to norm 1 before it; the schedule multiplies its step, while its
@@ -157,6 +159,12 @@ def _family(period: int, warm: bool = False, **sync: Any) -> dict[str, Any]:
 # share of its steps it starts with as data parallelism.
 METHODS: dict[str, dict[str, Any]] = {
     "dp": {"fixed": {"aggregator": "ring"}, "grid": {"lr": LRS}},
+    # Data parallelism with MuLoCo's inner optimizer (Muon on the hidden matrices, AdamW on
+    # the rest), on MuLoCo's grid: the baseline the MuLoCo paper measures against.
+    "dp_muon": {
+        "fixed": {"aggregator": "ring", "optimizer": "muon"},
+        "grid": {"muon_lr": MUON_LRS, "lr": (2e-3, 6e-3)},
+    },
     "diloco_h30": _family(30),
     "diloco_h30_warm": _family(30, warm=True),
     "diloco_h100": _family(100),
