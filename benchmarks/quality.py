@@ -721,7 +721,8 @@ def render(summary: dict[str, Any], meta: list[dict[str, Any]]) -> str:
                 f"Time to DP's final validation loss ({reach['target_valid_loss']:.3f}, the "
                 f"mean of its fresh seeds): each method's chosen setting run {CAP}x as long "
                 f"(seed 1), the first evaluation at or below it. DP needs "
-                f"{dp_s[TRAIN_NET]:.1f} s at {TRAIN_NET} and {dp_s['10 Gbps']:.1f} s at 10 Gbps.",
+                f"{dp_s[TRAIN_NET]:.1f} s at {TRAIN_NET} and {dp_s['10 Gbps']:.1f} s at 10 Gbps "
+                "(DP's times, here and above: its all-reduce at the faster of ring and tree).",
                 "",
                 f"| method | tokens (x DP's) | time @ {TRAIN_NET} (s) | vs DP @ 10 Gbps |",
                 "|---|---|---|---|",
