@@ -433,6 +433,8 @@ def dense_at_best(rows: list[dict[str, Any]], network: Any) -> float:
     priced at the faster of the ring and a tree all-reduce of the same message (2 ceil(log2
     N) rounds, each carrying the whole message): DP's collective as a user would choose it
     for that link (the ring's 2 (N - 1) latency rounds dominate on slow links)."""
+    from jaxcomm.network import collective_cost
+
     total = 0.0
     for r in rows:
         total += r["sim_compute_s"]
@@ -440,8 +442,8 @@ def dense_at_best(rows: list[dict[str, Any]], network: Any) -> float:
             ring = network.wire_seconds(rounds, path)
             if kind == "ring_allreduce" and calls:
                 n = int(round(rounds / calls / 2)) + 1  # the ring's 2 (N - 1) rounds a call
-                levels = 2 * (n - 1).bit_length()  # 2 ceil(log2 N)
-                ring = min(ring, network.wire_seconds(calls * levels, calls * levels * message))
+                a, b = collective_cost("tree_allreduce", n)
+                ring = min(ring, network.wire_seconds(calls * a, calls * b * message))
             total += ring
     return total
 
