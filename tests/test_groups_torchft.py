@@ -31,7 +31,9 @@ CONFIG = str(ROOT / "configs" / "diloco_default.yaml")
 LAYOUTS = {
     "1 process": (1, ["workers=1"]),
     "2 processes": (2, ["workers=2"]),
-    "2 stages": (1, ["workers=1", "stages=2"]),
+    # A pipeline across the group's 2 processes (one stage each); a pipeline in one process
+    # is test_groups_of_pipelines_equal_one_programs_pipeline_diloco's.
+    "2 stages": (2, ["workers=1", "stages=2"]),
 }
 
 
@@ -180,8 +182,10 @@ def test_a_killed_group_leaves_the_other_training_and_a_restart_is_healed(
     life's metrics rows kept, its second life's output in the same log), and both end with
     bit-identical theta_sync. With group 0 one jax.distributed job of 2 processes, its leader
     alone meets the loss of group 1 and serves the heal, and both its processes end with
-    the same state. With both groups pipelines of 2 stages, the heal carries every stage's
-    parameters and optimizer state and the outer state on the model's own layout."""
+    the same state. With both groups pipelines of 2 stages (group 0's across its 2
+    processes, one stage each: the head's optimizer state lives on process 1 alone), the
+    heal carries every stage's parameters and optimizer state and the outer state on the
+    model's own layout, gathered from both of group 0's processes into its leader."""
     from train.groups import Spare, group_args, start_group
 
     processes, own = LAYOUTS[layout]
@@ -343,8 +347,9 @@ def test_a_stopped_run_of_int8_groups_resumes_bit_exactly(tmp_path, layout):
     the error feedback and the outer momentum are in each group's checkpoint). With 2
     processes a group, each group is one jax.distributed job whose leader alone talks to
     the other group: its checkpoint is written by both processes and read back by both.
-    With 2 stages, each group is a pipeline whose outer state is kept on the model's own
-    layout and written back to each stage at the resume."""
+    With 2 stages, each group is a pipeline across its 2 processes (a stage each) whose
+    outer state is kept on the model's own layout and written back to each stage at the
+    resume."""
     processes, own = LAYOUTS[layout]
     extra = [*own, "aggregator=ring", "checkpoint_every=10", "sync.compress=int8"]
     flags = ["--processes-per-group", str(processes)]

@@ -79,19 +79,55 @@ def _copy(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda a: a.copy(), tree)
 
 
+def _whole_everywhere(a: Any) -> bool:
+    """Whether every process holds a whole copy of ``a`` (decided from its sharding alone,
+    so every process of the group decides alike)."""
+    if not isinstance(a, jax.Array) or jax.process_count() == 1:
+        return True
+    # Not ``is_fully_addressable``: that is true in the process holding an array that lives
+    # on one process's devices alone, and false in the others.
+    holders = {d.process_index for d in a.sharding.device_set}
+    return a.is_fully_replicated and len(holders) == jax.process_count()
+
+
+def _my_part(a: jax.Array) -> np.ndarray:
+    """``a``'s shards that this process writes into a gathered copy, zeros elsewhere: each
+    block of ``a`` is written by the first device (by process, then id) that holds it."""
+    out = np.zeros(a.shape, a.dtype)
+    key = lambda index: tuple((i.start, i.stop, i.step) for i in index)  # noqa: E731
+    writer: dict[tuple, Any] = {}
+    held = sorted(
+        a.sharding.devices_indices_map(a.shape).items(),
+        key=lambda kv: (kv[0].process_index, kv[0].id),
+    )
+    for device, index in held:
+        writer.setdefault(key(index), device)
+    for shard in a.addressable_shards:
+        if writer[key(shard.index)] == shard.device:
+            out[shard.index] = np.asarray(shard.data)
+    return out
+
+
 def _gathered(tree: Any) -> Any:
-    """``tree`` with each leaf that differs across devices of several processes (a
-    per-worker state sharded over the group's processes, such as a compressed aggregator's
-    error feedback) gathered whole into host memory; other leaves as they are. A collective
-    of the group: every process calls it at the same point."""
+    """``tree`` with each leaf that not every process holds whole (a per-worker state
+    sharded over the group's processes, such as a compressed aggregator's error feedback;
+    a pipeline's stages; an optimizer state on one stage's devices) gathered whole into
+    host memory, bit for bit; other leaves as they are. A collective of the group: every
+    process calls it at the same point."""
     from jax.experimental import multihost_utils
 
-    def gather(a: Any) -> Any:
-        if isinstance(a, jax.Array) and not a.is_fully_addressable and not a.is_fully_replicated:
-            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
-        return a
-
-    return jax.tree_util.tree_map(gather, tree)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    split = [i for i, a in enumerate(leaves) if not _whole_everywhere(a)]
+    if split:
+        # Each block written by one process, zeros by the others: the sum over processes
+        # of the unsigned bits is that block, exactly.
+        parts = [_my_part(leaves[i]) for i in split]
+        bits = [x.view(f"u{x.dtype.itemsize}") for x in parts]
+        got = multihost_utils.process_allgather(bits)
+        for i, x, g in zip(split, parts, got, strict=True):
+            whole = np.asarray(g).sum(axis=0, dtype=f"u{x.dtype.itemsize}")
+            leaves[i] = whole.view(x.dtype).reshape(x.shape)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _local(tree: Any) -> Any:
@@ -242,13 +278,9 @@ class ReplicaGroups(EveryStep):
         # A pipeline inside the group: its parameters are staged ([replicas, stages, ...]);
         # the outer step runs on the model's own layout (replica 0, stages joined), the
         # one a data-parallel group holds, and writes back to every replica and stage.
+        # Its stages may sit on several processes of the group: what is read on the host
+        # is gathered whole first (a collective of the group, see :meth:`_plain`).
         self._staged = ctx.cfg.stages > 1
-        if self._staged and self._procs > 1:
-            raise ValueError(
-                f"replica groups with stages={ctx.cfg.stages} run each group in one process; "
-                f"this group has {self._procs} (a pipeline across processes is not supported "
-                "inside a group)"
-            )
         self._layout = ctx.layout
         params = ctx.params
         if self._staged:
@@ -260,7 +292,8 @@ class ReplicaGroups(EveryStep):
             else:
                 params = self._plain(params)
         if self._staged and not ctx.abstract:
-            for k, a in jax.tree_util.tree_leaves_with_path(ctx.params):
+            whole = _gathered(ctx.params) if self._procs > 1 else ctx.params
+            for k, a in jax.tree_util.tree_leaves_with_path(whole):
                 rows = np.asarray(a)
                 if not all(np.array_equal(rows[0], r) for r in rows[1:]):
                     raise ValueError(
@@ -301,8 +334,11 @@ class ReplicaGroups(EveryStep):
                 self.state.append(go.init(flat, slot=self.groups.slot))
 
     def _plain(self, params: Any) -> Any:
-        """A pipeline's ``params`` in the model's own layout, on the host (replica 0)."""
-        host = jax.tree_util.tree_map(np.asarray, params)
+        """A pipeline's ``params`` in the model's own layout, on the host (replica 0). With
+        its stages on several processes a collective of the group: every process calls it
+        at the same point (the launch of an exchange, a merge, an evaluation)."""
+        whole = _gathered(params) if self._procs > 1 else params
+        host = jax.tree_util.tree_map(np.asarray, whole)
         return self._layout.model_params(self._ctx, host)
 
     def _flat(self, params: Any, p: int) -> np.ndarray:
@@ -381,12 +417,14 @@ class ReplicaGroups(EveryStep):
         the leader). In a group of several processes every process calls it at the same
         point: the leaves sharded across them are gathered whole (into every process's
         host memory: a collective, which the others join and then drop)."""
-        opt_state = _gathered(ctx.opt_state) if self._procs > 1 else ctx.opt_state
+        params, opt_state = ctx.params, ctx.opt_state
+        if self._procs > 1:  # a pipeline's stages are sharded across them, too
+            params, opt_state = _gathered(params), _gathered(opt_state)
         if not self._leader:
             return
         with self._lock:
             self._snap = {
-                "params": _copy(ctx.params),
+                "params": _copy(params),
                 "opt_state": _copy(opt_state),
                 "step": ctx.step,
                 "position": ctx.loader.position,
@@ -762,13 +800,14 @@ class ReplicaGroups(EveryStep):
         tokens = max(ctx.step - since, 1) * self.cfg.global_batch
         self._last_sync[p] = ctx.step
         self._snapshot(ctx)
+        # A pipeline's stages on several processes: reading them is a collective of the group.
+        local = self._flat(ctx.params, p) if self._leader or self._staged else None
         if not self._leader:  # the leader exchanges; its outcome comes at the merge
             self._pending.append((p, ctx.step + self.sync.overlap, REMOTE))
             return
         for q, _, fut in self._pending:  # one exchange at a time on the transport
             if fut is not None and q != p:
                 fut.result()
-        local = self._flat(ctx.params, p)
         fut = self._pool.submit(self._exchange, p, local, tokens, ctx.step)
         self._pending.append((p, ctx.step + self.sync.overlap, fut))
 
@@ -821,7 +860,7 @@ class ReplicaGroups(EveryStep):
 
         with self._lock:
             anchors = np.concatenate([np.asarray(s.anchor).reshape(-1) for s in self.state])
-        leaves = jax.tree_util.tree_leaves(_local(ctx.params))
+        leaves = jax.tree_util.tree_leaves(_local(_gathered(ctx.params)))
         params = np.concatenate([np.asarray(a, np.float32).reshape(-1) for a in leaves])
         mine = np.asarray([array_id(anchors) % 2**31, array_id(params) % 2**31], np.int32)
         ids = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 2)
