@@ -2,6 +2,7 @@
 bytes against the compiled program, and its argument checks."""
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,10 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm.network import as_bytes
+
+# SHAPES' prime-length vector at chunk=4 is cut into blocks of 1 (the authors' rule, tested
+# here on purpose); the warning it brings is test_a_badly_blocked_tensor_is_warned_of's.
+pytestmark = pytest.mark.filterwarnings("ignore:demo. chunk=4 cuts a dimension of 7")
 
 N = 8
 # A matrix, a kernel of three axes (the matrix [6, 8]), a vector, a prime-length vector and
@@ -164,6 +169,20 @@ def test_demo_matches_the_numpy_algorithm_step_by_step(case):
     assert sum(a.sum() for a in left_out.values()) <= 0.01 * total
 
 
+def test_a_badly_blocked_tensor_is_warned_of():
+    """A dimension longer than ``chunk`` with no divisor near it (a prime: blocks of 1, 5
+    bytes an entry against float32's 4) is blocked as the authors do, with a warning that
+    names the chunk and the tensor; a dimension that divides well is not."""
+    tx = jaxcomm.demo("data", lr=1e-3, chunk=64, k=32)
+    with pytest.warns(UserWarning, match=r"chunk=64 cuts a dimension of 67 \(a tensor of shape "
+                      r"\(67, 67\)\) into blocks of 1") as seen:  # fmt: skip
+        tx.init({"w": jnp.zeros((67, 67)), "v": jnp.zeros((80,))})
+    assert len(seen) == 1  # once a tensor; 80 (blocks of 40) is not warned of
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tx.init({"w": jnp.zeros((128, 64)), "v": jnp.zeros((80,))})
+
+
 def test_a_nan_gradient_reaches_the_update_as_nan():
     """A NaN in one worker's gradient makes its block of every worker's step NaN, not a zero
     or a sign: the rest of the step stays finite."""
@@ -173,9 +192,23 @@ def test_a_nan_gradient_reaches_the_update_as_nan():
     got, momentum = _run(jaxcomm.demo("data", lr=0.01, chunk=4, k=2), grads, params, 1)
     w = got["w"][0]  # [12, 8] in 4 x 4 blocks: entry (1, 2) is in block (0, 0)
     assert np.all(np.isnan(w[:4, :4]))
-    assert np.all(np.isfinite(np.delete(w.reshape(3, 4, 2, 4), 0, axis=0)))
+    assert np.all(np.isfinite(w[:4, 4:])) and np.all(np.isfinite(w[4:]))  # blocks (0, 1), ...
     assert all(np.all(np.isfinite(got[n])) for n in SHAPES if n != "w")
     assert np.isnan(momentum[3]).any() and np.isfinite(momentum[[0, 1, 2, 4, 5, 6, 7]]).all()
+
+
+def test_an_infinite_gradient_reaches_the_update_as_nan_not_as_a_sign():
+    """An infinite gradient makes its block's coefficients infinite, not NaN: kept as they
+    are (here the one largest, k=1), their inverse DCT would be infinite and its sign a
+    finite step. The block is sent as NaN instead, so every worker's step there is NaN."""
+    grads = [[{n: np.ones(s, np.float32) for n, s in SHAPES.items()} for _ in range(N)]]
+    grads[0][3]["w"][1, 2] = np.inf
+    params = {n: np.zeros(s, np.float32) for n, s in SHAPES.items()}
+    got, _ = _run(jaxcomm.demo("data", lr=0.01, chunk=4, k=1), grads, params, 1)
+    w = got["w"][0]  # [12, 8] in 4 x 4 blocks: entry (1, 2) is in block (0, 0)
+    assert np.all(np.isnan(w[:4, :4]))
+    assert np.all(np.isfinite(w[:4, 4:])) and np.all(np.isfinite(w[4:]))  # blocks (0, 1), ...
+    assert all(np.all(np.isfinite(got[n])) for n in SHAPES if n != "w")
 
 
 def test_bytes_are_the_packed_payload_far_below_float32():

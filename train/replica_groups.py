@@ -301,7 +301,7 @@ class ReplicaGroups(EveryStep):
                         f"{jax.tree_util.keystr(k)}; the outer step reads replica 0 and "
                         "writes every replica"
                     )
-        leaves, self._treedef = jax.tree_util.tree_flatten_with_path(params)
+        leaves = jax.tree_util.tree_leaves_with_path(params)
         if not self._staged and any(has_rows(a) for _, a in leaves):
             raise ValueError("replica groups need parameters held once (data parallel)")
         names = layer_groups(params)

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -111,6 +112,26 @@ def block_size(n: int, chunk: int) -> int:
     n = check_int("n", n, lo=1)
     chunk = check_int("chunk", chunk, lo=1)
     return next(b for b in range(min(n, chunk), 0, -1) if n % b == 0)
+
+
+def _warn_small_blocks(shapes: tuple[tuple[int, ...], ...], chunk: int) -> None:
+    """Warn where a dimension longer than ``chunk`` is cut into blocks shorter than
+    ``chunk / 2`` (a prime length: blocks of 1): the authors' rule, kept, but such a tensor
+    compresses little or not at all (blocks of 1 send 5 bytes an entry against float32's 4)."""
+    for shape in shapes:
+        size = math.prod(shape)
+        dims = (size // shape[-1], shape[-1]) if len(shape) >= 2 else (size,)
+        for n in dims:
+            b = block_size(n, chunk) if n > 0 else n
+            if n > chunk and 2 * b < chunk:
+                warnings.warn(
+                    f"demo: chunk={chunk} cuts a dimension of {n} (a tensor of shape {shape}) "
+                    f"into blocks of {b}, the largest divisor of {n} that is at most {chunk}: "
+                    f"that tensor is compressed little or not at all; a chunk of at least {n}, "
+                    f"or near a divisor of {n}, blocks it better",
+                    stacklevel=4,
+                )
+                break
 
 
 def _index_dtype(coefficients: int) -> Any:
@@ -241,6 +262,9 @@ def demo(
         layout, d = init_layout("demo", params)
         if d == 0:
             raise ValueError("demo: the parameters have no entries (d = 0): nothing to train")
+        if d >= 2**31:
+            raise ValueError(f"demo: {d} parameter entries; at most 2**31 - 1 (int32 places)")
+        _warn_small_blocks(layout.shapes, chunk)
         state = DeMoState(jnp.zeros((d,), jnp.float32), empty_log(), layout)
         return worker_state(state, axis_name)
 
