@@ -209,7 +209,7 @@ METHODS: dict[str, dict[str, Any]] = {
         "grid": {"lr": DEMO_LRS},
     },
     # DeMo keeping 2 coefficients a block: at least 85x below DP's ring on the wire at every
-    # size here (136-194x), the bar, where k = 8 is 34-49x.
+    # size here (136-194x), where k = 8 is 34-49x.
     "demo_k2": {
         "fixed": {
             "aggregator": {"name": "demo", "chunk": 64, "k": 2, "weight_decay": 0.1},
