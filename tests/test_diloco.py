@@ -1,6 +1,8 @@
 """DiLoCo / Streaming DiLoCo (jaxcomm.diloco) against an independent numpy simulation, and
 the chunk-wise top-k codec and aggregator (SparseLoCo's compressor)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -333,9 +335,11 @@ def test_chunk_topk_keeps_each_chunks_largest(d, chunk, frac, seed, ties):
     x = rng.normal(size=d).astype(np.float32)
     if ties:
         x = np.round(x * 2) / 2  # many equal magnitudes
-    p = jaxcomm.codecs.chunk_topk_encode(jnp.asarray(x), chunk=chunk, k=k)
+    # Jitted: one compile a shape instead of one for each operation (4x faster here).
+    encode = jax.jit(functools.partial(jaxcomm.codecs.chunk_topk_encode, chunk=chunk, k=k))
+    p = encode(jnp.asarray(x))
     np.testing.assert_array_equal(
-        np.asarray(jaxcomm.codecs.chunk_topk_decode(p)), _chunk_reference(x, chunk, k)
+        np.asarray(jax.jit(jaxcomm.codecs.chunk_topk_decode)(p)), _chunk_reference(x, chunk, k)
     )
     # Bytes: positions in ceil(log2 chunk) bits, float32 values.
     chunks = -(-d // chunk)
@@ -347,9 +351,10 @@ def test_chunk_topk_keeps_each_chunks_largest(d, chunk, frac, seed, ties):
 @given(bits=st.integers(1, 31), n=st.integers(0, 70), seed=st.integers(0, 2**16))
 def test_pack_uints_round_trips(bits, n, seed):
     v = np.random.default_rng(seed).integers(0, 2**bits, size=n, dtype=np.uint64).astype(np.uint32)
-    packed = jaxcomm.codecs.pack_uints(jnp.asarray(v), bits)
+    packed = jax.jit(jaxcomm.codecs.pack_uints, static_argnums=1)(jnp.asarray(v), bits)
     assert packed.dtype == jnp.uint8 and packed.shape == (-(-n * bits // 8),)
-    np.testing.assert_array_equal(np.asarray(jaxcomm.codecs.unpack_uints(packed, bits, n)), v)
+    unpack = jax.jit(jaxcomm.codecs.unpack_uints, static_argnums=(1, 2))
+    np.testing.assert_array_equal(np.asarray(unpack(packed, bits, n)), v)
 
 
 def test_chunk_topk_two_bit_values_and_a_nan_anywhere():
