@@ -100,8 +100,34 @@ QUICK = (
 )
 
 
+# `pytest -m slow`: variants of a multi-process or long path whose feature the default run
+# already covers once (a second layout, another process count, another crossing of two
+# features), minutes each. `pytest` (CI) leaves them out; `pytest -m slow` runs them alone
+# and `pytest -m "slow or not slow"` runs everything. A test named by node id always runs.
+SLOW = (
+    # Two-process resume of each crossing: pipeline_diloco (a pipeline across processes with
+    # DiLoCo's fragments, overlap and int8, AQ-SGD's buffers) stays in the default run.
+    "test_distributed.py::test_new_combinations_on_two_processes_resume_bit_exactly[dp_diloco]",
+    "test_distributed.py::test_new_combinations_on_two_processes_resume_bit_exactly[dp_adaptive]",
+    "test_distributed.py::test_new_combinations_on_two_processes_resume_bit_exactly[pipeline_adaptive]",
+    "test_distributed.py::test_new_combinations_on_two_processes_resume_bit_exactly[local_sgd_stragglers]",
+    # Replica groups: the default run keeps the equality with one program, the kill and heal
+    # of a group beside a 2-process group, the 1-process resume and every bad-input test.
+    "test_groups_torchft.py::test_a_killed_group_leaves_the_other_training_and_a_restart_is_"
+    "healed[2 stages]",
+    "test_groups_torchft.py::test_groups_of_pipelines_equal_one_programs_pipeline_diloco",
+    "test_groups_torchft.py::test_a_group_of_two_processes_is_healed_and_its_processes_agree",
+    "test_groups_torchft.py::test_a_stopped_run_of_int8_groups_resumes_bit_exactly[2 processes]",
+    "test_groups_torchft.py::test_a_stopped_run_of_int8_groups_resumes_bit_exactly[2 stages]",
+    # Elastic resume of a pipeline with error feedback: the data-parallel rules are the
+    # default run's, and the pipeline's resize rule has its own in-process test.
+    "test_elastic_trainer.py::test_a_run_resumes_on_half_and_then_twice_the_workers[pipeline_aqsgd_ec]",
+)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "quick: the install check (`pytest -m quick`)")
+    config.addinivalue_line("markers", "slow: left out of `pytest`; `pytest -m slow` runs them")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects
@@ -113,6 +139,10 @@ def pytest_collection_modifyitems(config, items):
         if hits:
             item.add_marker(pytest.mark.quick)
             matched.update(hits)
+        slow = [q for q in SLOW if name == q]
+        if slow:
+            item.add_marker(pytest.mark.slow)
+            matched.update(slow)
     # A file whose tests were chosen by node id: its other tests were never collected.
     chosen = {Path(str(a).split("::")[0]).name for a in config.args if "::" in str(a)}
     files = {item.nodeid.split("tests/", 1)[-1].split("::")[0] for item in items}
@@ -124,8 +154,29 @@ def pytest_collection_modifyitems(config, items):
         and Path(q.split("::")[0]).name not in chosen
         and (q.split("::")[0] in files or not (here / q.split("::")[0]).exists())
     ]
+    stale += [
+        q
+        for q in SLOW
+        if q not in matched
+        and Path(q.split("::")[0]).name not in chosen
+        and (q.split("::")[0] in files or not (here / q.split("::")[0]).exists())
+    ]
     if stale:
-        raise pytest.UsageError(f"tests/conftest.py QUICK names tests that do not exist: {stale}")
+        raise pytest.UsageError(
+            f"tests/conftest.py QUICK or SLOW names tests that do not exist: {stale}"
+        )
+    if not config.option.markexpr:  # no -m: the default run leaves the slow tier out
+        named = [Path(a.split("::")[0]).name + "::" + a.split("::", 1)[1] for a in config.args
+                 if "::" in a]  # fmt: skip
+        out = [
+            i
+            for i in items
+            if i.get_closest_marker("slow")
+            and not any(i.nodeid.split("tests/", 1)[-1].startswith(n) for n in named)
+        ]
+        if out:
+            config.hook.pytest_deselected(items=out)
+            items[:] = [i for i in items if i not in out]
 
 
 def pytest_unconfigure(config):

@@ -16,7 +16,8 @@ def test_the_accelerator_benchmark_runs_every_part_on_the_cpu(tmp_path):
     out = tmp_path / "gpu"
     proc = subprocess.run(
         [sys.executable, "benchmarks/gpu.py", "--small", "--steps", "4", "--out", str(out),
-         "--device", "h100", "--pytest-args", "-m quick -k test_ring_all_reduce_equals_psum"],
+         "--device", "h100", "--pytest-args",
+         "tests/test_collectives.py -n 0 -k test_ring_all_reduce_equals_psum"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
