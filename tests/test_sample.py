@@ -4,6 +4,7 @@ decoding equal to the model's argmax, and one-line errors for folders it cannot 
 import json
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -39,10 +40,11 @@ def run_dir(tmp_path_factory):
 def _argmax_loop(task, params, prompt, length):
     """Greedy decoding written plainly: the whole recent context, its last logits' argmax."""
     seq_len = task.module.cfg.seq_len
+    apply = jax.jit(task.module.apply)  # one program a context length (eager: one an op)
     tokens = list(prompt)
     for _ in range(length):
         context = jnp.asarray([tokens[-seq_len:]], jnp.int32)
-        logits = task.module.apply({"params": params}, context)[0, -1]
+        logits = apply({"params": params}, context)[0, -1]
         tokens.append(int(jnp.argmax(logits)))
     return np.asarray(tokens[len(prompt) :], np.uint8)
 
