@@ -119,9 +119,6 @@ SLOW = (
     "test_groups_torchft.py::test_a_group_of_two_processes_is_healed_and_its_processes_agree",
     "test_groups_torchft.py::test_a_stopped_run_of_int8_groups_resumes_bit_exactly[2 processes]",
     "test_groups_torchft.py::test_a_stopped_run_of_int8_groups_resumes_bit_exactly[2 stages]",
-    # Elastic resume of a pipeline with error feedback: the data-parallel rules are the
-    # default run's, and the pipeline's resize rule has its own in-process test.
-    "test_elastic_trainer.py::test_a_run_resumes_on_half_and_then_twice_the_workers[pipeline_aqsgd_ec]",
     # In one process: the pipeline against the plain model at 4 stages stays (2 and 8 are
     # the same program at other depths), and DreamDDP's averaging of a pipeline's replicas
     # (local SGD's is its schedule with every layer at one step).
@@ -155,14 +152,7 @@ def pytest_collection_modifyitems(config, items):
     here = Path(__file__).parent
     stale = [
         q
-        for q in QUICK
-        if q not in matched
-        and Path(q.split("::")[0]).name not in chosen
-        and (q.split("::")[0] in files or not (here / q.split("::")[0]).exists())
-    ]
-    stale += [
-        q
-        for q in SLOW
+        for q in (*QUICK, *SLOW)
         if q not in matched
         and Path(q.split("::")[0]).name not in chosen
         and (q.split("::")[0] in files or not (here / q.split("::")[0]).exists())
