@@ -217,9 +217,11 @@ class Layout(Part, abc.ABC):
 
     def program_seconds(self, ctx: Context, key: Any, branches: Any = None) -> np.ndarray:
         """Per-device roofline seconds of a step's programs (``branches`` as in
-        :meth:`step_audit`); cached per key when no branch is resolved."""
-        if not branches and key in self._modelled:
-            return self._modelled[key]
+        :meth:`step_audit`); cached per key and branches (a run resolves the same few
+        branches at every step, and costing a program reads its whole HLO text)."""
+        memo = (key, repr(sorted((branches or {}).items())))
+        if memo in self._modelled:
+            return self._modelled[memo]
         model = ctx.compute_model
 
         def seconds(program):
@@ -227,9 +229,7 @@ class Layout(Part, abc.ABC):
             mine = {k: v for k, v in (branches or {}).items() if cost._matches(k)}
             return model.seconds(cost.per_device(mine))
 
-        out = self.per_device(ctx, key, seconds)
-        if not branches:
-            self._modelled[key] = out
+        self._modelled[memo] = out = self.per_device(ctx, key, seconds)
         return out
 
     def synchronous_seconds(
