@@ -12,6 +12,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from conftest import child_env
 
@@ -252,7 +253,10 @@ def test_arrays_equal_on_every_worker_are_saved_once_and_restored_bit_for_bit(tm
         "step": np.asarray(7, np.int64),
     }
     store = Checkpoints(tmp_path, keep=1)
+    handler = ocp.type_handlers.get_type_handler(jax.Array)
     store.save(7, state, {"run": 1}, {})
+    # The save sets Orbax's array handler for itself and puts the process's own back.
+    assert ocp.type_handlers.get_type_handler(jax.Array) is handler
     rows = json.loads((tmp_path / "checkpoints" / "7" / "rows" / "metadata").read_text())
     assert sorted(rows["once"]) == ["['bytes']", "['flags']", "['half']", "['ints']", "['same']"]
     step, back, _ = store.restore(state, {"run": 1})

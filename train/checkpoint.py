@@ -18,6 +18,7 @@ of the checkpoint, and restoring broadcasts them back to every worker bit for bi
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -459,6 +460,26 @@ def _path_names(path: Any) -> tuple[str, ...]:
     return tuple(_key_name(k) for k in path)
 
 
+@contextlib.contextmanager
+def _whole_replicas() -> Any:
+    """Orbax's array handler with replica-parallel writing off while a checkpoint is saved,
+    and the process's own handler put back after. On a CPU backend Orbax cuts an array held
+    whole on several devices into one slice per device, each by an eagerly compiled slice op
+    (seconds a checkpoint of the README's model); on GPUs it writes the first replica whole,
+    as here. What is written is the same arrays either way. (The handler is the process's
+    own with that one setting changed, so its metadata store and the rest stay; an Orbax
+    without the setting keeps its default.)"""
+    before = ocp.type_handlers.get_type_handler(jax.Array)
+    whole = copy.copy(before)
+    if hasattr(whole, "_use_replica_parallel"):
+        whole._use_replica_parallel = False
+    ocp.type_handlers.register_type_handler(jax.Array, whole, override=True)
+    try:
+        yield
+    finally:
+        ocp.type_handlers.register_type_handler(jax.Array, before, override=True)
+
+
 class Checkpoints:
     """The checkpoints of one run folder (``<run>/checkpoints/<step>``, Orbax, synchronous).
 
@@ -512,17 +533,18 @@ class Checkpoints:
         if run_id is None:  # a folder written before run identities, or a bare store
             run_id = self.start_run()
         meta = {**fingerprint, "run_id": run_id, "step": int(step)}
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(saved),
-                meta=ocp.args.JsonSave(meta),
-                extras=ocp.args.JsonSave(extras),
-                rows=ocp.args.JsonSave({"once": once}),
-            ),
-            force=True,
-        )
-        self.manager.wait_until_finished()
+        with _whole_replicas():
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(saved),
+                    meta=ocp.args.JsonSave(meta),
+                    extras=ocp.args.JsonSave(extras),
+                    rows=ocp.args.JsonSave({"once": once}),
+                ),
+                force=True,
+            )
+            self.manager.wait_until_finished()
         if is_primary():
             write_checksums(self.run_dir, step, self.manager.all_steps())
         self.saved_step = step
