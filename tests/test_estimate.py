@@ -37,18 +37,18 @@ def _cfg(tmp_path, **kw):
         {},
         {
             "workers": 2,
-            "stages": 4,
+            "stages": 2,
             "boundary": "aqsgd",
             "fw_bits": 2,
             "train_samples": 32,
-            "model": {**MODEL, "num_layers": 4},
+            "model": {**MODEL, "num_layers": 2},
         },
     ],
 )
 def test_estimate_equals_what_a_run_logs(tmp_path, extra):
     cfg = _cfg(tmp_path, steps=3 if extra else 2, **extra)
     est = estimate(cfg)
-    trainer = (Trainer if cfg.stages > 1 else Trainer)(cfg)
+    trainer = Trainer(cfg)
     rows = []
     trainer.run(metrics_cb=rows.append)
     steady = rows[-1]
