@@ -477,11 +477,15 @@ def select(recs: Iterable[dict[str, Any]], size: str, method: str, steps: int) -
 
 
 def pending(size: str, method: str, steps: int, recs: list[dict], sizes_steps: dict) -> list:
-    """The tune stage's grid points of ``method`` at ``size`` not run yet: the full grid at
-    the smallest size, else the neighbours of the previous size's choice (once that size is
-    complete); then, once those ran, the next point past an end of the values this size
-    tried on a step-size axis where the choice sits there: the axis's next value, or
-    twice or half the end past the axis (while within 8x of the declared axis)."""
+    """The tune stage's grid points of ``method`` at ``size`` not run yet: at the smallest
+    size the declared grid, then the neighbours of its choice; at a larger size the
+    neighbours of the previous size's choice (once that size is complete); neighbours are
+    within one value on every axis, on the axes as extended so far. Then, once those ran,
+    the next point past an end of the values this size tried on a step-size axis where the
+    choice sits there: the axis's next value, or twice or half the end past the axis (while
+    within 8x of the declared axis). (Until MuLoCo's third axis made it 150 points, the
+    smallest size ran the whole product of its extended axes: the xxs runs of the methods
+    tuned before hold more points than this rule asks, all kept and all chosen from.)"""
     prev = [z for z in ORDER[: ORDER.index(size)] if z != "tiny" and z in sizes_steps]
     # Extensions made at a larger size do not reopen this size's grid.
     recs = [r for r in recs if ORDER.index(r["size"]) <= ORDER.index(size)]
@@ -493,7 +497,13 @@ def pending(size: str, method: str, steps: int, recs: list[dict], sizes_steps: d
         best = select(recs, z, method, sizes_steps[z])
         near = None if best is None else {k: _norm(v) for k, v in best["setting"].items()}
     done = {setting_key(r["setting"]) for r in _mine(recs, size, method, steps, (0,))}
-    todo = [p for p in grid(method, near, recs) if setting_key(p) not in done]
+    if near is None:  # the smallest size: the declared grid, then its choice's neighbours
+        todo = [p for p in grid(method) if setting_key(p) not in done]
+        first = select(recs, size, method, steps) if not todo else None
+        if first is not None:
+            near = {k: _norm(v) for k, v in first["setting"].items()}
+    if near is not None:  # on the axes as extended so far
+        todo = [p for p in grid(method, near, recs) if setting_key(p) not in done]
     if todo:
         return todo
     best = select(recs, size, method, steps)

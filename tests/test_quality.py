@@ -276,9 +276,10 @@ def test_an_outer_step_chosen_at_an_end_of_its_axis_runs_the_next_one_past_it(qu
     ]
     for value, past in (((1.5, 0.0), (2.0, 0.0)), ((2.0, 0.0), None)):
         recs.append(_rec("xxs", "diloco_h30", {"lr": 3e-3, "outer": value}, 1.9, 3.0))
-        # The new value's plane across the lr axis first (as an lr extension's), then past.
+        # The new value's neighbours on the lr axis first (the choice's neighbourhood on
+        # the extended axes; not the whole plane), then past.
         plane = quality.pending("xxs", "diloco_h30", 300, recs, sizes)
-        assert plane == [{"lr": lr, "outer": value} for lr in quality.LRS if lr != 3e-3]
+        assert plane == [{"lr": lr, "outer": value} for lr in (2e-3, 6e-3)]
         recs += [_rec("xxs", "diloco_h30", p, 2.8, 3.0) for p in plane]
         after = quality.pending("xxs", "diloco_h30", 300, recs, sizes)
         assert after == ([{"lr": 3e-3, "outer": past}] if past else [])
