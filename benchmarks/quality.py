@@ -35,9 +35,13 @@ Protocol (one command per stage; every run's result is kept, an interrupted stag
   coefficients a block; ``muloco_h30_2p``
   MuLoCo's compressor exchanged in two phases (about 2 / N of the all-gather's bytes),
   its grid Muon lr {0.01, 0.02, 0.04} x AdamW lr {0.012, 0.024} x plain averaging, the
-  neighbourhood of ``muloco_h30``'s choice at xxs. Where the
-  chosen step size sits at an end of its axis, the ``tune`` stage extends that axis one
-  step further (x2 or /2) and runs the new points, until the choice is inside. At each
+  neighbourhood of ``muloco_h30``'s choice at xxs. At the smallest size the ``tune``
+  stage runs the declared grid, then the points next to its choice on the axes as
+  extended, again whenever a neighbour wins (until MuLoCo's third axis made it 150 points,
+  it ran the whole product of the extended axes: the methods tuned before hold those
+  runs, all kept and chosen from, so at xxs MuLoCo alone was tuned by the narrower rule).
+  Where the chosen step size sits at an end of its axis, the ``tune`` stage extends that
+  axis one step further (x2 or /2) and runs the new points, until the choice is inside. At each
   larger size, once the smaller size's grid is complete, it runs the grid points next to
   that choice (one step either way on every axis; the outer axis in the order above) and
   that choice with the DiLoCo paper's outer step (Nesterov 0.7 / 0.9): a stated narrowing,
@@ -478,7 +482,8 @@ def select(recs: Iterable[dict[str, Any]], size: str, method: str, steps: int) -
 
 def pending(size: str, method: str, steps: int, recs: list[dict], sizes_steps: dict) -> list:
     """The tune stage's grid points of ``method`` at ``size`` not run yet: at the smallest
-    size the declared grid, then the neighbours of its choice; at a larger size the
+    size the declared grid, then the neighbours of its choice (of each new choice, while a
+    neighbour wins); at a larger size the
     neighbours of the previous size's choice (once that size is complete); neighbours are
     within one value on every axis, on the axes as extended so far. Then, once those ran,
     the next point past an end of the values this size tried on a step-size axis where the
@@ -497,7 +502,7 @@ def pending(size: str, method: str, steps: int, recs: list[dict], sizes_steps: d
         best = select(recs, z, method, sizes_steps[z])
         near = None if best is None else {k: _norm(v) for k, v in best["setting"].items()}
     done = {setting_key(r["setting"]) for r in _mine(recs, size, method, steps, (0,))}
-    if near is None:  # the smallest size: the declared grid, then its choice's neighbours
+    if near is None:  # no smaller size to start from: the declared grid, then neighbours
         todo = [p for p in grid(method) if setting_key(p) not in done]
         first = select(recs, size, method, steps) if not todo else None
         if first is not None:

@@ -125,9 +125,6 @@ SLOW = (
     "test_pipeline.py::test_fp32_pipeline_equals_unpipelined_model[2]",
     "test_pipeline.py::test_fp32_pipeline_equals_unpipelined_model[8]",
     "test_pipeline_trainer.py::test_pipeline_replicas_synchronise_by_local_sgd[local_sgd]",
-    # The accelerator benchmark's script run on the CPU (a benchmark, not the library; its
-    # parts are the library's, which the default run tests on their own).
-    "test_gpu_benchmark.py::test_the_accelerator_benchmark_runs_every_part_on_the_cpu",
 )
 
 

@@ -37,11 +37,11 @@ def _cfg(tmp_path, **kw):
         {},
         {
             "workers": 2,
-            "stages": 2,
+            "stages": 3,  # a middle stage sends both ways and holds no embedding or loss
             "boundary": "aqsgd",
             "fw_bits": 2,
             "train_samples": 32,
-            "model": {**MODEL, "num_layers": 2},
+            "model": {**MODEL, "num_layers": 3},
         },
     ],
 )

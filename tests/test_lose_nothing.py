@@ -228,7 +228,9 @@ def _sharded(rows: np.ndarray):
     )
 
 
-def test_arrays_equal_on_every_worker_are_saved_once_and_restored_bit_for_bit(tmp_path):
+def test_arrays_equal_on_every_worker_are_saved_once_and_restored_bit_for_bit(
+    tmp_path, monkeypatch
+):
     """Rows equal bit for bit (NaN and -0.0 included) are written once; rows that differ
     anywhere, even 0.0 against -0.0 or in one element, are written whole; the restore gives
     back every array exactly, in its sharding."""
@@ -253,10 +255,18 @@ def test_arrays_equal_on_every_worker_are_saved_once_and_restored_bit_for_bit(tm
         "step": np.asarray(7, np.int64),
     }
     store = Checkpoints(tmp_path, keep=1)
+    # The save writes each shard from one replica (not one slice per device, each by an
+    # eagerly compiled op) and leaves Orbax's array handler as it found it.
     handler = ocp.type_handlers.get_type_handler(jax.Array)
+    seen, serialize = [], handler.serialize
+    monkeypatch.setattr(
+        handler,
+        "serialize",
+        lambda *a, **k: seen.append(handler._use_replica_parallel) or serialize(*a, **k),
+    )
+    before = handler._use_replica_parallel
     store.save(7, state, {"run": 1}, {})
-    # The save sets Orbax's array handler for itself and puts the process's own back.
-    assert ocp.type_handlers.get_type_handler(jax.Array) is handler
+    assert seen and not any(seen) and handler._use_replica_parallel == before
     rows = json.loads((tmp_path / "checkpoints" / "7" / "rows" / "metadata").read_text())
     assert sorted(rows["once"]) == ["['bytes']", "['flags']", "['half']", "['ints']", "['same']"]
     step, back, _ = store.restore(state, {"run": 1})

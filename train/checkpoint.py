@@ -18,7 +18,6 @@ of the checkpoint, and restoring broadcasts them back to every worker bit for bi
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import json
 import os
@@ -463,21 +462,22 @@ def _path_names(path: Any) -> tuple[str, ...]:
 @contextlib.contextmanager
 def _whole_replicas() -> Any:
     """Orbax's array handler with replica-parallel writing off while a checkpoint is saved,
-    and the process's own handler put back after. On a CPU backend Orbax cuts an array held
-    whole on several devices into one slice per device, each by an eagerly compiled slice op
-    (seconds a checkpoint of the README's model); on GPUs it writes the first replica whole,
-    as here. What is written is the same arrays either way. (The handler is the process's
-    own with that one setting changed, so its metadata store and the rest stay; an Orbax
+    its own setting put back after. On a CPU backend Orbax cuts an array held whole on
+    several devices into one slice per device, each by an eagerly compiled slice op (seconds
+    a checkpoint of the README's model); off, each shard is written from its first replica,
+    as Orbax does by default where ``JAX_PLATFORMS`` names a GPU. What is written is the
+    same arrays either way. (Saves here are synchronous, on the main thread; an Orbax
     without the setting keeps its default.)"""
-    before = ocp.type_handlers.get_type_handler(jax.Array)
-    whole = copy.copy(before)
-    if hasattr(whole, "_use_replica_parallel"):
-        whole._use_replica_parallel = False
-    ocp.type_handlers.register_type_handler(jax.Array, whole, override=True)
+    handler = ocp.type_handlers.get_type_handler(jax.Array)
+    before = getattr(handler, "_use_replica_parallel", None)
+    if before is None:
+        yield
+        return
+    handler._use_replica_parallel = False
     try:
         yield
     finally:
-        ocp.type_handlers.register_type_handler(jax.Array, before, override=True)
+        handler._use_replica_parallel = before
 
 
 class Checkpoints:

@@ -221,7 +221,7 @@ class Layout(Part, abc.ABC):
         branches at every step, and costing a program reads its whole HLO text)."""
         memo = (key, repr(sorted((branches or {}).items())))
         if memo in self._modelled:
-            return self._modelled[memo]
+            return self._modelled[memo].copy()
         model = ctx.compute_model
 
         def seconds(program):
@@ -229,8 +229,8 @@ class Layout(Part, abc.ABC):
             mine = {k: v for k, v in (branches or {}).items() if cost._matches(k)}
             return model.seconds(cost.per_device(mine))
 
-        self._modelled[memo] = out = self.per_device(ctx, key, seconds)
-        return out
+        self._modelled[memo] = self.per_device(ctx, key, seconds)
+        return self._modelled[memo].copy()
 
     def synchronous_seconds(
         self,
