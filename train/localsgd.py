@@ -78,7 +78,6 @@ class LocalSGD(Sync):
             raise ValueError("LocalSGD needs a config with sync settings")
         self.sync = cfg.sync
         self.sync_schedule: jaxcomm.schedules.Schedule | None = None
-        self._branch_s: dict[int, float] = {}
         self._lag: np.ndarray | None = None  # each worker's time behind the clock (stragglers)
         self._workers = cfg.workers  # the world the profile, schedule and lags describe
 
@@ -243,7 +242,6 @@ class LocalSGD(Sync):
         schedule = jaxcomm.schedules.as_schedule([tuple(g) for g in saved], len(self.layer_wires))
         if schedule.groups != self.sync_schedule.groups:
             self.sync_schedule = schedule
-            self._branch_s.clear()
             ctx.rebuild()
 
     # ------------------------------------------------------------------ clock
@@ -303,10 +301,7 @@ class LocalSGD(Sync):
     def branch_compute_s(self, ctx: Context, branch: int) -> float:
         """Roofline seconds of the step taking averaging branch ``branch`` (its group's
         averaging arithmetic, not the costliest branch's), on the slowest device."""
-        if branch not in self._branch_s:
-            per = ctx.modelled_per_device(None, {SYNC_SCOPE: branch})
-            self._branch_s[branch] = float(np.max(per))
-        return self._branch_s[branch]
+        return float(np.max(ctx.modelled_per_device(None, {SYNC_SCOPE: branch})))
 
     # ------------------------------------------------------------------ the averaged model
 
