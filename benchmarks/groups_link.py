@@ -1,10 +1,11 @@
 """Replica groups over real shaped links: compute utilisation with and without overlap.
 
-    python benchmarks/groups_link.py [--mbit 100] [--steps 90] [--quick]
+    python benchmarks/groups_link.py [--mbit 100] [--steps 180] [--batch 8] [--quick]
 
 Two replica groups, each its own process and JAX runtime in its own network namespace, its
 link shaped to ``--mbit`` Mbit/s each way by tbf (``python -m train.groups --network``;
-root, Linux), train the GPT of ``configs/diloco_default.yaml`` (1 worker a group, batch 8,
+root, Linux), train the GPT of ``configs/diloco_default.yaml`` (1 worker a group, batch
+``--batch`` sequences a step: 8, the README job's per-worker batch, or 64, its global batch;
 Streaming DiLoCo with H = 30 and 2 fragments). Settings: float32 pseudo-gradients with no
 overlap (DiLoCo's blocking exchange), float32 with ``overlap=5`` (the exchange on a host
 thread while 5 inner steps run), and error-fed int8 and SparseLoCo with ``overlap=5``.
@@ -45,7 +46,7 @@ from _meta import run_meta
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "groups"
-SETS = ["workers=1", "global_batch=8", "aggregator=ring", "sync.period=30", "sync.fragments=2",
+SETS = ["workers=1", "aggregator=ring", "sync.period=30", "sync.fragments=2",
         "compute=measured", "eval_every=0", "checkpoint_every=0", "eval_batches=2"]  # fmt: skip
 SETTINGS = {
     "float32, overlap 0": ["sync.overlap=0"],
@@ -73,12 +74,13 @@ def predicted_utilisation(step_s: float, payload: list[int], groups: int, mbit: 
     return link_utilisation(step_s, comm, period, schedule, overlap)[0]
 
 
-def run(name: str, sets: list[str], steps: int, mbit: float, folder: Path) -> dict:
+def run(name: str, sets: list[str], steps: int, mbit: float, folder: Path,
+        batch: int = 8) -> dict:  # fmt: skip
     out = folder / name.replace(", ", "_").replace(" ", "")
     cmd = [sys.executable, "-m", "train.groups", "--groups", "2", "--network", str(mbit),
            "--cpus-per-group", "1", "--config", "configs/diloco_default.yaml",
            "--out", str(out)]  # fmt: skip
-    for s in [*SETS, *sets, f"steps={steps}"]:
+    for s in [*SETS, *sets, f"steps={steps}", f"global_batch={batch}"]:
         cmd += ["--set", s]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
@@ -121,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mbit", type=float, default=100.0)
     p.add_argument("--steps", type=int, default=180)
+    p.add_argument("--batch", type=int, default=8, help="sequences a group's step (8 or 64)")
     p.add_argument("--quick", action="store_true", help="60 steps, one setting")
     args = p.parse_args(argv)
     t0 = time.time()
@@ -130,18 +133,20 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     try:
         for name, sets in settings.items():
-            results.append(run(name, sets, steps, args.mbit, folder))
+            results.append(run(name, sets, steps, args.mbit, folder, args.batch))
             print(json.dumps(results[-1]), flush=True)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    meta = run_meta(argv, t0, mbit=args.mbit, steps=steps)
+    meta = run_meta(argv, t0, mbit=args.mbit, steps=steps, batch=args.batch)
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "link.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    stem = "link" if args.batch == 8 else f"link_b{args.batch}"
+    (OUT / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     lines = [
         f"# Replica groups over {args.mbit:g} Mbit/s links",
         "",
         f"`{meta['command']}` on {meta['date']}, {meta['machine']}, JAX {meta['jax']}: 2 groups "
-        f"(1 worker each, its own process, namespace and CPU core), {steps} steps, H = 30, 2 "
+        f"(1 worker each, its own process, namespace and CPU core, {args.batch} sequences a "
+        f"step), {steps} steps, H = 30, 2 "
         "fragments; no delay is added to the links (this kernel has no netem): their "
         "latency is the veth's, tens of microseconds.",
         "",
@@ -166,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"| {row['link_tx_bytes'] / 1e6:.2f} "
                 f"| {row['link_tx_bytes'] / row['sent_bytes']:.3f} |"
             )
-    (OUT / "link.md").write_text("\n".join(lines) + "\n")
+    (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

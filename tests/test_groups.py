@@ -1,6 +1,7 @@
 """jaxcomm.groups.GroupOuter: DiLoCo's outer step between separate programs, against the
 one-program jaxcomm.diloco and against numpy."""
 
+import concurrent.futures
 import json
 
 import jax
@@ -108,14 +109,38 @@ def test_wire_round_trip_and_error_feedback(codec):
     assert go.nbytes(d) < 4 * d // 3  # far below float32
 
 
-def test_keyed_codec_draws_per_group_and_unsent_keeps_the_error():
+def test_keyed_codec_draws_per_group_and_unsent_keeps_the_error_feedback():
     go = jaxcomm.groups.GroupOuter(codec=QuantizeCodec(2, 32))
     x = np.linspace(-1, 1, 64).astype(np.float32)
     a, b = go.init(np.zeros(64, np.float32), slot=0), go.init(np.zeros(64, np.float32), slot=1)
     pa, _, _ = go.send(a, x)
-    pb, _, unsent = go.send(b, x)
+    pb, sent, unsent = go.send(b, x)
     assert not np.array_equal(go.to_wire(pa), go.to_wire(pb))
-    np.testing.assert_array_equal(unsent.residual, -x)  # nothing delivered: all kept
+    # Nothing delivered: the error feedback as it was, the key moved on.
+    np.testing.assert_array_equal(unsent.residual, b.residual)
+    np.testing.assert_array_equal(unsent.key, sent.key)
+    assert not np.array_equal(unsent.key, b.key)
+
+
+@pytest.mark.parametrize(
+    "codec", [QuantizeCodec(8, 512, stochastic=False), ChunkTopKCodec(64, 4, 2)],
+    ids=["int8", "chunk_topk"],
+)  # fmt: skip
+def test_an_undelivered_exchange_is_sent_once_at_the_next(codec):
+    """An exchange that fails moves neither theta_sync nor the local fragment, so the next
+    pseudo-gradient holds its drift again: what the group sends over the failed exchange
+    and the next, plus its error feedback, is the drift once, as if the first never ran."""
+    d = 256
+    go = jaxcomm.groups.GroupOuter(codec=codec)
+    rng = np.random.default_rng(2)
+    state = go.init(np.zeros(d, np.float32))
+    local = rng.normal(size=d).astype(np.float32)
+    _, _, unsent = go.send(state, local)  # the exchange failed: keep `unsent`
+    payload, after, _ = go.send(unsent, local)  # no further drift
+    once, alone, _ = go.send(state, local)  # the same exchange, never failed before
+    np.testing.assert_allclose(go.decode(payload) + after.residual, -local, atol=1e-6)
+    np.testing.assert_array_equal(go.to_wire(payload), go.to_wire(once))
+    np.testing.assert_array_equal(after.residual, alone.residual)
 
 
 def test_non_finite_reaches_the_mean():
@@ -155,16 +180,18 @@ def test_bad_input_names_the_argument():
 def test_left_out_rules_are_the_same_for_every_member():
     """Every member decides from the gathered headers alone: another run, a repeated slot,
     no tokens, a non-finite pseudo-gradient, another fragment or another theta_sync."""
-    from train.replica import FIELDS, left_out
+    from train.replica import FIELDS, left_out, payload_width
 
-    def row(slot, tokens=8, fp=7, finite=1, fragment=0, anchor=11):
-        v = {"slot": slot, "tokens": tokens, "nbytes": 4, "fingerprint": fp, "finite": finite,
+    def row(slot, tokens=8, fp=7, finite=1, fragment=0, anchor=11, nbytes=4):
+        v = {"slot": slot, "tokens": tokens, "nbytes": nbytes, "fingerprint": fp,
+             "finite": finite,
              "step": 5, "healed": 0, "fragment": fragment, "anchor": anchor,
              "id": 100 + slot}  # fmt: skip
         return [v[f] for f in FIELDS]
 
     h = np.asarray([row(0), row(1, fp=9), row(0), row(2, tokens=0), row(3, finite=0),
-                    row(4, fragment=1), row(5, anchor=12), row(6)], np.int64)  # fmt: skip
+                    row(4, fragment=1), row(5, anchor=12), row(6), row(7, nbytes=2**40)],
+                   np.int64)  # fmt: skip
     out = left_out(h)
     assert out == {
         1: "another run's settings",
@@ -173,15 +200,20 @@ def test_left_out_rules_are_the_same_for_every_member():
         4: "non-finite pseudo-gradient",
         5: "fragment 1, not 0",
         6: "another theta_sync",
+        8: f"a payload of {2**40} bytes, not 4",
     }
+    # The payload all-gather's width is the kept members' size: a header's claim of a
+    # terabyte sets nothing.
+    assert payload_width(h, out) == 4
+    assert payload_width(h[[3]], left_out(h[[3]])) == 0  # nobody to gather from
     # Member order does not change who is left out (without the repeated slot, whose
     # first row is the one kept).
     rows = np.delete(h, 2, axis=0)
     slots = rows[:, FIELDS.index("slot")]
     want = {int(slots[i]): why for i, why in left_out(rows).items()}
-    perm = [6, 2, 0, 4, 1, 5, 3]
+    perm = [6, 2, 0, 4, 1, 5, 3, 7]
     got = {int(slots[perm][i]): why for i, why in left_out(rows[perm]).items()}
-    assert got == want and len(want) == 5
+    assert got == want and len(want) == 6
     # Two groups that disagree on theta_sync: the smallest slot's wins, the other heals.
     assert left_out(np.asarray([row(1, anchor=3), row(0, anchor=4)], np.int64)) == {
         0: "another theta_sync"
@@ -260,10 +292,11 @@ def test_a_pipeline_groups_outer_step_reads_replica_0_and_writes_every_replica_a
 class _FakeTransport:
     """Two members: this group and a peer whose pseudo-gradient holds a NaN."""
 
-    committed = 1
+    committed, retries = 1, 3
 
     def __init__(self, peer_payload, finite):
         self.peer_payload, self.finite = peer_payload, finite
+        self.errors = []
 
     def exchange(self, header, payload, *, commit=None):
         from train.replica import FIELDS, Exchange, left_out
@@ -301,6 +334,76 @@ def test_a_nan_from_a_peer_is_refused(tmp_path, finite):
     assert line["kept"] == [0]
     why = "non-finite values" if finite else "non-finite pseudo-gradient"
     assert line["left_out"] == {"1": why}
+
+
+def test_a_group_whose_own_pseudo_gradient_is_not_finite_commits_nothing(tmp_path, capsys):
+    """A group whose own pseudo-gradient is not finite is left out by every member, and it
+    does not commit the exchange: it falls behind by one, so that torchft heals it from a
+    peer at the next (committed, its non-finite state would leave it out of every later
+    exchange, never healed). Its fragment's state stays as it was, and it says so."""
+    trainer = _group_trainer(tmp_path)
+    part = trainer.sync
+    go, before = part.outer[0], part.state[0]
+    local = np.asarray(before.anchor).copy()
+    local[3] = np.nan
+    part.transport = _FakeTransport(go.to_wire(np.zeros(np.size(local), np.float32)), 1)
+    info = part._exchange(0, local, tokens=8, step=1)
+    assert info["failed"] and part.stats["left_out"] == 1
+    np.testing.assert_array_equal(part.state[0].anchor, before.anchor)
+    np.testing.assert_array_equal(part.state[0].residual, before.residual)
+    assert "left out of the exchange of fragment 0 at step 1 (non-finite" in capsys.readouterr().err
+
+
+class _HealThenFail:
+    """An exchange in which the group is healed by a peer (torchft's ``load_state_dict``)
+    and then every later try fails: nothing is returned."""
+
+    committed, retries = 7, 3
+
+    def __init__(self, part, peer):
+        self.part, self.peer = part, peer
+        self.errors = []
+
+    def exchange(self, header, payload, *, commit=None):
+        self.part._on_heal(self.peer)
+        self.errors.append("RuntimeError: a member was lost")
+        return None
+
+
+def test_a_heal_whose_exchange_then_fails_is_still_taken(tmp_path, capsys):
+    """torchft moves a healed group's count to the peer's even when every later try of the
+    exchange fails: the group then takes the peer's state (theta_sync, outer state, and at
+    the merge its parameters, step and data position) with no outer step and no merge, so
+    it holds what its count says; it is not left with its own state under the peer's
+    count."""
+    trainer = _group_trainer(tmp_path, "steps=60", "sync.overlap=2")
+    part, ctx = trainer.sync, trainer.ctx
+    part._ctx, part._row = ctx, {}
+    ctx.step = 5
+    part._snapshot(ctx)
+    peer = part._state_dict()
+    peer["anchors"] = [np.asarray(a) + 2.0 for a in peer["anchors"]]
+    peer["params"] = jax.tree_util.tree_map(lambda a: np.asarray(a) + 1.0, peer["params"])
+    peer.update(step=40, position=321, last_sync={0: 40})
+    part.transport = _HealThenFail(part, peer)
+    local = np.asarray(part.state[0].anchor) - 0.5
+    info = part._exchange(0, local, tokens=8, step=5)
+    assert info["failed"] and info["healed"] and part.stats["failed"] == 1
+    for st, a in zip(part.state, peer["anchors"], strict=True):
+        np.testing.assert_array_equal(st.anchor, a)
+        np.testing.assert_array_equal(st.residual, np.zeros_like(a))
+    assert "failed in every try (4; last: RuntimeError: a member was lost)" in (
+        capsys.readouterr().err
+    )
+    done = concurrent.futures.Future()
+    done.set_result(info)
+    part._pending = [(0, 7, done)]
+    ctx.step = 7
+    part._merge_due(ctx)
+    assert ctx.step == 40 and ctx.loader.position == 321 and part._pending == []
+    got = jax.tree_util.tree_leaves(jax.tree_util.tree_map(np.asarray, ctx.params))
+    for a, b in zip(got, jax.tree_util.tree_leaves(peer["params"]), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_an_unreachable_lighthouse_is_one_clear_error(tmp_path):

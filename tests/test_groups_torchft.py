@@ -71,10 +71,11 @@ def _logs(out):
     return "\n".join(p.read_text()[-3000:] for p in sorted(Path(out).glob("group_*.log")))
 
 
-def _groups_against_one_program(tmp_path, common, atol):
-    """Two groups of one worker each, and one program of two workers, on settings
-    ``common``: the groups end bit-identical, within ``atol`` of the program, and trained."""
-    r = _launch(tmp_path / "g", 2, ["workers=1", "aggregator=ring", *common])
+def _groups_against_one_program(tmp_path, common, atol, flags=()):
+    """Two groups of one worker each (launched with ``flags``), and one program of two
+    workers, on settings ``common``: the groups end bit-identical, within ``atol`` of the
+    program, and trained."""
+    r = _launch(tmp_path / "g", 2, ["workers=1", "aggregator=ring", *common], *flags)
     assert r.returncode == 0, r.stdout[-2000:] + _logs(tmp_path / "g")
     one = tmp_path / "one"
     cmd = [sys.executable, "-m", "train", "--no-progress", "--config", CONFIG,
@@ -98,7 +99,9 @@ def test_two_groups_equal_one_program_streaming_diloco(tmp_path):
     # The paper's Nesterov outer step (lr 0.7, momentum 0.9): its momentum is per fragment.
     common = ["steps=40", "optimizer.name=sgd", "optimizer.lr=0.05", "sync.outer_lr=0.7",
               "sync.outer_momentum=0.9", "checkpoint_every=0"]  # fmt: skip
-    _groups_against_one_program(tmp_path, common, atol=2e-6)
+    # Each group in a network namespace of its own behind a shaped 1 Gbit/s link, whose
+    # kernel counter is the wire audit of the bytes the transport counted.
+    _groups_against_one_program(tmp_path, common, atol=2e-6, flags=("--network", "1000"))
     for g in (0, 1):
         s = json.loads((tmp_path / f"g/group_{g}/summary.json").read_text())["groups"]
         # Fragment 0 at steps 5, 15, 25, 35; fragment 1 at 10, 20, 30, 40.
@@ -115,10 +118,15 @@ def test_two_groups_equal_one_program_streaming_diloco(tmp_path):
                                "groups.lighthouse=http://127.0.0.1:1", "groups.slot=0",
                                "groups.count=2"])  # fmt: skip
     per_period = estimate(cfg)["groups"]["sent_bytes_per_period"]
+    link = json.loads((tmp_path / "g/summary.json").read_text())["link_tx_bytes"]
     for g in (0, 1):
         s = json.loads((tmp_path / f"g/group_{g}/summary.json").read_text())["groups"]
         handshake = s["sent_bytes"] - 4 * per_period
         assert 0 <= handshake <= 4 * 80, (s["sent_bytes"], per_period)
+        # What left the group's namespace: the counted headers and payloads, plus TCP/IP
+        # framing and torchft's control traffic (quorums, heartbeats, the store), and
+        # nothing as large as a second copy of the payloads.
+        assert s["sent_bytes"] < link[str(g)] < 1.25 * s["sent_bytes"] + 256_000, (link, s)
 
 
 def test_groups_of_pipelines_equal_one_programs_pipeline_diloco(tmp_path):
@@ -249,6 +257,10 @@ def test_a_killed_group_leaves_the_other_training_and_a_restart_is_healed(
     heal = s0["groups"]["heal_sent_bytes"]
     assert 5 * model + extra < heal < 5.5 * model + extra, s0["groups"]
     assert s1["groups"]["heal_sent_bytes"] == 0
+    # What group 1 installed (parameters, optimizer state, step, data position, read back
+    # from its devices) is what group 0 served, bit for bit.
+    assert s1["groups"]["heal_taken_ids"] == s0["groups"]["heal_served_ids"], (s0, s1)
+    assert len(s1["groups"]["heal_taken_ids"]) == 1
     rows1 = _rows(tmp_path / "group_1")
     # Its first life's rows are kept; its second starts where group 0 was, not at step 1.
     assert rows1[: len(before)] == before

@@ -34,7 +34,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FIELDS", "Transport", "Exchange", "fingerprint_id", "left_out", "lighthouse"]
+__all__ = [
+    "FIELDS",
+    "Transport",
+    "Exchange",
+    "fingerprint_id",
+    "left_out",
+    "lighthouse",
+    "payload_width",
+]
 
 #: The header each group all-gathers before its payload (int64 each).
 FIELDS = (
@@ -77,9 +85,11 @@ def _majority(values: list[int], slots: list[int]) -> int:
 def left_out(headers: np.ndarray) -> dict[int, str]:
     """Members (row index of the gathered ``[G, len(FIELDS)]`` headers) left out of the
     mean, each with the reason: another run's settings, the same slot twice, no tokens,
-    a non-finite pseudo-gradient, another fragment, or another ``theta_sync`` (a group
+    a non-finite pseudo-gradient, another fragment, another ``theta_sync`` (a group
     that diverged, e.g. one that stepped alone while cut off; it heals at its next
-    exchange). The majority decides among settings, fragments and ``theta_sync``."""
+    exchange), or a payload of another size. The majority decides among settings,
+    fragments, ``theta_sync`` and payload sizes, so the members gather payloads of the
+    kept members' size (:func:`payload_width`) whatever one header claims."""
     h = {name: [int(v) for v in headers[:, i]] for i, name in enumerate(FIELDS)}
     slots = h["slot"]
     out: dict[int, str] = {}
@@ -94,10 +104,10 @@ def left_out(headers: np.ndarray) -> dict[int, str]:
     live = [i for i in range(len(slots)) if i not in out and h["tokens"][i] > 0]
     if live:
         frag = _majority([h["fragment"][i] for i in live], [slots[i] for i in live])
-        anchor = _majority(
-            [h["anchor"][i] for i in live if h["fragment"][i] == frag],
-            [slots[i] for i in live if h["fragment"][i] == frag],
-        )
+        same = [i for i in live if h["fragment"][i] == frag]
+        anchor = _majority([h["anchor"][i] for i in same], [slots[i] for i in same])
+        same = [i for i in same if h["anchor"][i] == anchor]
+        size = _majority([h["nbytes"][i] for i in same], [slots[i] for i in same])
     for i in range(len(slots)):
         if i in out:
             continue
@@ -109,7 +119,18 @@ def left_out(headers: np.ndarray) -> dict[int, str]:
             out[i] = f"fragment {h['fragment'][i]}, not {frag}"
         elif h["anchor"][i] != anchor:
             out[i] = "another theta_sync"
+        elif h["nbytes"][i] != size:
+            out[i] = f"a payload of {h['nbytes'][i]} bytes, not {size}"
     return out
+
+
+def payload_width(headers: np.ndarray, out: dict[int, str]) -> int:
+    """The bytes every member sends in the payload all-gather: the kept members' payload
+    size (one size, by :func:`left_out`), 0 if none is kept. Decided from the gathered
+    headers, so every member pads or cuts its payload alike and no header's claim sets
+    what the others allocate."""
+    sizes = headers[:, FIELDS.index("nbytes")]
+    return max((int(sizes[i]) for i in range(len(headers)) if i not in out), default=0)
 
 
 class Exchange:
@@ -367,12 +388,14 @@ class Transport:
                 mine = np.asarray(header(healed), np.int64)
                 marks.append(time.perf_counter())
                 headers = self._gather(mine)
-                data = np.asarray(payload(healed), np.uint8)
-                width = int(headers[:, FIELDS.index("nbytes")].max())
+                out = left_out(headers)
+                width = payload_width(headers, out)
+                data = np.asarray(payload(healed), np.uint8)[:width]
                 padded = np.zeros(width, np.uint8)
                 padded[: data.size] = data
                 marks.append(time.perf_counter())
-                gathered = self._gather(padded)
+                # (No kept member: every member skips the gather alike.)
+                gathered = self._gather(padded) if width else np.zeros((len(headers), 0), np.uint8)
                 marks.append(time.perf_counter())
                 if commit is not None and not commit(headers, healed):
                     self.manager.report_error(RuntimeError("nothing to commit"))
@@ -385,11 +408,11 @@ class Transport:
             wanted = commit is None or commit(headers, healed)
             if ok or not wanted:
                 sizes = headers[:, FIELDS.index("nbytes")]
-                payloads = [gathered[i, : int(sizes[i])] for i in range(len(headers))]
+                payloads = [gathered[i, : min(int(sizes[i]), width)] for i in range(len(headers))]
                 names = ("quorum_s", "headers_s", "payloads_s", "commit_s")
                 seconds = {n: b - a for n, a, b in zip(names, marks[:-1], marks[1:], strict=True)}
                 return Exchange(
-                    headers, payloads, left_out(headers), healed=healed, committed=ok,
+                    headers, payloads, out, healed=healed, committed=ok,
                     sent_bytes=self.sent_bytes - before, tries=attempt + 1, seconds=seconds,
                 )  # fmt: skip
         return None

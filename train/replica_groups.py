@@ -51,6 +51,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -142,6 +143,16 @@ def _local(tree: Any) -> Any:
         return np.asarray(a)
 
     return jax.tree_util.tree_map(read, tree)
+
+
+def _heal_id(params: Any, opt_state: Any, step: int, position: int) -> int:
+    """A hash of a heal's trainer state (host arrays' bytes, the step and the data
+    position): the server's of what it sent, the healed group's of what it installed."""
+    leaves = jax.tree_util.tree_leaves((params, opt_state))
+    data = b"".join(np.ascontiguousarray(np.asarray(a)).tobytes() for a in leaves)
+    return array_id(
+        np.frombuffer(data + np.asarray([step, position], np.int64).tobytes(), np.uint8)
+    )
 
 
 def _state_arrays(st: GroupState) -> list[np.ndarray]:
@@ -242,7 +253,7 @@ class ReplicaGroups(EveryStep):
         self.stats = {
             "exchanges": 0, "failed": 0, "heals": 0, "left_out": 0, "sent_bytes": 0,
             "wait_s": 0.0, "busy_s": 0.0, "wall_s": 0.0, "tries": 0, "samples_in": 0,
-            "exchange_alpha_s": None,
+            "exchange_alpha_s": None, "heal_served_ids": [], "heal_taken_ids": [],
         }  # fmt: skip
         self._wall0: float | None = None
         self._ctx: Context | None = None
@@ -439,6 +450,9 @@ class ReplicaGroups(EveryStep):
             outers = [s.outer for s in self.state]
         snap["params"] = _local(snap["params"])
         snap["opt_state"] = _local(snap["opt_state"])
+        served = _heal_id(snap["params"], snap["opt_state"], snap["step"], snap["position"])
+        with self._lock:
+            self.stats["heal_served_ids"].append(served)
         return {**snap, "anchors": anchors, "outers": outers, "fingerprint": self.fp}
 
     def _on_heal(self, state: dict[str, Any]) -> None:
@@ -473,6 +487,11 @@ class ReplicaGroups(EveryStep):
         ctx.step = int(state["step"])
         ctx.loader.position = int(state["position"])
         self._last_sync = {int(k): int(v) for k, v in state["last_sync"].items()}
+        if self._procs == 1:  # what was installed, read back (the server's id is beside it)
+            taken = _heal_id(
+                _local(ctx.params), _local(ctx.opt_state), ctx.step, ctx.loader.position
+            )
+            self.stats["heal_taken_ids"].append(taken)
 
     def _header(self, p: int, tokens: int, nbytes: int, finite: bool, step: int):
         with self._lock:
@@ -535,23 +554,42 @@ class ReplicaGroups(EveryStep):
         finite = bool(np.all(np.isfinite(local)))
         payload, sent, unsent = go.send(st, local)
         wire = go.to_wire(payload)
-        finite = finite and bool(np.all(np.isfinite(unsent.residual)))
+        finite = finite and bool(np.all(np.isfinite(st.residual)))
         header = self._header(p, tokens, wire.size, finite, step)
         encode_s = time.perf_counter() - t0
 
         def commit(headers: np.ndarray, healed: bool) -> bool:
             why = left_out(headers).get(self._mine(headers))
             live = bool(np.any(headers[:, FIELDS.index("tokens")] > 0))
-            # Out for another fragment or theta_sync (this group diverged): commit nothing
-            # and fall behind by one exchange, to be healed at the next.
-            return live and (healed or why in (None, "no tokens", "non-finite pseudo-gradient"))
+            # Out for another fragment or theta_sync (this group diverged), or for a
+            # non-finite pseudo-gradient of its own (its error feedback would stay
+            # non-finite and leave it out of every later exchange): commit nothing and fall
+            # behind by one exchange, to be healed at the next.
+            return live and (healed or why in (None, "no tokens"))
 
+        errors_before = len(transport.errors)
         ex = transport.exchange(header, lambda healed: wire, commit=commit)
         if ex is None:
-            with self._lock:
-                self.state[p] = unsent
+            healed = self._heal is not None
+            if healed:
+                # Healed in one try, then every later try failed: torchft moved this
+                # group's count to the peer's, so it takes the peer's state (with no outer
+                # step: none was committed) to hold what its count says it holds.
+                self._take_heal()
+                self._healed_fragment = -1
+            else:
+                with self._lock:
+                    self.state[p] = unsent
             self.stats["failed"] += 1
-            return {"members": 0, "kept": 0, "failed": True}
+            last = transport.errors[-1] if len(transport.errors) > errors_before else "?"
+            self._say(
+                f"the exchange of fragment {p} at step {step} failed in every try "
+                f"({1 + transport.retries}; last: {last}); nothing was merged"
+                + ("; the heal it brought is taken" if healed else "")
+                + f" (payload {wire.size:,} B; groups.timeout_s={self.groups.timeout_s:g} "
+                "bounds each all-gather)"
+            )
+            return {"members": 0, "kept": 0, "failed": True, **({"healed": True} if healed else {})}
         self.stats["tries"] += ex.tries
         t1 = time.perf_counter()
         timing = {"encode_s": encode_s, **ex.seconds}
@@ -582,6 +620,10 @@ class ReplicaGroups(EveryStep):
             with self._lock:
                 self.state[p] = unsent
             self.stats["left_out"] += 1
+            self._say(
+                f"left out of the exchange of fragment {p} at step {step} ({why or '?'}): "
+                "nothing was committed; the next exchange heals this group from a peer"
+            )
             return {"members": ex.members, "kept": len(ex.kept()), "failed": True}
         chosen = self._kept(ex, p)  # decoded once: the mean, the log and the counts
         kept = chosen[0]
@@ -596,6 +638,10 @@ class ReplicaGroups(EveryStep):
         self.stats["left_out"] += int(not mine_kept)
         timing["outer_s"] = time.perf_counter() - t1
         return {"members": ex.members, "kept": len(kept), **timing}
+
+    def _say(self, what: str) -> None:
+        """One line on stderr about this group's exchanges (the rows record it too)."""
+        print(f"[group {self.groups.slot}] {what}", file=sys.stderr, flush=True)
 
     def _log_exchange(self, ex: Any, chosen: tuple, p: int, step: int) -> None:
         """One line of ``exchanges.jsonl`` (appended, never rewritten: a restarted group's
@@ -929,7 +975,8 @@ class ReplicaGroups(EveryStep):
             failed = self._resolve(p, fut)
             if self._healed_state is not None:  # healed in this exchange: take the state
                 self._apply_heal(ctx)
-                keep.append((self._healed_fragment, ctx.step + self.sync.overlap, None))
+                if self._healed_fragment >= 0:  # (-1: the exchange failed after the heal)
+                    keep.append((self._healed_fragment, ctx.step + self.sync.overlap, None))
                 continue
             if failed:  # nothing committed: theta_sync did not move, keep the local model
                 continue
@@ -977,7 +1024,8 @@ class ReplicaGroups(EveryStep):
             # state now, as the merge would, so the checkpoint holds it (its step, data
             # position and parameters) beside the peer's theta_sync it already holds.
             self._apply_heal(ctx)
-            self._pending = [(self._healed_fragment, ctx.step + self.sync.overlap, None)]
+            q = self._healed_fragment
+            self._pending = [(q, ctx.step + self.sync.overlap, None)] if q >= 0 else []
         committed = self.transport.committed if self.transport is not None else self._committed
         pending = [[p, due] for p, due, _ in self._pending]
         return {

@@ -150,23 +150,26 @@ class GroupOuter:
         else:
             k, nxt = jax.random.split(jax.random.wrap_key_data(key))
             payload, next_key = self.codec.encode(e, k), jax.random.key_data(nxt)
-        return payload, e - decode(payload), e, next_key
+        return payload, e - decode(payload), next_key
 
     def send(self, state: GroupState, local: Any) -> tuple[Any, GroupState, GroupState]:
         """This group's payload for its local fragment ``local`` (``f32[d]``): returns
         ``(payload, sent, unsent)``, the state once the payload is delivered and the state
-        to keep if it never is (the whole error-fed vector kept for the next exchange)."""
+        to keep if it never is. ``unsent`` keeps the error feedback as it was (the key
+        moves on): an exchange that is not delivered moves neither ``theta_sync`` nor the
+        local fragment, so the next pseudo-gradient still holds this one's drift, and
+        keeping it in the error feedback as well would send it twice."""
         local = self._vector("local", local)
         if local.shape != np.shape(state.anchor):
             raise ValueError(f"local has {local.shape}, the fragment {np.shape(state.anchor)}")
         if self.codec is None:
             delta = np.asarray(state.anchor) - local
             return delta, state, state
-        payload, residual, e, key = self._encode(state.anchor, local, state.residual, state.key)
+        payload, residual, key = self._encode(state.anchor, local, state.residual, state.key)
         payload = jax.tree_util.tree_map(np.asarray, payload)
         key = None if key is None else np.asarray(key)
         sent = state._replace(residual=np.asarray(residual), key=key)
-        return payload, sent, state._replace(residual=np.asarray(e), key=key)
+        return payload, sent, state._replace(key=key)
 
     def payload_shape(self, d: int) -> Any:
         """The abstract payload of a fragment of ``d`` entries (shapes and dtypes)."""
