@@ -306,6 +306,7 @@ class _FakeTransport:
         peer[FIELDS.index("slot")] = 1
         peer[FIELDS.index("finite")] = self.finite
         peer[FIELDS.index("id")] += 1
+        peer[FIELDS.index("nbytes")] = self.peer_payload.size
         headers = np.stack([mine, peer])
         data = [np.asarray(payload(False), np.uint8), self.peer_payload]
         committed = commit is None or commit(headers, False)
@@ -334,6 +335,46 @@ def test_a_nan_from_a_peer_is_refused(tmp_path, finite):
     assert line["kept"] == [0]
     why = "non-finite values" if finite else "non-finite pseudo-gradient"
     assert line["left_out"] == {"1": why}
+
+
+def test_a_peers_payload_of_another_size_is_left_out(tmp_path):
+    """A peer whose header and payload are of another size than the fragment's is left out
+    by every member (the headers decide): theta_sync takes this group's step alone."""
+    trainer = _group_trainer(tmp_path, "sync.outer_lr=1.0", "sync.outer_momentum=0")
+    part = trainer.sync
+    go, before = part.outer[0], part.state[0]
+    local = np.asarray(before.anchor) - 0.5
+    part.transport = _FakeTransport(go.to_wire(np.zeros(7, np.float32)), 1)
+    info = part._exchange(0, local, tokens=8, step=1)
+    assert {k: info[k] for k in ("members", "kept")} == {"members": 2, "kept": 1}
+    np.testing.assert_array_equal(part.state[0].anchor, local)
+    line = json.loads((tmp_path / "exchanges.jsonl").read_text().splitlines()[-1])
+    assert line["left_out"] == {"1": f"a payload of 28 bytes, not {go.nbytes(np.size(local))}"}
+
+
+def test_a_heal_from_another_runs_peer_is_refused_naming_it(tmp_path):
+    """The live state a peer offers carries its run's fingerprint: another run's is refused
+    (inside torchft's quorum, so that try fails and nothing is installed)."""
+    trainer = _group_trainer(tmp_path)
+    part, ctx = trainer.sync, trainer.ctx
+    part._snapshot(ctx)
+    offered = {**part._state_dict(), "fingerprint": part.fp + 1}
+    with pytest.raises(ValueError, match="group 0: the live state offered by a peer is another"):
+        part._on_heal(offered)
+    assert part._heal is None
+
+
+def test_a_lighthouse_on_a_port_in_use_is_one_clear_error():
+    import socket
+
+    from train.replica import lighthouse
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        bind = f"127.0.0.1:{s.getsockname()[1]}"
+        with pytest.raises(OSError, match=f"the lighthouse cannot listen on {bind} .*in use"):
+            lighthouse(bind, 1, grace_ms=100, heartbeat_ms=1000)
 
 
 def test_a_group_whose_own_pseudo_gradient_is_not_finite_commits_nothing(tmp_path, capsys):

@@ -163,18 +163,25 @@ class Exchange:
 
 
 def lighthouse(bind: str, min_groups: int, *, grace_ms: int, heartbeat_ms: int) -> Any:
-    """A torchft lighthouse on ``bind`` (``host:port``): a quorum forms once every live
-    group asks, or ``grace_ms`` after the first asks with ``min_groups`` present; a group
-    silent for ``heartbeat_ms`` is dropped."""
+    """A torchft lighthouse on ``bind`` (``host:port``). A quorum forms at once when every
+    member of the previous one asks; otherwise once at least ``min_groups`` and more than
+    half of the groups heartbeating have asked, and either all of those have or
+    ``grace_ms`` passed since the first did. A group silent for ``heartbeat_ms`` is dropped.
+    Raises OSError naming ``bind`` when it cannot listen there (a port in use)."""
     from torchft._torchft import LighthouseServer
 
-    return LighthouseServer(
-        bind=bind,
-        min_replicas=min_groups,
-        join_timeout_ms=grace_ms,
-        quorum_tick_ms=10,
-        heartbeat_timeout_ms=heartbeat_ms,
-    )
+    try:
+        return LighthouseServer(
+            bind=bind,
+            min_replicas=min_groups,
+            join_timeout_ms=grace_ms,
+            quorum_tick_ms=10,
+            heartbeat_timeout_ms=heartbeat_ms,
+        )
+    except RuntimeError as e:
+        raise OSError(
+            f"the lighthouse cannot listen on {bind} ({e}); choose another port"
+        ) from None
 
 
 class _Raw:
