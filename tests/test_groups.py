@@ -294,8 +294,9 @@ class _FakeTransport:
 
     committed, retries = 1, 3
 
-    def __init__(self, peer_payload, finite):
+    def __init__(self, peer_payload, finite, nbytes=None):
         self.peer_payload, self.finite = peer_payload, finite
+        self.nbytes = peer_payload.size if nbytes is None else nbytes
         self.errors = []
 
     def exchange(self, header, payload, *, commit=None):
@@ -306,7 +307,7 @@ class _FakeTransport:
         peer[FIELDS.index("slot")] = 1
         peer[FIELDS.index("finite")] = self.finite
         peer[FIELDS.index("id")] += 1
-        peer[FIELDS.index("nbytes")] = self.peer_payload.size
+        peer[FIELDS.index("nbytes")] = self.nbytes
         headers = np.stack([mine, peer])
         data = [np.asarray(payload(False), np.uint8), self.peer_payload]
         committed = commit is None or commit(headers, False)
@@ -338,18 +339,69 @@ def test_a_nan_from_a_peer_is_refused(tmp_path, finite):
 
 
 def test_a_peers_payload_of_another_size_is_left_out(tmp_path):
-    """A peer whose header and payload are of another size than the fragment's is left out
-    by every member (the headers decide): theta_sync takes this group's step alone."""
+    """A peer whose header claims another payload size than the fragment's is left out by
+    every member from the headers alone (its claim of a terabyte, not the 28 bytes it
+    sent): theta_sync takes this group's step alone."""
     trainer = _group_trainer(tmp_path, "sync.outer_lr=1.0", "sync.outer_momentum=0")
     part = trainer.sync
     go, before = part.outer[0], part.state[0]
     local = np.asarray(before.anchor) - 0.5
-    part.transport = _FakeTransport(go.to_wire(np.zeros(7, np.float32)), 1)
+    part.transport = _FakeTransport(go.to_wire(np.zeros(7, np.float32)), 1, nbytes=2**40)
     info = part._exchange(0, local, tokens=8, step=1)
     assert {k: info[k] for k in ("members", "kept")} == {"members": 2, "kept": 1}
     np.testing.assert_array_equal(part.state[0].anchor, local)
     line = json.loads((tmp_path / "exchanges.jsonl").read_text().splitlines()[-1])
-    assert line["left_out"] == {"1": f"a payload of 28 bytes, not {go.nbytes(np.size(local))}"}
+    want = f"a payload of {2**40} bytes, not {go.nbytes(np.size(local))}"
+    assert line["left_out"] == {"1": want}
+
+
+def test_the_payload_gather_has_the_kept_members_width_whatever_a_header_claims():
+    """Transport.exchange sizes the payload all-gather from the gathered headers' kept
+    members: a peer's header claiming a terabyte makes no member allocate or send it, the
+    peer is left out, and this group's payload comes back whole."""
+    import threading
+
+    from train.replica import FIELDS, Transport
+
+    class Manager:  # torchft's Manager, as one quorum of two members that commits
+        def start_quorum(self, allow_heal):
+            pass
+
+        def errored(self):
+            return None
+
+        def report_error(self, e):
+            raise AssertionError(f"the try failed: {e!r}")
+
+        def should_commit(self):
+            return True
+
+    t = object.__new__(Transport)
+    t.manager, t._healed, t.retries, t.errors, t.sent_bytes = (
+        Manager(),
+        threading.Event(),
+        0,
+        [],
+        0,
+    )
+    sent = []
+    payload = np.arange(40, dtype=np.uint8)
+    mine = np.zeros(len(FIELDS), np.int64)
+    mine[[FIELDS.index("tokens"), FIELDS.index("nbytes"), FIELDS.index("finite")]] = (8, 40, 1)
+
+    def gather(data):
+        sent.append(data.size)
+        other = data.copy()
+        if len(sent) == 1:  # the headers
+            other[FIELDS.index("slot")], other[FIELDS.index("id")] = 1, 1
+            other[FIELDS.index("nbytes")] = 2**40
+        return np.stack([data, other])
+
+    t._gather = gather
+    ex = t.exchange(lambda healed: mine, lambda healed: payload)
+    assert sent == [len(FIELDS), 40]
+    assert ex.out == {1: f"a payload of {2**40} bytes, not 40"} and ex.committed
+    np.testing.assert_array_equal(ex.payloads[0], payload)
 
 
 def test_a_heal_from_another_runs_peer_is_refused_naming_it(tmp_path):
@@ -366,6 +418,8 @@ def test_a_heal_from_another_runs_peer_is_refused_naming_it(tmp_path):
 
 def test_a_lighthouse_on_a_port_in_use_is_one_clear_error():
     import socket
+
+    pytest.importorskip("torchft")
 
     from train.replica import lighthouse
 
@@ -397,7 +451,7 @@ def test_a_group_whose_own_pseudo_gradient_is_not_finite_commits_nothing(tmp_pat
 
 class _HealThenFail:
     """An exchange in which the group is healed by a peer (torchft's ``load_state_dict``)
-    and then every later try fails: nothing is returned."""
+    and then every later try fails: nothing is returned (``peer=None``: no heal)."""
 
     committed, retries = 7, 3
 
@@ -406,7 +460,8 @@ class _HealThenFail:
         self.errors = []
 
     def exchange(self, header, payload, *, commit=None):
-        self.part._on_heal(self.peer)
+        if self.peer is not None:
+            self.part._on_heal(self.peer)
         self.errors.append("RuntimeError: a member was lost")
         return None
 
@@ -439,12 +494,22 @@ def test_a_heal_whose_exchange_then_fails_is_still_taken(tmp_path, capsys):
     done = concurrent.futures.Future()
     done.set_result(info)
     part._pending = [(0, 7, done)]
+    part._settle()  # as an evaluation or a checkpoint waits: the heal's merge stays due
+    assert part._pending == [(0, 7, None)]
     ctx.step = 7
     part._merge_due(ctx)
     assert ctx.step == 40 and ctx.loader.position == 321 and part._pending == []
     got = jax.tree_util.tree_leaves(jax.tree_util.tree_map(np.asarray, ctx.params))
     for a, b in zip(got, jax.tree_util.tree_leaves(peer["params"]), strict=True):
         np.testing.assert_array_equal(a, b)
+    # A heal left over from an earlier exchange is never taken by a later one that fails.
+    part._heal = peer
+    part.transport = _HealThenFail(part, None)
+    before = [np.asarray(st.anchor) for st in part.state]
+    info = part._exchange(0, np.asarray(before[0]) - 0.5, tokens=8, step=41)
+    assert info["failed"] and "healed" not in info and part._healed_state is None
+    for st, a in zip(part.state, before, strict=True):
+        np.testing.assert_array_equal(st.anchor, a)
 
 
 def test_an_unreachable_lighthouse_is_one_clear_error(tmp_path):

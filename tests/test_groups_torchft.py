@@ -99,9 +99,14 @@ def test_two_groups_equal_one_program_streaming_diloco(tmp_path):
     # The paper's Nesterov outer step (lr 0.7, momentum 0.9): its momentum is per fragment.
     common = ["steps=40", "optimizer.name=sgd", "optimizer.lr=0.05", "sync.outer_lr=0.7",
               "sync.outer_momentum=0.9", "checkpoint_every=0"]  # fmt: skip
-    # Each group in a network namespace of its own behind a shaped 1 Gbit/s link, whose
-    # kernel counter is the wire audit of the bytes the transport counted.
-    _groups_against_one_program(tmp_path, common, atol=2e-6, flags=("--network", "1000"))
+    # Each group in a network namespace of its own behind a shaped 1 Gbit/s link (where
+    # this machine allows it), whose kernel counter is the wire audit of the bytes the
+    # transport counted.
+    from train import netns
+
+    shaped = netns.available() is None
+    flags = ("--network", "1000") if shaped else ()
+    _groups_against_one_program(tmp_path, common, atol=2e-6, flags=flags)
     for g in (0, 1):
         s = json.loads((tmp_path / f"g/group_{g}/summary.json").read_text())["groups"]
         # Fragment 0 at steps 5, 15, 25, 35; fragment 1 at 10, 20, 30, 40.
@@ -118,15 +123,20 @@ def test_two_groups_equal_one_program_streaming_diloco(tmp_path):
                                "groups.lighthouse=http://127.0.0.1:1", "groups.slot=0",
                                "groups.count=2"])  # fmt: skip
     per_period = estimate(cfg)["groups"]["sent_bytes_per_period"]
-    link = json.loads((tmp_path / "g/summary.json").read_text())["link_tx_bytes"]
+    report = json.loads((tmp_path / "g/summary.json").read_text())
     for g in (0, 1):
         s = json.loads((tmp_path / f"g/group_{g}/summary.json").read_text())["groups"]
         handshake = s["sent_bytes"] - 4 * per_period
         assert 0 <= handshake <= 4 * 80, (s["sent_bytes"], per_period)
+        if not shaped:
+            continue
         # What left the group's namespace: the counted headers and payloads, plus TCP/IP
-        # framing and torchft's control traffic (quorums, heartbeats, the store), and
+        # framing (about 6%) and torchft's control traffic (quorums, heartbeats every
+        # 100 ms, the store: 2-3 kB a second in benchmarks/groups_link.py's runs), and
         # nothing as large as a second copy of the payloads.
-        assert s["sent_bytes"] < link[str(g)] < 1.25 * s["sent_bytes"] + 256_000, (link, s)
+        link = report["link_tx_bytes"][str(g)]
+        control = 5_000 * report["wall_s"] + 32_000
+        assert s["sent_bytes"] < link < 1.1 * s["sent_bytes"] + control, (report, s)
 
 
 def test_groups_of_pipelines_equal_one_programs_pipeline_diloco(tmp_path):

@@ -136,11 +136,12 @@ def payload_width(headers: np.ndarray, out: dict[int, str]) -> int:
 class Exchange:
     """What one committed exchange gathered: ``headers`` (``int64[G, len(FIELDS)]``, in
     the quorum's member order), ``payloads`` (``uint8`` arrays, each cut to its own
-    ``nbytes``), ``out`` (:func:`left_out`), ``healed`` (this group was healed in it),
-    ``committed`` (it counts: a handshake of groups with nothing to give does not),
-    ``members`` (groups in the quorum), ``sent_bytes`` (what this group sent over every try
-    of it), ``tries`` and ``seconds`` (wall seconds of the last try's quorum, header and
-    payload all-gathers and commit vote)."""
+    ``nbytes`` or the gather's width, :func:`payload_width`, if that is smaller), ``out``
+    (:func:`left_out`), ``healed`` (this group was healed in it), ``committed`` (it
+    counts: a handshake of groups with nothing to give does not), ``members`` (groups in
+    the quorum), ``sent_bytes`` (what this group sent over every try of it), ``tries`` and
+    ``seconds`` (wall seconds of the last try's quorum, header and payload all-gathers and
+    commit vote)."""
 
     def __init__(self, headers, payloads, out, *, healed, committed, sent_bytes, tries,
                  seconds=None):  # fmt: skip
@@ -179,9 +180,8 @@ def lighthouse(bind: str, min_groups: int, *, grace_ms: int, heartbeat_ms: int) 
             heartbeat_timeout_ms=heartbeat_ms,
         )
     except RuntimeError as e:
-        raise OSError(
-            f"the lighthouse cannot listen on {bind} ({e}); choose another port"
-        ) from None
+        hint = "; choose another port" if "in use" in str(e) else ""
+        raise OSError(f"the lighthouse cannot listen on {bind} ({e}){hint}") from None
 
 
 class _Raw:

@@ -49,6 +49,7 @@ last, before the wait for the last exchange, reported apart).
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
 import os
 import sys
@@ -146,13 +147,14 @@ def _local(tree: Any) -> Any:
 
 
 def _heal_id(params: Any, opt_state: Any, step: int, position: int) -> int:
-    """A hash of a heal's trainer state (host arrays' bytes, the step and the data
-    position): the server's of what it sent, the healed group's of what it installed."""
-    leaves = jax.tree_util.tree_leaves((params, opt_state))
-    data = b"".join(np.ascontiguousarray(np.asarray(a)).tobytes() for a in leaves)
-    return array_id(
-        np.frombuffer(data + np.asarray([step, position], np.int64).tobytes(), np.uint8)
-    )
+    """A 62-bit hash of a heal's trainer state (host arrays' bytes, the step and the data
+    position): the server's of what it sent, the healed group's of what it installed.
+    One pass over the bytes, no copy of them (BLAKE2b, about 1 GB/s a core)."""
+    h = hashlib.blake2b(digest_size=8)
+    for a in jax.tree_util.tree_leaves((params, opt_state)):
+        h.update(np.ascontiguousarray(np.asarray(a)).reshape(-1).view(np.uint8))
+    h.update(np.asarray([step, position], np.int64).tobytes())
+    return int.from_bytes(h.digest(), "little") >> 2
 
 
 def _state_arrays(st: GroupState) -> list[np.ndarray]:
@@ -568,6 +570,7 @@ class ReplicaGroups(EveryStep):
             return live and (healed or why in (None, "no tokens"))
 
         errors_before = len(transport.errors)
+        self._heal = None  # only a heal of this exchange counts
         ex = transport.exchange(header, lambda healed: wire, commit=commit)
         if ex is None:
             healed = self._heal is not None
@@ -687,8 +690,14 @@ class ReplicaGroups(EveryStep):
                     "every group is down); resume the whole run without groups.rejoin"
                 )
 
+            self._heal = None  # only a heal of this exchange counts
             ex = transport.exchange(header, lambda healed: np.zeros(0, np.uint8), commit=commit)
             if ex is None:
+                if self._heal is not None:
+                    # Healed in one try, then every later try failed: torchft moved this
+                    # group's count to the peer's, so it takes the peer's state.
+                    self._take_heal()
+                    return -1
                 if time.monotonic() > deadline + g.quorum_timeout_s:
                     raise ConnectionError(
                         f"group {g.slot}: no exchange with the other groups "
@@ -873,7 +882,10 @@ class ReplicaGroups(EveryStep):
         the merges stay due at their steps."""
         settled = []
         for p, due, fut in self._pending:
-            if not self._resolve(p, fut):  # a failed exchange has nothing to merge
+            failed = self._resolve(p, fut)
+            # A failed exchange has nothing to merge, unless it healed the group: its merge
+            # step then takes the heal.
+            if not failed or self._healed_state is not None:
                 settled.append((p, due, None))
         self._pending = settled
 

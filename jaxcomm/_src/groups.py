@@ -156,8 +156,8 @@ class GroupOuter:
         """This group's payload for its local fragment ``local`` (``f32[d]``): returns
         ``(payload, sent, unsent)``, the state once the payload is delivered and the state
         to keep if it never is. ``unsent`` keeps the error feedback as it was (the key
-        moves on): an exchange that is not delivered moves neither ``theta_sync`` nor the
-        local fragment, so the next pseudo-gradient still holds this one's drift, and
+        moves on): for an exchange that is not delivered and moves neither ``theta_sync``
+        nor the local fragment, the next pseudo-gradient still holds this one's drift, and
         keeping it in the error feedback as well would send it twice."""
         local = self._vector("local", local)
         if local.shape != np.shape(state.anchor):
