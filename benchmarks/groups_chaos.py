@@ -45,7 +45,9 @@ OUT = ROOT / "benchmarks" / "results" / "groups"
 SETS = ["workers=1", "global_batch=8", "aggregator=ring", "model.num_layers=2",
         "model.width=64", "sync.period=10", "sync.fragments=2", "sync.overlap=1",
         "sync.compress=int8", "compute=measured", "eval_every=0", "checkpoint_every=0",
-        "eval_batches=4", "groups.start_timeout_s=120"]  # fmt: skip
+        "eval_batches=4", "groups.start_timeout_s=120",
+        # The paper's outer step, as the recorded runs had it (the config's is averaging).
+        "sync.outer_lr=0.7", "sync.outer_momentum=0.9"]  # fmt: skip
 
 
 def samples_in(folder: Path, groups: int) -> tuple[int, int]:

@@ -47,7 +47,9 @@ from _meta import run_meta
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "groups"
 SETS = ["workers=1", "aggregator=ring", "sync.period=30", "sync.fragments=2",
-        "compute=measured", "eval_every=0", "checkpoint_every=0", "eval_batches=2"]  # fmt: skip
+        "compute=measured", "eval_every=0", "checkpoint_every=0", "eval_batches=2",
+        # The paper's outer step, as the recorded runs had it (the config's is averaging).
+        "sync.outer_lr=0.7", "sync.outer_momentum=0.9"]  # fmt: skip
 SETTINGS = {
     "float32, overlap 0": ["sync.overlap=0"],
     "float32, overlap 5": ["sync.overlap=5"],
