@@ -53,3 +53,24 @@ def test_a_replica_group_form_it_cannot_read_is_an_error_not_zero_bytes():
     bad = text.replace("replica_groups=mesh[", "replica_groups=grid[", 1)
     with pytest.raises(ValueError, match="replica groups"):
         jaxcomm.wire_audit(bad)
+
+
+@pytest.mark.parametrize(
+    "text, groups",
+    [
+        ("mesh['data'=2,'stage'=4] {'stage'}", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+        ("mesh['data'=2,'stage'=4] {'data'}", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+        # An axis of size 1 (a pipeline with one data replica): every device alone, or
+        # every device of the other axis together.
+        ("mesh['data'=1,'stage'=2] {'data'}", [[0], [1]]),
+        ("mesh['data'=1,'stage'=4] {'stage'}", [[0, 1, 2, 3]]),
+        ("mesh['data'=2,'stage'=1] {'stage'}", [[0], [1]]),
+        ("mesh['data'=2,'stage'=4], device_ids=(0,2,4,6,1,3,5,7) {'stage'}",
+         [[0, 2, 4, 6], [1, 3, 5, 7]]),
+    ],
+)  # fmt: skip
+def test_mesh_replica_groups_as_explicit_groups(text, groups):
+    """Each mesh form against the groups JAX 0.10's XLA writes for it."""
+    from jaxcomm._src.audit import _mesh_groups
+
+    assert _mesh_groups(text) == groups

@@ -497,6 +497,8 @@ def _mesh_groups(text: str) -> list[list[int]]:
         bounds = sorted(
             {1, size} | {b for ax, pre, n in grouped if ax == a for b in (pre, pre * n)}
         )
+        if len(bounds) == 1:  # an axis of size 1 (``'data'=1``): one piece of size 1
+            bounds = [1, 1]
         for lo, hi in zip(bounds, bounds[1:], strict=False):
             where[(a, lo)] = len(dims)
             dims.append(hi // lo)
