@@ -258,11 +258,21 @@ def main(argv: list[str] | None = None) -> int:
         lh_address = f"http://{address(args.groups)}:{port}"
         prefixes = {i: cluster.exec_prefix(i) for i in range(args.groups)}
         time.sleep(1.0)
+        if lh_proc.poll() is not None:  # (its error is printed above)
+            cluster.close()
+            print(f"error: the lighthouse in its namespace exited with code {lh_proc.returncode}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
     else:
         port = free_port()
-        lh = lighthouse(
-            f"[::]:{port}", args.min_groups, grace_ms=args.grace_ms, heartbeat_ms=args.heartbeat_ms
-        )
+        try:
+            lh = lighthouse(
+                f"[::]:{port}", args.min_groups, grace_ms=args.grace_ms,
+                heartbeat_ms=args.heartbeat_ms,
+            )  # fmt: skip
+        except OSError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         lh_address = f"http://127.0.0.1:{port}"
 
     def begin(i: int, resume: bool, rejoin: bool = False) -> subprocess.Popen:
