@@ -211,6 +211,7 @@ def test_choose_collective_ties_prefer_allgather_then_ring():
         ("1ms,1.25GB/s", 1e-3, 1e10),
         ("1ms,100MB/s", 1e-3, 8e8),
         ("1ms,10Gbit/s", 1e-3, 1e10),
+        ("50ms,100Mbit", 5e-2, 1e8),  # tc's spelling
         ("1ms,10Gb/s", 1e-3, 1e10),
         ("1ms,2Tbps", 1e-3, 2e12),
         ("1ms,1TBps", 1e-3, 8e12),

@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -58,6 +59,10 @@ def group_args(
     if resume and saved.is_dir() and any(p.name.isdigit() for p in saved.iterdir()):
         args += ["--resume"]
     return args
+
+
+#: How long the launcher waits for a lighthouse in its network namespace to be up (seconds).
+LIGHTHOUSE_START_S = 60
 
 
 def start_group(
@@ -251,17 +256,22 @@ def main(argv: list[str] | None = None) -> int:
         port = 29510
         code = (f"import time; from {__package__ or 'train'}.replica import lighthouse; "
                 f"lh = lighthouse('[::]:{port}', {args.min_groups}, grace_ms={args.grace_ms}, "
-                f"heartbeat_ms={args.heartbeat_ms}); time.sleep(10**9)")  # fmt: skip
+                f"heartbeat_ms={args.heartbeat_ms}); print('ready', flush=True); "
+                "time.sleep(10**9)")  # fmt: skip
         lh_proc = subprocess.Popen(
-            [*cluster.exec_prefix(args.groups), sys.executable, "-c", code], env=env
-        )
+            [*cluster.exec_prefix(args.groups), sys.executable, "-c", code], env=env,
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
         lh_address = f"http://{address(args.groups)}:{port}"
         prefixes = {i: cluster.exec_prefix(i) for i in range(args.groups)}
-        time.sleep(1.0)
-        if lh_proc.poll() is not None:  # (its error is printed above)
+        # Up once it says so (its imports take seconds); its error, if any, is printed above.
+        ready, _, _ = select.select([lh_proc.stdout], [], [], LIGHTHOUSE_START_S)
+        if (lh_proc.stdout.readline().strip() if ready else "") != "ready":
+            lh_proc.kill()
+            code = lh_proc.wait()
             cluster.close()
-            print(f"error: the lighthouse in its namespace exited with code {lh_proc.returncode}",
-                  file=sys.stderr)  # fmt: skip
+            why = f"exited with code {code}" if ready else f"was not up in {LIGHTHOUSE_START_S} s"
+            print(f"error: the lighthouse in its network namespace {why}", file=sys.stderr)
             return 2
     else:
         port = free_port()

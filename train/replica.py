@@ -413,6 +413,8 @@ class Transport:
                 self._recover(e)
                 continue
             wanted = commit is None or commit(headers, healed)
+            if wanted and not ok:  # a member's error, or too few members: tried again
+                self.errors.append("the commit vote failed (a member reported an error)")
             if ok or not wanted:
                 sizes = headers[:, FIELDS.index("nbytes")]
                 payloads = [gathered[i, : min(int(sizes[i]), width)] for i in range(len(headers))]

@@ -146,13 +146,13 @@ def _parse_quantity(text: str, units: dict[str, int], what: str) -> float:
     return float(value)
 
 
-_BANDWIDTH_RE = re.compile(r"^([kKmMgGtT]?)(bps|bit/s|b/s|Bps|B/s|byte/s)$")
+_BANDWIDTH_RE = re.compile(r"^([kKmMgGtT]?)(bps|bit/s|bit|b/s|Bps|B/s|byte/s)$")
 _PREFIX = {"": 0, "k": 3, "m": 6, "g": 9, "t": 12}
 
 
 def _parse_bandwidth(text: str) -> float:
     """Bits per second from ``"10Gbps"``, ``"1.25GB/s"``, ``"1e9"`` (see :meth:`Network.parse`)."""
-    allowed = "bps, kbps, Mbps, Gbps, Tbps (bits; also bit/s, b/s) or Bps, MBps, GB/s (bytes)"
+    allowed = "bps, kbps, Mbps, Gbps, Tbps (bits; also bit/s, bit, b/s) or Bps, MBps, GB/s (bytes)"
     m = re.match(r"^\s*([0-9.eE+\-]+)\s*([a-zA-Z/]*)\s*$", text)
     if m is None:
         raise ValueError(f"cannot parse bandwidth {text!r}: expected a number with unit {allowed}")
@@ -220,8 +220,9 @@ class Network:
 
         Latency units: ``s``, ``ms``, ``us`` (default seconds). Bandwidth: a prefix ``k``,
         ``M``, ``G`` or ``T`` (either case) and a lower-case ``b`` for bits (``Gbps``,
-        ``Gbit/s``, ``Gb/s``) or an upper-case ``B`` for bytes (``GBps``, ``GB/s``, 8x the
-        bits); no unit is bits per second. Anything else (``GBPS``) is refused.
+        ``Gbit/s``, ``Gb/s``, or tc's ``Gbit``) or an upper-case ``B`` for bytes (``GBps``,
+        ``GB/s``, 8x the bits); no unit is bits per second. Anything else (``GBPS``) is
+        refused.
         """
         if not isinstance(spec, str):
             raise ValueError(f"network spec must be a string like '1ms,10Gbps'; got {spec!r}")
