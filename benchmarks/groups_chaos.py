@@ -64,19 +64,6 @@ def samples_in(folder: Path, groups: int) -> tuple[int, int]:
     return sum(seen.values()), len(seen)
 
 
-def lost_per_failure(folder: Path, kills: list[dict]) -> list[float]:
-    """Seconds from each kill to the killed group's next exchange (its heal)."""
-    out = []
-    for k in kills:
-        path = folder / f"group_{k['group']}" / "exchanges.jsonl"
-        lines = path.read_text().splitlines() if path.is_file() else []
-        times = [json.loads(x)["time"] for x in lines]
-        after = [t for t in times if t > k["time"]]
-        if after:
-            out.append(min(after) - k["time"])
-    return out
-
-
 def curves(folder: Path, groups: int, started: float) -> list[tuple[list[float], list[float]]]:
     """Each group's (wall seconds since the start, training loss) of its metrics rows."""
     out = []
@@ -117,7 +104,7 @@ def run(folder: Path, groups: int, steps: int, chaos: list[str]) -> dict:
         "wall_s": wall,
         "train_span_s": span,
         "goodput_in_span": total / span,
-        "lost_per_failure_s": lost_per_failure(folder, report["kills"]),
+        "lost_per_failure_s": report["lost_per_failure_s"],  # the launcher's summary
         "failed_exchanges": failed,
         "curves": curves(folder, groups, report["started"]),
         "loop_wall_s": report["wall_s"],

@@ -527,6 +527,20 @@ def test_an_unreachable_lighthouse_is_one_clear_error(tmp_path):
         trainer.sync._connect()
 
 
+def test_the_time_lost_per_failure_runs_from_the_kill_to_the_groups_next_exchange(tmp_path):
+    from train.groups import lost_per_failure
+
+    folder = tmp_path / "group_1"
+    folder.mkdir()
+    times = [10.0, 20.0, 47.5, 60.0]  # exchanges before the kill, then its heal at 47.5 s
+    (folder / "exchanges.jsonl").write_text(
+        "".join(json.dumps({"exchange": i, "time": t}) + "\n" for i, t in enumerate(times))
+    )
+    kills = [{"group": 1, "time": 25.0}, {"group": 1, "time": 70.0}, {"group": 0, "time": 5.0}]
+    # The last two groups never came back (or logged nothing): no time for them.
+    assert lost_per_failure(tmp_path, kills) == [22.5]
+
+
 @pytest.mark.parametrize(
     "args, match",
     [

@@ -391,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.monotonic() - start
     report = {"groups": args.groups, "exit_codes": codes, "restarts": restarts, "wall_s": wall,
               "started": started, "kills": kills, "stopped": sorted(stopped),
+              "lost_per_failure_s": lost_per_failure(run_dir, kills),
               "spares_taken": max(len(spares) - 1, 0)}  # fmt: skip
     if link:
         report["link_tx_bytes"] = link
@@ -415,6 +416,20 @@ def _trains(folder: Path, since: float) -> bool:
         return path.stat().st_mtime > since and path.stat().st_size > 0
     except FileNotFoundError:
         return False
+
+
+def lost_per_failure(folder: Path, kills: list[dict]) -> list[float]:
+    """Seconds from each kill (``{"group", "time"}``, the summary's ``kills``) to the killed
+    group's next exchange, the one that healed it (none for a group not back by the end)."""
+    out = []
+    for k in kills:
+        path = folder / f"group_{k['group']}" / "exchanges.jsonl"
+        lines = path.read_text().splitlines() if path.is_file() else []
+        times = [json.loads(x)["time"] for x in lines]
+        after = [t for t in times if t > k["time"]]
+        if after:
+            out.append(min(after) - k["time"])
+    return out
 
 
 def _group_summary(folder: Path) -> dict:
