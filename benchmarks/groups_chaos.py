@@ -1,16 +1,22 @@
-"""Replica groups under failures: a random group is killed every few seconds.
+"""Replica groups under failures: a random group is killed every ~60 steps.
 
-    python benchmarks/groups_chaos.py [--groups 3] [--steps 800] [--chaos-every 15]
-                                      [--restart-after 3] [--no-spare] [--quick]
+    python benchmarks/groups_chaos.py [--groups 2] [--steps 600] [--kill-every 60]
+                                      [--batch 64] [--restart-after 0] [--no-spare] [--quick]
 
-``python -m train.groups --groups N`` trains a small GPT (1 worker a group, Streaming DiLoCo
-with period 10 and 2 fragments, overlap 1, int8 pseudo-gradients) twice on this machine:
-without faults (the reference) and with ``--chaos-every S``: every ``S`` seconds one
-training group is killed with SIGKILL (never the last one), and started again
-``--restart-after`` seconds later with nothing of its own on disk; the live groups never
-stop, and the restarted group is healed from them at its first exchange. A third run
-repeats the failures with ``--spare``: the restart is handed to a hot spare that has its
-libraries loaded (``--no-spare`` leaves it out).
+``python -m train.groups --groups N --cpus-per-group 1`` trains the GPT of
+``configs/diloco_default.yaml`` (1 worker a group, ``--batch`` sequences a step: 64, the
+README job's global batch; Streaming DiLoCo with H = 10, 2 fragments, overlap 1, int8
+pseudo-gradients: an exchange every 5 steps, so a restarted group soon meets a quorum that
+heals it; each group on a CPU core of its own, as if on a machine of its own, so a
+dead group's core idles as a dead machine would) twice: without faults (the reference)
+and with ``--chaos-every-steps``: each time the run (its furthest live group) has gone
+``--kill-every`` steps plus a random 0-9 since the last kill, the schedule of
+``benchmarks/elastic_chaos.py``, one training group is killed with SIGKILL (never the
+last one, nor while another is on its way back) and started again ``--restart-after``
+seconds later with nothing of its own on disk; the live groups never stop, and the
+restarted group is healed from them at its first exchange. A third run repeats the
+failures with ``--spare``: each restart is a fork of a hot spare loaded before the groups
+started (``--no-spare`` leaves it out).
 
 Time lost per failure is the killed group's absence: from the kill to its first exchange
 after the restart (the one that heals it). The exchanges the others lost are those that
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -42,10 +49,9 @@ from _meta import run_meta
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "groups"
-SETS = ["workers=1", "global_batch=8", "aggregator=ring", "model.num_layers=2",
-        "model.width=64", "sync.period=10", "sync.fragments=2", "sync.overlap=1",
-        "sync.compress=int8", "compute=measured", "eval_every=0", "checkpoint_every=0",
-        "eval_batches=4", "groups.start_timeout_s=120",
+SETS = ["workers=1", "aggregator=ring", "sync.period=10", "sync.fragments=2",
+        "sync.overlap=1", "sync.compress=int8", "compute=measured", "eval_every=0",
+        "checkpoint_every=0", "eval_batches=4", "groups.start_timeout_s=120",
         # The paper's outer step, as the recorded runs had it (the config's is averaging).
         "sync.outer_lr=0.7", "sync.outer_momentum=0.9"]  # fmt: skip
 
@@ -75,11 +81,12 @@ def curves(folder: Path, groups: int, started: float) -> list[tuple[list[float],
     return out
 
 
-def run(folder: Path, groups: int, steps: int, chaos: list[str]) -> dict:
+def run(folder: Path, groups: int, steps: int, chaos: list[str], batch: int = 64) -> dict:
+    pin = ["--cpus-per-group", "1"] if groups <= len(os.sched_getaffinity(0)) else []
     cmd = [sys.executable, "-m", "train.groups", "--groups", str(groups), "--grace-ms", "500",
            "--heartbeat-ms", "2000", "--config", "configs/diloco_default.yaml",
-           "--out", str(folder), *chaos]  # fmt: skip
-    for s in [*SETS, f"steps={steps}"]:
+           "--out", str(folder), *pin, *chaos]  # fmt: skip
+    for s in [*SETS, f"steps={steps}", f"global_batch={batch}"]:
         cmd += ["--set", s]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=7200)
@@ -139,68 +146,93 @@ def plot(runs: list[tuple[str, dict, str]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--groups", type=int, default=3)
-    p.add_argument("--steps", type=int, default=800)
-    p.add_argument("--chaos-every", type=float, default=15.0)
-    p.add_argument("--restart-after", type=float, default=3.0)
+    p.add_argument("--groups", type=int, default=2)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--kill-every", type=int, default=60, help="steps between kills (+0-9)")
+    p.add_argument("--batch", type=int, default=64, help="sequences a group's step")
+    p.add_argument("--restart-after", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-spare", action="store_true", help="no third run with a hot spare")
-    p.add_argument("--quick", action="store_true", help="2 groups, 200 steps")
+    p.add_argument("--quick", action="store_true", help="2 groups, 150 steps of 8 sequences")
+    p.add_argument("--report-only", action="store_true", help="rewrite the report from chaos.json")
     args = p.parse_args(argv)
+    if args.report_only:
+        report(json.loads((OUT / "chaos.json").read_text()))
+        return
     t0 = time.time()
-    groups, steps = (2, 200) if args.quick else (args.groups, args.steps)
+    groups, steps, batch = (2, 150, 8) if args.quick else (args.groups, args.steps, args.batch)
     base = Path(tempfile.mkdtemp(prefix="groups_chaos_"))
     try:
-        free = run(base / "free", groups, steps, [])
+        free = run(base / "free", groups, steps, [], batch)
         print("fault-free", json.dumps(free), flush=True)
-        every = str(args.chaos_every)
-        chaos = ["--chaos-every", every, "--chaos-start", every, "--restart-after",
+        chaos = ["--chaos-every-steps", str(args.kill_every), "--restart-after",
                  str(args.restart_after), "--chaos-seed", str(args.seed)]  # fmt: skip
-        faulty = run(base / "chaos", groups, steps, chaos)
+        faulty = run(base / "chaos", groups, steps, chaos, batch)
         print("chaos", json.dumps(faulty), flush=True)
-        spared = None if args.no_spare else run(base / "spare", groups, steps, [*chaos, "--spare"])
-        if spared is not None:
+        spared = None
+        if not args.no_spare:
+            spared = run(base / "spare", groups, steps, [*chaos, "--spare"], batch)
             print("chaos, hot spare", json.dumps(spared), flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    goodput = faulty["goodput_in_span"] / free["goodput_in_span"]
-    goodput_wall = faulty["goodput_samples_per_s"] / free["goodput_samples_per_s"]
+    meta = run_meta(argv, t0, groups=groups, steps=steps, batch=batch,
+                    kill_every=args.kill_every, restart_after=args.restart_after)  # fmt: skip
+    result = {"fault_free": free, "chaos": faulty, "meta": meta}
+    if spared is not None:
+        result["chaos_spare"] = spared
+    OUT.mkdir(parents=True, exist_ok=True)
+    report(result)
+
+
+def report(result: dict) -> None:
+    """Write ``chaos.{json,md,png}`` from the runs in ``result``."""
+    meta, free, faulty = result["meta"], result["fault_free"], result["chaos"]
+    spared = result.get("chaos_spare")
+    result["goodput"] = faulty["goodput_in_span"] / free["goodput_in_span"]
+    result["goodput_whole_wall"] = faulty["goodput_samples_per_s"] / free["goodput_samples_per_s"]
+    if spared is not None:
+        result["goodput_spare"] = spared["goodput_in_span"] / free["goodput_in_span"]
     runs = [("fault-free", free, "-"), ("chaos", faulty, ":")]
     runs += [("chaos, hot spare", spared, "--")] if spared is not None else []
     plot(runs, OUT / "chaos.png")
-    meta = run_meta(argv, t0, groups=groups, steps=steps)
-    OUT.mkdir(parents=True, exist_ok=True)
-    result = {"meta": meta, "fault_free": free, "chaos": faulty, "goodput": goodput,
-              "goodput_whole_wall": goodput_wall}  # fmt: skip
-    if spared is not None:
-        result["chaos_spare"] = spared
-        result["goodput_spare"] = spared["goodput_in_span"] / free["goodput_in_span"]
     (OUT / "chaos.json").write_text(json.dumps(result, indent=2))
+    step_s = free["train_span_s"] / meta["steps"]  # a group's step, fault-free
+    ref = sum(free["valid_loss"]) / len(free["valid_loss"])
     lines = [
         "# Replica groups under failures",
         "",
         f"`{meta['command']}` on {meta['date']}, {meta['machine']}, JAX {meta['jax']}: "
-        f"{groups} groups of 1 worker, {steps} steps each; a group killed every "
-        f"{args.chaos_every:g} s and restarted {args.restart_after:g} s later with nothing on "
-        "disk (healed from the live groups).",
+        f"{meta['groups']} groups of 1 worker ({meta['batch']} sequences a step, each group "
+        f"on a core of its own), {meta['steps']} steps each; a group killed each time the run "
+        f"has gone {meta['kill_every']} steps (+ a random 0-9) since the last kill and "
+        f"restarted {meta['restart_after']:g} s later with nothing on disk (healed from the "
+        "live groups); the hot spare's restarts are forks of one process loaded before the "
+        f"groups start. A fault-free step took {1e3 * step_s:.0f} ms.",
         "",
         "| run | wall (s) | training span (s) | kills | exchanges (failed) "
-        "| samples into theta_sync | goodput (samples/s of the span) | lost per failure (s) "
-        "| validation loss |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| samples into theta_sync | goodput (samples/s of the span) | vs fault-free "
+        "| lost per failure (s) | lost per failure (steps) | validation loss | vs fault-free |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r, _ in runs:
         lost = r["lost_per_failure_s"]
-        lost_text = f"{sum(lost) / len(lost):.1f} (mean of {len(lost)})" if lost else "-"
+        mean = sum(lost) / len(lost) if lost else None
+        lost_text = (
+            f"{mean:.1f} (mean of {len(lost)}; {min(lost):.1f}-{max(lost):.1f})" if lost else "-"
+        )
+        steps_text = f"{mean / step_s:.1f}" if lost else "-"
+        loss = sum(r["valid_loss"]) / len(r["valid_loss"])
         lines.append(
             f"| {name} | {r['loop_wall_s']:.1f} | {r['train_span_s']:.1f} | {r['kills']} "
             f"| {r['exchanges']} ({r['failed_exchanges']}) | {r['samples_in']:,} "
-            f"| {r['goodput_in_span']:.1f} | {lost_text} "
-            f"| {', '.join(f'{v:.3f}' for v in r['valid_loss'])} |"
+            f"| {r['goodput_in_span']:.1f} "
+            f"| {r['goodput_in_span'] / free['goodput_in_span']:.2f}x | {lost_text} "
+            f"| {steps_text} | {', '.join(f'{v:.3f}' for v in r['valid_loss'])} "
+            f"| {loss / ref - 1:+.1%} |"
         )
     lines += [
         "",
-        f"Goodput under failures: **{goodput:.2f}x** the fault-free run's"
+        f"Goodput under failures: **{result['goodput']:.2f}x** the fault-free run's"
         + (f"; with a hot spare **{result['goodput_spare']:.2f}x**." if spared else "."),
         "",
         "![loss against wall time](chaos.png)",

@@ -26,7 +26,10 @@ utilisation ``train.estimate``'s clock of replica groups predicts
 :func:`train.replica_groups.exchange_seconds` on the link plus its fixed software cost,
 measured by the groups at the start with an exchange of headers alone) beside the measured
 one, the measured wall time against that prediction's, and the utilisation the bytes alone
-would allow.
+would allow. Then ``python -m train.estimate`` alone, for the same setting with
+``compute=measured`` (it times the compiled step on one core of this machine, on zero
+inputs, before any group runs) on the same link: its step (a period's mean on the link
+clock) times the steps against each group's measured loop wall time.
 
 Writes ``benchmarks/results/groups/link.{md,json}``.
 """
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -76,6 +80,28 @@ def predicted_utilisation(step_s: float, payload: list[int], groups: int, mbit: 
     return link_utilisation(step_s, comm, period, schedule, overlap)[0]
 
 
+def estimated(sets: list[str], mbit: float, batch: int, folder: Path) -> dict:
+    """``python -m train.estimate`` of a group of this setting (``compute=measured`` on one
+    core of this machine, the link of ``mbit`` Mbit/s with no added delay)."""
+    from train.groups import pinned
+
+    out = folder / "estimate.json"
+    cmd = [sys.executable, "-m", "train.estimate", "--config", "configs/diloco_default.yaml",
+           "--json", str(out)]  # fmt: skip
+    own = ["compute=measured", f"network=0ms,{mbit:g}Mbps", f"global_batch={batch}",
+           "groups.lighthouse=http://127.0.0.1:1", "groups.slot=0", "groups.count=2"]  # fmt: skip
+    for s in [*SETS, *sets, *own]:
+        cmd += ["--set", s]
+    core = sorted(os.sched_getaffinity(0))[0]
+    proc = subprocess.run(pinned(cmd, {core}), cwd=ROOT, capture_output=True, text=True,
+                          timeout=1800)  # fmt: skip
+    if proc.returncode:
+        raise RuntimeError(f"train.estimate: {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    est = json.loads(out.read_text())
+    return {"step_s": est["step_s"], "compute_s": est["compute_s"],
+            "utilisation": est["groups"]["compute_utilisation"]}  # fmt: skip
+
+
 def run(name: str, sets: list[str], steps: int, mbit: float, folder: Path,
         batch: int = 8) -> dict:  # fmt: skip
     out = folder / name.replace(", ", "_").replace(" ", "")
@@ -84,6 +110,8 @@ def run(name: str, sets: list[str], steps: int, mbit: float, folder: Path,
            "--out", str(out)]  # fmt: skip
     for s in [*SETS, *sets, f"steps={steps}", f"global_batch={batch}"]:
         cmd += ["--set", s]
+    out.mkdir(parents=True, exist_ok=True)
+    est = estimated(sets, mbit, batch, out)
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     if proc.returncode:
@@ -117,8 +145,9 @@ def run(name: str, sets: list[str], steps: int, mbit: float, folder: Path,
             "payload_bytes": st["payload_bytes"],
             "exchanges": st["exchanges"],
             "valid_loss": summary["valid_loss"],
+            "estimate_wall_s": est["step_s"] * steps,
         })  # fmt: skip
-    return {"setting": name, "rows": rows, "launcher_wall_s": time.time() - t0}
+    return {"setting": name, "rows": rows, "estimate": est, "launcher_wall_s": time.time() - t0}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -155,8 +184,9 @@ def main(argv: list[str] | None = None) -> None:
         "| setting | group | utilisation | with the tail | predicted | wall vs predicted "
         "| bytes alone "
         "| exchange alpha (ms) | step (ms) | slowed (s) | waited (s) | host (s) | tail (s) "
-        "| loop (s) | counted (MB) | on the link (MB) | link / counted |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| loop (s) | counted (MB) | on the link (MB) | link / counted "
+        "| train.estimate (s) | loop vs train.estimate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         for row in r["rows"]:
@@ -171,7 +201,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"| {row['lost_s']['host']:.2f} | {row['tail_s']:.2f} | {row['wall_s']:.1f} "
                 f"| {row['sent_bytes'] / 1e6:.2f} "
                 f"| {row['link_tx_bytes'] / 1e6:.2f} "
-                f"| {row['link_tx_bytes'] / row['sent_bytes']:.3f} |"
+                f"| {row['link_tx_bytes'] / row['sent_bytes']:.3f} "
+                f"| {row['estimate_wall_s']:.1f} "
+                f"| {row['wall_s'] / row['estimate_wall_s'] - 1:+.1%} |"
             )
     (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -541,6 +541,20 @@ def test_the_time_lost_per_failure_runs_from_the_kill_to_the_groups_next_exchang
     assert lost_per_failure(tmp_path, kills) == [22.5]
 
 
+def test_the_chaos_schedule_reads_a_groups_step_from_its_last_whole_row(tmp_path):
+    """``--chaos-every-steps`` counts the run's steps from each group's metrics: the last
+    complete row's step, a row still being written skipped, 0 before any row."""
+    from train.groups import _step
+
+    assert _step(tmp_path) == 0
+    rows = "".join(json.dumps({"step": s, "loss": 1.0, "pad": "x" * 300}) + "\n"
+                   for s in range(1, 60))  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text(rows + '{"step": 60, "lo')
+    assert _step(tmp_path) == 59  # the tail read is 8 kB of a 20 kB file; its cut row skipped
+    (tmp_path / "metrics.jsonl").write_text(rows + json.dumps({"step": 60}) + "\n")
+    assert _step(tmp_path) == 60
+
+
 @pytest.mark.parametrize(
     "args, match",
     [
@@ -551,6 +565,11 @@ def test_the_time_lost_per_failure_runs_from_the_kill_to_the_groups_next_exchang
         (["--groups", "2", "--spare", "--network", "100"], "--spare with --network"),
         (["--groups", "2", "--processes-per-group", "0"], "--processes-per-group must be"),
         (["--groups", "2", "--spare", "--processes-per-group", "2"], "a spare is one process"),
+        (["--groups", "2", "--chaos-every-steps", "-5"], "--chaos-every-steps must be"),
+        (
+            ["--groups", "2", "--chaos-every-steps", "60", "--chaos-every", "30"],
+            "not with --chaos-every",
+        ),  # fmt: skip
     ],
 )
 def test_the_launchers_bad_arguments_are_refused_naming_them(args, match, capsys):

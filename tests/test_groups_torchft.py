@@ -354,12 +354,46 @@ def test_a_spare_loads_at_the_idle_class_and_says_so_of_a_malformed_order(tmp_pa
             assert spare.proc.poll() is None and time.monotonic() < end, spare.log.read_text()
             time.sleep(0.2)
         tmp = spare.order.with_suffix(".tmp")
-        tmp.write_text('{"log": "x"}')
+        tmp.write_text('{"id": 0, "log": "x"}')
         tmp.replace(spare.order)
         assert spare.proc.wait(timeout=60) == 2
     finally:
         spare.stop()
     assert "not an order ('argv')" in spare.log.read_text()
+
+
+def test_one_spare_forks_every_restart_and_reports_how_each_ended(tmp_path):
+    """A spare serves order after order, each a fork of the one loaded process: a fork's
+    exit code comes back through its handle (0 for a clean end, 2 for a config that does
+    not exist, -9 for a SIGKILL, as Popen reports them), each fork's output goes to its own
+    log, and the spare is still there, ready, after all three."""
+    from train.groups import Spare
+
+    spare = Spare(tmp_path, 0, _env(), idle=False)
+    try:
+        end = time.monotonic() + 300
+        while not spare.ready():
+            assert spare.proc.poll() is None and time.monotonic() < end, spare.log.read_text()
+            time.sleep(0.2)
+        ok = spare.take(["--list-keys"], tmp_path / "a.log", None)
+        assert ok.wait(timeout=120) == 0, (tmp_path / "a.log").read_text()
+        bad = spare.take(["--config", str(tmp_path / "none.yaml")], tmp_path / "b.log", None)
+        assert bad.wait(timeout=120) == 2
+        # A fork that waits (itself a spare, for an order nobody writes) until killed.
+        held = spare.take(["--standby", str(tmp_path / "inner.json")], tmp_path / "c.log", None)
+        end = time.monotonic() + 60
+        while not (tmp_path / "inner.json.ready").is_file():
+            assert held.poll() is None and time.monotonic() < end
+            time.sleep(0.05)
+        assert held.pid != spare.proc.pid and held.poll() is None
+        held.kill()
+        assert held.wait(timeout=60) == -signal.SIGKILL
+        assert spare.ready() and spare.taken == 3
+    finally:
+        spare.stop()
+    assert "sync.outer_lr" in (tmp_path / "a.log").read_text()
+    assert "none.yaml" in (tmp_path / "b.log").read_text()
+    assert "sync.outer_lr" not in (tmp_path / "b.log").read_text()
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

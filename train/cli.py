@@ -119,11 +119,17 @@ def parser() -> argparse.ArgumentParser:
 
 
 def standby(path: Path, poll_s: float = 0.05) -> int:
-    """Wait as a hot spare: with JAX, torch, torchft and the trainer imported (the
-    seconds a cold start spends before its first step; no backend is initialised, so the
-    device count is still free), write ``<path>.ready``, then wait for ``path``: a JSON
-    object ``{"argv": [...], "log": FILE, "cpus": [...] or null}``. Its output then goes
-    to ``log``, its cores are ``cpus``, and it runs ``main(argv)``."""
+    """Wait as a hot spare that forks each restarted group: with JAX, torch, torchft and
+    the trainer imported (the seconds a cold start spends before its first step; no JAX
+    backend is initialised, so a fork is safe and the device count is still free), write
+    ``<path>.ready``, then serve orders. An order is ``path`` holding a JSON object
+    ``{"id": K, "argv": [...], "log": FILE, "cpus": [...] or null}``: the spare takes it
+    (removes ``path``), forks a child whose output goes to ``log``, whose cores are
+    ``cpus`` and which runs ``main(argv)``, and writes the child's pid to ``<path>.K.pid``
+    and, once the child ends, its exit code (``-N`` for signal ``N``, as
+    :class:`subprocess.Popen` reports it) to ``<path>.K.rc``. One spare serves every
+    restart of a run, each a fork of the same loaded interpreter. It ends when its
+    launcher does (once its children have ended), or with 2 on a malformed order."""
     import json
     import time
 
@@ -133,41 +139,71 @@ def standby(path: Path, poll_s: float = 0.05) -> int:
 
     path = Path(path)
     parent = os.getppid()
+    children: dict[int, Path] = {}  # pid -> where its exit code goes
     Path(f"{path}.ready").write_text(str(os.getpid()))
-    while not path.is_file():
-        if os.getppid() != parent:  # the launcher is gone: nobody will hand an order
+    while True:
+        for pid, rc in list(children.items()):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                tmp = rc.with_suffix(".tmp")
+                tmp.write_text(str(os.waitstatus_to_exitcode(status)))
+                tmp.replace(rc)
+                del children[pid]
+        if os.getppid() != parent and not children:  # the launcher is gone
             return 1
-        time.sleep(poll_s)
-    try:
-        order = json.loads(path.read_text())
-        argv, log, cpus = order["argv"], order["log"], order.get("cpus")
-        if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
-            raise TypeError(f"argv must be a list of strings, got {argv!r}")
-    except (ValueError, KeyError, TypeError) as e:
-        print(f"error: --standby {path}: not an order ({e})", file=sys.stderr)
-        return 2
-    sys.stdout.flush()
-    sys.stderr.flush()
+        if not path.is_file():
+            time.sleep(poll_s)
+            continue
+        try:
+            order = json.loads(path.read_text())
+            key, argv, log, cpus = order["id"], order["argv"], order["log"], order.get("cpus")
+            if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+                raise TypeError(f"argv must be a list of strings, got {argv!r}")
+            if not isinstance(key, int):
+                raise TypeError(f"id must be an integer, got {key!r}")
+        except (ValueError, KeyError, TypeError) as e:
+            print(f"error: --standby {path}: not an order ({e})", file=sys.stderr)
+            return 2
+        path.unlink()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = _forked(argv, log, cpus)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        children[pid] = Path(f"{path}.{key}.rc")
+        tmp = Path(f"{path}.{key}.tmp")
+        tmp.write_text(str(pid))
+        tmp.replace(Path(f"{path}.{key}.pid"))
+
+
+def _forked(argv: list[str], log: str, cpus: list[int] | None) -> int:
+    """A spare's child: its output to ``log``, on the cores ``cpus``, back to the normal
+    scheduling class (a spare loads at SCHED_IDLE), then ``main(argv)``."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
     if cpus is not None:
         os.sched_setaffinity(0, set(cpus))
-    # Back to the normal class (a spare loads at SCHED_IDLE), every thread the imports made
-    # too; threads started from here on inherit it.
-    task = Path("/proc/self/task")
-    tids = [int(t) for t in os.listdir(task)] if task.is_dir() else []
-    for tid in tids:
+    # A fork has one thread; those it starts from here on inherit its class.
+    if hasattr(os, "SCHED_OTHER") and os.sched_getscheduler(0) != os.SCHED_OTHER:
         try:
-            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-            if cpus is not None:
-                os.sched_setaffinity(tid, set(cpus))
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
         except OSError:
-            pass
-    if tids and os.sched_getscheduler(0) != os.SCHED_OTHER:
-        print("warning: the spare could not leave the idle scheduling class (no permission)",
-              file=sys.stderr)  # fmt: skip
+            print("warning: the spare could not leave the idle scheduling class (no "
+                  "permission)", file=sys.stderr)  # fmt: skip
     return main(list(argv))
 
 

@@ -1,4 +1,4 @@
-"""Step time on a named device without running: ``python -m train.estimate --config C``.
+"""Step time without training: ``python -m train.estimate --config C``.
 
 The step is compiled from abstract shapes (no parameters, optimizer state or message buffers
 are allocated), its compute cost read with :func:`jaxcomm.audit.program_cost` and its wire bytes
@@ -17,6 +17,9 @@ utilisation and the peak and per-period bytes. For replica groups (``groups`` se
 group's own step is compiled and each fragment's exchange between the groups (torchft's
 quorum round trip and two ring all-gathers of ``groups.count - 1`` blocks) is laid on the
 same clock (``groups``: payloads, each exchange's seconds, the compute utilisation).
+With ``compute: measured`` (the default) the compute is instead this machine's: each of the
+step's compiled programs is run here on zero-filled inputs and timed (so the state is
+allocated once, at full size), the rest as above.
 
     python -m train.estimate --config configs/aqsgd_gpt2xl.yaml --set compute=v100 \\
         --set network=1ms,10Gbps [--json out.json]
@@ -84,8 +87,9 @@ def _mode(
         traffic = ctx.step_audit(key, branches)
     except ValueError as e:
         raise ValueError(f"cannot cost the step's communication: {e}") from e
+    measured = _measured_seconds(ctx, key) if ctx.compute_model is None else None
     step_s, compute_s, comm_s = ctx.simulate_step(
-        key, traffic, network, 0, overlap=overlap, branches=branches
+        key, traffic, network, 0, overlap=overlap, branches=branches, measured_s=measured
     )
     return {
         "step_s": step_s,
@@ -97,6 +101,41 @@ def _mode(
         "sent_bytes_per_device": int(np.max(traffic.sent)),
         "rounds_per_device": int(np.max(traffic.rounds)),
     }
+
+
+#: Timed runs of each program with ``compute: measured`` (after one untimed run).
+MEASURE_RUNS = 5
+
+
+def _measured_seconds(ctx: Any, key: Any) -> float:
+    """Seconds of one step of program ``key`` on this machine (``compute: measured``):
+    each of the step's compiled programs run on zero-filled inputs of its own shapes and
+    placement, the median of :data:`MEASURE_RUNS` timed runs after one untimed run, summed
+    over the programs. The step's arithmetic does not depend on the values (a dense
+    model's), so zeros time it as the data would."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    total = 0.0
+    for program, _ in ctx.layout.step_programs(ctx, key):
+
+        def zeros(program=program):
+            return jax.tree_util.tree_map(
+                lambda info, sharding: jnp.zeros(info.shape, info.dtype, device=sharding),
+                program.args_info,
+                program.input_shardings,
+            )
+
+        times = []
+        for _ in range(MEASURE_RUNS + 1):
+            args, kwargs = zeros()  # fresh each run: a program may donate its inputs
+            jax.block_until_ready((args, kwargs))
+            t0 = time.perf_counter()
+            jax.block_until_ready(program(*args, **kwargs))
+            times.append(time.perf_counter() - t0)
+        total += float(np.median(times[1:]))
+    return total
 
 
 def estimate(cfg: Any, branches: dict[str, int] | None = None) -> dict[str, Any]:
@@ -121,11 +160,6 @@ def estimates(
 
     from .trainer import Trainer
 
-    if cfg.compute == "measured":
-        raise ValueError(
-            "train.estimate needs compute=<device> (one of the devices in jaxcomm.compute.DEVICES, "
-            "e.g. --set compute=v100); compute='measured' can only be measured by running"
-        )
     t0 = time.perf_counter()
     ctx = Trainer(cfg, abstract=True).ctx
     # Compiled steps: one data-parallel step; a pipeline step per boundary mode (AQ-SGD's
@@ -138,8 +172,8 @@ def estimates(
         out: dict[str, Any] = {
             "config": cfg.name,
             "compute": cfg.compute,
-            "mfu": ctx.compute_model.mfu,
-            "memory_efficiency": ctx.compute_model.efficiency,
+            "mfu": getattr(ctx.compute_model, "mfu", None),  # None: compute measured here
+            "memory_efficiency": getattr(ctx.compute_model, "efficiency", None),
             "network": spec,
             "overlap": overlap,
             "devices": int(ctx.mesh.devices.size),
@@ -278,9 +312,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --branch takes NAME=INDEX (an int >= 0), got {item!r}", file=sys.stderr)
             return 2
         branches[name] = int(index)
+    timed = " and timing it here (compute: measured)" if cfg.compute == "measured" else ""
     print(
-        f"estimating {cfg.name}: compiling one step from shapes (a large model takes a minute "
-        "or more)...",
+        f"estimating {cfg.name}: compiling one step from shapes{timed} (a large model takes a "
+        "minute or more)...",
         file=sys.stderr,
         flush=True,
     )

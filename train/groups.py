@@ -34,7 +34,9 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["Spare", "group_args", "main", "pinned", "start_group"]
+__all__ = ["Forked", "Spare", "group_args", "main", "pinned", "start_group"]
+
+SPARE_LOAD_S = 120  # seconds a hot spare may take to load its libraries
 
 
 def group_args(
@@ -106,21 +108,23 @@ def can_leave_idle() -> bool:
 
 class Spare:
     """A hot spare: ``python -m train --standby`` started ahead, its libraries loaded, that
-    becomes a restarted group when :meth:`take` hands it the group's arguments. It saves a
-    restart the interpreter's start and the imports (torch, torchft, JAX and the trainer:
-    several seconds on a loaded machine); the group still compiles (from the run's
-    persistent cache) and is healed from a live peer like any restart. It loads at the
-    idle scheduling class (``SCHED_IDLE``: on a machine the groups keep busy it takes only
-    the cycles they leave; ``idle=False``: the normal class throughout) and returns to the
-    normal class when taken."""
+    forks a restarted group each time :meth:`take` hands it the group's arguments (one
+    spare serves every restart of a run). It saves a restart the interpreter's start and
+    the imports (torch, torchft, JAX and the trainer: about 7 s on one core); the group
+    still compiles (from the run's persistent cache) and is healed from a live peer like
+    any restart. It loads at the idle scheduling class (``SCHED_IDLE``: on a machine the
+    groups keep busy it takes only the cycles they leave; ``idle=False``: the normal class
+    throughout); the groups it forks run at the normal class."""
 
     def __init__(
         self, run_dir: Path, n: int, env: dict[str, str] | None = None, *, idle: bool | None = None
     ):
         self.order = run_dir / f"spare_{n}.json"
         self.log = run_dir / f"spare_{n}.log"
-        for old in (self.order, self.order.with_suffix(".tmp"), Path(f"{self.order}.ready")):
-            old.unlink(missing_ok=True)  # a reused run folder's: never taken for this one
+        self.taken = 0
+        for old in run_dir.glob(f"spare_{n}.*"):
+            if old != self.log:
+                old.unlink()  # a reused run folder's: never taken for this one
         if idle is None:
             idle = can_leave_idle()
         code = ("import os, sys\nif hasattr(os, 'SCHED_IDLE'):\n"
@@ -135,20 +139,87 @@ class Spare:
         """Whether it has loaded its libraries and waits (and is alive)."""
         return self.proc.poll() is None and Path(f"{self.order}.ready").is_file()
 
-    def take(self, args: list[str], log: Path, cpus: set[int] | None) -> subprocess.Popen:
-        """Hand it ``python -m train``'s arguments ``args``: it runs them, its output
-        appended to ``log``, on the cores ``cpus`` (all: None). Returns its process."""
-        order = {"argv": args, "log": str(log), "cpus": sorted(cpus) if cpus else None}
+    def take(
+        self, args: list[str], log: Path, cpus: set[int] | None, timeout_s: float = 30.0
+    ) -> Forked:
+        """Hand it ``python -m train``'s arguments ``args``: a fork of it runs them, its
+        output appended to ``log``, on the cores ``cpus`` (all: None). Returns the fork's
+        handle once the spare names its pid (RuntimeError if the spare ends first or
+        takes more than ``timeout_s`` seconds)."""
+        key = self.taken
+        self.taken += 1
+        order = {"id": key, "argv": args, "log": str(log),
+                 "cpus": sorted(cpus) if cpus else None}  # fmt: skip
         tmp = self.order.with_suffix(".tmp")
         tmp.write_text(json.dumps(order))
         tmp.replace(self.order)  # whole, or not there
-        return self.proc
+        pid_file = Path(f"{self.order}.{key}.pid")
+        end = time.monotonic() + timeout_s
+        while not pid_file.is_file():
+            if self.proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeError(f"the hot spare did not fork the group within {timeout_s:g} "
+                                   f"s (exit code {self.proc.poll()}; {self.log})")  # fmt: skip
+            time.sleep(0.01)
+        return Forked(int(pid_file.read_text()), Path(f"{self.order}.{key}.rc"), self.proc)
 
     def stop(self) -> None:
-        """End it (a spare never taken has nothing to save)."""
+        """End it (a spare has nothing to save; the groups it forked go on)."""
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+
+
+class Forked:
+    """A group a :class:`Spare` forked, with the part of :class:`subprocess.Popen`'s
+    interface the launcher uses: its exit code comes from the spare, which reaps it."""
+
+    def __init__(self, pid: int, rc_file: Path, spare: subprocess.Popen):
+        self.pid, self.rc_file, self.spare = pid, rc_file, spare
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """Its exit code, or None while it runs. Should the spare die first, a fork that
+        is gone counts as killed (``-9``): nobody is left to say how it ended."""
+        if self.returncode is None:
+            if self.rc_file.is_file():
+                self.returncode = int(self.rc_file.read_text())
+            elif self.spare.poll() is not None and not _alive(self.pid):
+                self.returncode = -int(signal.SIGKILL)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until it ends (``subprocess.TimeoutExpired`` after ``timeout`` s)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() > end:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` (nothing once it has ended)."""
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        """SIGKILL it."""
+        self.send_signal(signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 def pinned(cmd: list[str], cpus: set[int]) -> list[str]:
@@ -177,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat-ms", type=int, default=3000, help="silence that drops a group")
     p.add_argument("--chaos-every", type=float, default=0.0, help="kill a group every S seconds")
     p.add_argument("--chaos-start", type=float, default=0.0, help="first kill after S seconds")
+    p.add_argument("--chaos-every-steps", type=int, default=0, metavar="K",
+                   help="kill a group each time the run's step (the furthest live group's) "
+                   "has gone K more steps, plus a random 0-9, since the last kill (the "
+                   "schedule of benchmarks/elastic_chaos.py); not with --chaos-every",
+                   )  # fmt: skip
     p.add_argument("--restart-after", type=float, default=5.0, help="restart a killed group")
     p.add_argument("--chaos-seed", type=int, default=0)
     p.add_argument("--processes-per-group", type=int, default=1, metavar="P",
@@ -195,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.groups < 1:
         p.error(f"--groups must be at least 1, got {args.groups}")
+    if args.chaos_every_steps < 0 or (args.chaos_every_steps and args.chaos_every):
+        p.error(f"--chaos-every-steps must be a positive count of steps, not with "
+                f"--chaos-every; got {args.chaos_every_steps} (and --chaos-every "
+                f"{args.chaos_every:g})")  # fmt: skip
     cores = sorted(os.sched_getaffinity(0))
     if args.cpus_per_group < 0 or args.cpus_per_group * args.groups > len(cores):
         p.error(f"--cpus-per-group {args.cpus_per_group} x --groups {args.groups} needs "
@@ -294,12 +374,27 @@ def main(argv: list[str] | None = None) -> int:
                            resume=resume, env=env, prefix=prefixes.get(i), cpus=cpus,
                            processes=args.processes_per_group)  # fmt: skip
 
+    spares = []
+    if args.spare:  # loaded before the groups start, at the normal class: one for the run
+        spares.append(Spare(run_dir, 0, env, idle=False))
+        end = time.monotonic() + SPARE_LOAD_S
+        while not spares[0].ready():
+            if spares[0].proc.poll() is not None or time.monotonic() > end:
+                print(f"error: the hot spare did not load within {SPARE_LOAD_S} s (exit code "
+                      f"{spares[0].proc.poll()}; {spares[0].log})", file=sys.stderr)  # fmt: skip
+                spares[0].stop()
+                if lh is not None:
+                    lh.shutdown()
+                if cluster is not None:
+                    lh_proc.kill()
+                    cluster.close()
+                return 1
+            time.sleep(0.05)
     start, started = time.monotonic(), time.time()
     procs = {i: begin(i, args.resume) for i in range(args.groups)}
-    spares = [Spare(run_dir, 0, env)] if args.spare else []
 
-    def restart(i: int) -> tuple[subprocess.Popen, str]:
-        """Group ``i`` started again: on the ready spare where there is one."""
+    def restart(i: int) -> tuple[subprocess.Popen | Forked, str]:
+        """Group ``i`` started again: forked by the spare where it is ready."""
         if spares and spares[-1].proc.poll() is not None:
             print(f"the hot spare ended ({spares[-1].proc.returncode}; {spares[-1].log}); "
                   "starting another", flush=True)  # fmt: skip
@@ -309,9 +404,10 @@ def main(argv: list[str] | None = None) -> int:
             cpus = set(cores[i * k : (i + 1) * k]) if k else None
             own = group_args(i, args.groups, lh_address, run_dir, args.config,
                              [*sets, "groups.rejoin=true"], resume=True)  # fmt: skip
-            proc = spares[-1].take(own, run_dir / f"group_{i}.log", cpus)
-            spares.append(Spare(run_dir, len(spares), env))
-            return proc, " on the hot spare"
+            try:
+                return spares[-1].take(own, run_dir / f"group_{i}.log", cpus), " on the hot spare"
+            except RuntimeError as e:
+                print(f"{e}; a cold start instead", flush=True)
         return begin(i, True, rejoin=True), ""
 
     started_at = {i: time.time() for i in procs}
@@ -321,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     down: dict[int, float] = {}  # slot -> when to restart it
     rng = random.Random(args.chaos_seed)
     next_kill = start + (args.chaos_start or args.chaos_every) if args.chaos_every else None
+    kill_step = None  # with --chaos-every-steps: the run's step of the next kill
+    if args.chaos_every_steps:
+        kill_step = args.chaos_every_steps + rng.randrange(10)
     codes: dict[int, int] = {}
     try:
         while len(codes) < args.groups:
@@ -342,21 +441,25 @@ def main(argv: list[str] | None = None) -> int:
                     if restarts[i] and not _trains(run_dir / f"group_{i}", started_at[i]):
                         procs[i].send_signal(signal.SIGKILL)  # nothing of its own to save
                         stopped.add(i)
-            if (
-                next_kill is not None
-                and now >= next_kill
-                and len(live) > 1
-                and not down
-                and not ending
-                and training
-            ):
+            due = next_kill is not None and now >= next_kill
+            if kill_step is not None and training:
+                reached = max(_step(run_dir / f"group_{i}") for i in training)
+                due = reached >= kill_step
+            # Never the last group training, nor while one is still on its way back (the
+            # others must be there to heal it).
+            if due and len(training) > 1 and len(training) == len(live) and not down and not ending:
                 victim = rng.choice(training)
                 procs[victim].send_signal(signal.SIGKILL)
                 procs[victim].wait()
                 down[victim] = now + args.restart_after
-                print(f"chaos: killed group {victim} at {now - start:.1f} s", flush=True)
+                at = f" (step {reached})" if kill_step is not None else ""
+                print(f"chaos: killed group {victim} at {now - start:.1f} s{at}", flush=True)
                 kills.append({"group": victim, "time": time.time()})
-                next_kill = now + args.chaos_every
+                if kill_step is not None:
+                    kills[-1]["step"] = reached
+                    kill_step = reached + args.chaos_every_steps + rng.randrange(10)
+                else:
+                    next_kill = now + args.chaos_every
             for i, when in list(down.items()):
                 if ending:
                     del down[i]
@@ -378,8 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         for spare in spares:
-            if spare.proc not in procs.values():
-                spare.stop()
+            spare.stop()
         link = {}
         if cluster is not None:
             link = {i: _tx_bytes(cluster, i) for i in range(args.groups)}
@@ -392,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"groups": args.groups, "exit_codes": codes, "restarts": restarts, "wall_s": wall,
               "started": started, "kills": kills, "stopped": sorted(stopped),
               "lost_per_failure_s": lost_per_failure(run_dir, kills),
-              "spares_taken": max(len(spares) - 1, 0)}  # fmt: skip
+              "spares_taken": sum(s.taken for s in spares)}  # fmt: skip
     if link:
         report["link_tx_bytes"] = link
         report["network_mbit"] = mbit
@@ -416,6 +518,23 @@ def _trains(folder: Path, since: float) -> bool:
         return path.stat().st_mtime > since and path.stat().st_size > 0
     except FileNotFoundError:
         return False
+
+
+def _step(folder: Path) -> int:
+    """The step of the last metrics row of the group in ``folder`` (0 before any)."""
+    try:
+        with open(folder / "metrics.jsonl", "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(f.tell() - 8192, 0))
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a row being written, or the tail's first, cut line
+    return 0
 
 
 def lost_per_failure(folder: Path, kills: list[dict]) -> list[float]:
