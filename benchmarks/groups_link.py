@@ -102,6 +102,22 @@ def estimated(sets: list[str], mbit: float, batch: int, folder: Path) -> dict:
             "utilisation": est["groups"]["compute_utilisation"]}  # fmt: skip
 
 
+def estimate_note(results: list[dict]) -> str:
+    """The paragraph under the table: train.estimate's timed step against the groups'."""
+    parts = []
+    for r in results:
+        steps = [row["step_s"] for row in r["rows"]]
+        est = r["estimate"]["compute_s"]
+        parts.append(f"{r['setting']}: {1e3 * est:.0f} ms against "
+                     + " and ".join(f"{1e3 * s:.0f}" for s in steps) + " ms")  # fmt: skip
+    return (
+        "`train.estimate` times the step on one core with the other idle (before the "
+        "groups run); the groups step with both cores busy, their two processes sharing the "
+        "machine's memory and caches, and most of the wall time above its prediction is "
+        "that: its step against the groups' median steps, " + "; ".join(parts) + "."
+    )
+
+
 def run(name: str, sets: list[str], steps: int, mbit: float, folder: Path,
         batch: int = 8) -> dict:  # fmt: skip
     out = folder / name.replace(", ", "_").replace(" ", "")
@@ -205,6 +221,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"| {row['estimate_wall_s']:.1f} "
                 f"| {row['wall_s'] / row['estimate_wall_s'] - 1:+.1%} |"
             )
+    lines += ["", estimate_note(results)]
     (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

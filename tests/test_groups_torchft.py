@@ -426,3 +426,105 @@ def test_a_stopped_run_of_int8_groups_resumes_bit_exactly(tmp_path, layout):
         # int8 codes and a float32 scale per 512 entries: about a quarter of float32.
         sizes = [len(x.reshape(-1)) for _, x in a]
         assert sum(payload) < 0.27 * 4 * sum(sizes)
+
+
+def _own_lighthouse(port):
+    """A lighthouse in a process of its own (so that a test can kill it), once it serves."""
+    code = ("import time; from train.replica import lighthouse; "
+            f"lh = lighthouse('[::]:{port}', 1, grace_ms=300, heartbeat_ms=1500); "
+            "print('ready', flush=True); time.sleep(10**9)")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_groups_whose_lighthouse_dies_train_on_alone_and_say_why(tmp_path):
+    """The lighthouse killed mid-run: every later exchange fails within its stated limits
+    (no hang), each group says so on stderr naming the limit, merges nothing of the
+    others', and finishes its steps and its summary on its own model."""
+    from train.launch import free_port
+
+    port = free_port()
+    lh = _own_lighthouse(port)
+    limits = ["groups.timeout_s=3", "groups.quorum_timeout_s=3", "groups.retries=0"]
+    extra = ["workers=1", "aggregator=ring", "steps=80", "checkpoint_every=0", *limits]
+    address = f"http://127.0.0.1:{port}"
+    procs = [_start(g, 2, address, tmp_path, extra) for g in (0, 1)]
+    try:
+        _wait_rows(tmp_path / "group_0", 25, procs[0])
+        lh.kill()
+        lh.wait()
+        for p in procs:
+            assert p.wait(timeout=600) == 0, _logs(tmp_path)
+    finally:
+        for p in [*procs, lh]:
+            if p.poll() is None:
+                p.kill()
+    for g in (0, 1):
+        s = json.loads((tmp_path / f"group_{g}/summary.json").read_text())
+        assert s["steps"] == 80
+        assert s["groups"]["failed"] >= 1 and s["groups"]["exchanges"] >= 2, s["groups"]
+        log = (tmp_path / f"group_{g}.log").read_text()
+        assert "failed in every try" in log and "nothing was merged" in log, log[-3000:]
+        # Alone after the lighthouse died: every exchange after it had no member but this.
+        rows = _rows(tmp_path / f"group_{g}")
+        late = [r for r in rows if r["step"] > 40 and "group_members" in r]
+        assert late and all(r["group_members"] <= 1 for r in late), late
+
+
+def test_a_group_stopped_past_the_heartbeat_is_left_out_then_healed(tmp_path, lighthouse):
+    """Group 1 frozen (SIGSTOP) for 8 s, past the lighthouse's 1.5 s heartbeat: group 0
+    goes on without it (left out of its quorums, never waiting past the limits), and
+    once it resumes, behind the others' count, it is healed from group 0 and both end with
+    the same theta_sync."""
+    extra = ["workers=1", "aggregator=ring", "steps=240", "checkpoint_every=0",
+             "groups.timeout_s=5", "groups.quorum_timeout_s=20"]  # fmt: skip
+    procs = [_start(g, 2, lighthouse, tmp_path, extra) for g in (0, 1)]
+    try:
+        _wait_rows(tmp_path / "group_1", 30, procs[1])
+        procs[1].send_signal(signal.SIGSTOP)
+        stopped_at = _rows(tmp_path / "group_0")[-1]["step"]
+        time.sleep(8)
+        procs[1].send_signal(signal.SIGCONT)
+        for p in procs:
+            assert p.wait(timeout=600) == 0, _logs(tmp_path)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGCONT)
+            if p.poll() is None:
+                p.kill()
+    rows0 = _rows(tmp_path / "group_0")
+    alone = [r for r in rows0 if r["step"] > stopped_at and r.get("group_members") == 1]
+    assert alone, "group 0 never exchanged without the frozen group"
+    s1 = json.loads((tmp_path / "group_1/summary.json").read_text())["groups"]
+    assert s1["heals"] >= 1, s1
+    a = _params(tmp_path / "group_0/params.msgpack")
+    b = _params(tmp_path / "group_1/params.msgpack")
+    for (k, x), (_, y) in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(k))
+
+
+def test_a_group_started_with_another_config_stops_with_one_clear_error(tmp_path, lighthouse):
+    """Two live groups whose configs differ (the inner learning rate): the headers'
+    settings fingerprints differ, the majority rule keeps one group's, and the other stops
+    at its first exchange with one line naming why and what to do; the kept group trains
+    on alone and merges nothing of the other's."""
+    base = ["workers=1", "aggregator=ring", "steps=40", "checkpoint_every=0",
+            "optimizer.name=sgd"]  # fmt: skip
+    procs = [_start(g, 2, lighthouse, tmp_path, [*base, f"optimizer.lr={0.05 + 0.01 * g}"])
+             for g in (0, 1)]  # fmt: skip
+    try:
+        codes = [p.wait(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert sorted(codes) == [0, 1] or sorted(codes) == [0, 2], (codes, _logs(tmp_path))
+    bad, good = (0, 1) if codes[0] else (1, 0)
+    log = (tmp_path / f"group_{bad}.log").read_text()
+    assert "is left out of every exchange: another run's settings" in log, log[-2000:]
+    assert "the same config" in log
+    rows = _rows(tmp_path / f"group_{good}")
+    assert rows[-1]["step"] == 40
+    assert all(r["group_kept"] <= 1 for r in rows if "group_kept" in r)
