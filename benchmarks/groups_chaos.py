@@ -244,14 +244,20 @@ def report(result: dict, stem: str = "chaos") -> None:
         )
     lines += [
         "",
-        f"Goodput under failures: **{result['goodput']:.2f}x** the fault-free run's"
-        + (f"; with a hot spare **{result['goodput_spare']:.2f}x**." if spared else "."),
+        f"Samples into the model under failures: "
+        f"**{faulty['samples_in'] / free['samples_in']:.2f}x** the fault-free run's"
+        + (
+            f"; with a hot spare **{spared['samples_in'] / free['samples_in']:.2f}x**"
+            if spared
+            else ""
+        )
+        + f". Per second of the training span: {result['goodput']:.2f}x"
+        + (f" and {result['goodput_spare']:.2f}x." if spared else "."),
         "",
-        "Both chaos runs' training spans are shorter than the fault-free run's: the two "
-        "groups' cores share this machine's memory and caches, so a group steps faster "
-        "while the other is down. On machines of their own the survivors would keep the "
-        "fault-free pace, and the goodput would be the samples' ratio (the column beside "
-        "the samples): the lower bound of the two.",
+        "The chaos runs' training spans are shorter than the fault-free run's because their "
+        "steps were faster throughout, with both groups up as well: a difference of pace "
+        "between runs on this machine, not an effect of the failures. The samples' ratio, "
+        "which the pace does not enter, is the goodput to quote.",
         "",
         f"![loss against wall time]({stem}.png)",
     ]

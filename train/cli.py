@@ -179,9 +179,11 @@ def standby(path: Path, poll_s: float = 0.05) -> int:
 
                 traceback.print_exc()
             finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(code)  # never back into the spare's loop
         children[pid] = Path(f"{path}.{key}.rc")
         tmp = Path(f"{path}.{key}.tmp")
         tmp.write_text(str(pid))

@@ -87,7 +87,15 @@ def _mode(
         traffic = ctx.step_audit(key, branches)
     except ValueError as e:
         raise ValueError(f"cannot cost the step's communication: {e}") from e
-    measured = _measured_seconds(ctx, key) if ctx.compute_model is None else None
+    measured = None
+    if ctx.compute_model is None:
+        if branches:
+            raise ValueError(
+                f"compute=measured runs the step as it is and cannot resolve its branches "
+                f"({dict(branches)}; DiLoCo's kinds of step, --branch); name a device, e.g. "
+                "--set compute=v100"
+            )
+        measured = _measured_seconds(ctx, key)
     step_s, compute_s, comm_s = ctx.simulate_step(
         key, traffic, network, 0, overlap=overlap, branches=branches, measured_s=measured
     )

@@ -147,7 +147,6 @@ class Spare:
         handle once the spare names its pid (RuntimeError if the spare ends first or
         takes more than ``timeout_s`` seconds)."""
         key = self.taken
-        self.taken += 1
         order = {"id": key, "argv": args, "log": str(log),
                  "cpus": sorted(cpus) if cpus else None}  # fmt: skip
         tmp = self.order.with_suffix(".tmp")
@@ -157,9 +156,16 @@ class Spare:
         end = time.monotonic() + timeout_s
         while not pid_file.is_file():
             if self.proc.poll() is not None or time.monotonic() > end:
+                try:  # withdrawn, so that a late spare cannot start the group a second time
+                    self.order.unlink()
+                except FileNotFoundError:
+                    if self.proc.poll() is None:  # taken just now: its pid is on the way
+                        end += timeout_s
+                        continue
                 raise RuntimeError(f"the hot spare did not fork the group within {timeout_s:g} "
                                    f"s (exit code {self.proc.poll()}; {self.log})")  # fmt: skip
             time.sleep(0.01)
+        self.taken += 1
         return Forked(int(pid_file.read_text()), Path(f"{self.order}.{key}.rc"), self.proc)
 
     def stop(self) -> None:
@@ -259,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="each group one jax.distributed job of P processes (python -m "
                    "train.launch); its first process talks to the other groups")  # fmt: skip
     p.add_argument("--spare", action="store_true",
-                   help="keep a hot spare (libraries loaded) that becomes the next restarted "
-                   "group; a new spare is started each time one is taken")  # fmt: skip
+                   help="keep a hot spare (libraries loaded, before the groups start) that forks "
+                   "every restarted group")  # fmt: skip
     p.add_argument("--resume", action="store_true", help="resume every group's run folder")
     p.add_argument("--network", default=None, metavar="LAT,BW",
                    help="each group in a network namespace, its link shaped to BW "
