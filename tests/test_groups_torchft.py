@@ -176,6 +176,14 @@ def _wait_rows(folder, step, proc, limit=300):
     raise AssertionError(f"{folder} did not reach step {step}")
 
 
+def _await_ready(spare, limit=300):
+    """Wait until ``spare`` has loaded its libraries (its log if it ends or takes too long)."""
+    end = time.monotonic() + limit
+    while not spare.ready():
+        assert spare.proc.poll() is None and time.monotonic() < end, spare.log.read_text()
+        time.sleep(0.2)
+
+
 @pytest.fixture
 def lighthouse():
     from train.launch import free_port
@@ -218,10 +226,7 @@ def test_a_killed_group_leaves_the_other_training_and_a_restart_is_healed(
     p0 = start_group(0, 2, lighthouse, tmp_path, CONFIG, sets0, env=_env(), processes=processes)
     p1 = _start(1, 2, lighthouse, tmp_path, extra)
     try:
-        end = time.monotonic() + 300
-        while not spare.ready():
-            assert spare.proc.poll() is None and time.monotonic() < end, spare.log.read_text()
-            time.sleep(0.2)
+        _await_ready(spare)
         _wait_rows(tmp_path / "group_1", 25, p1)
         p1.send_signal(signal.SIGKILL)
         p1.wait()
@@ -349,10 +354,7 @@ def test_a_spare_loads_at_the_idle_class_and_says_so_of_a_malformed_order(tmp_pa
         idle.stop()
     spare = Spare(tmp_path, 0, _env(), idle=False)
     try:
-        end = time.monotonic() + 300
-        while not spare.ready():
-            assert spare.proc.poll() is None and time.monotonic() < end, spare.log.read_text()
-            time.sleep(0.2)
+        _await_ready(spare)
         tmp = spare.order.with_suffix(".tmp")
         tmp.write_text('{"id": 0, "log": "x"}')
         tmp.replace(spare.order)
@@ -371,10 +373,7 @@ def test_one_spare_forks_every_restart_and_reports_how_each_ended(tmp_path):
 
     spare = Spare(tmp_path, 0, _env(), idle=False)
     try:
-        end = time.monotonic() + 300
-        while not spare.ready():
-            assert spare.proc.poll() is None and time.monotonic() < end, spare.log.read_text()
-            time.sleep(0.2)
+        _await_ready(spare)
         ok = spare.take(["--list-keys"], tmp_path / "a.log", None)
         assert ok.wait(timeout=120) == 0, (tmp_path / "a.log").read_text()
         bad = spare.take(["--config", str(tmp_path / "none.yaml")], tmp_path / "b.log", None)
